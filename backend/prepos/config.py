@@ -1,0 +1,186 @@
+"""Configuration: one frozen dataclass per area, read once.
+
+The only reader is :func:`read_config`. Its sources, later ones winning:
+dataclass defaults, the model's ``config.pbtxt`` parameters (keys
+``<area>.<field>``, e.g. ``gate.threshold``), and environment variables
+``PREPOS_<AREA>_<FIELD>`` (e.g. ``PREPOS_GATE_THRESHOLD=0.8``) so a launcher can
+override a value without editing the model repository.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or out of range; the message says which and why."""
+
+
+def _check(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    name: str = "torch"
+    """Engine implementation: ``torch`` (CPU/CUDA) or ``trtllm``."""
+    dir: str = "../../engines/smollm2-135m-instruct"
+    """Engine directory from ``build_engines``; a relative path is relative to the model's directory."""
+    device: str = "cpu"
+    """Torch device for the torch engine: ``cpu``, ``cuda``, ``cuda:N``."""
+    dtype: str = "float32"
+    """Weight and KV dtype: ``float32``, ``bfloat16`` or ``float16``."""
+    num_threads: int = 0
+    """Torch intra-op threads; 0 leaves torch's default."""
+    scan: str = "torch"
+    """Vocabulary scan implementation: ``torch`` (on the logits' device) or ``numpy`` (the reference)."""
+
+    def __post_init__(self) -> None:
+        _check(self.name in ("torch", "trtllm"), "engine.name", f"unknown engine {self.name!r}; use torch or trtllm")
+        _check(self.dtype in ("float32", "bfloat16", "float16"), "engine.dtype", f"unknown dtype {self.dtype!r}")
+        _check(self.num_threads >= 0, "engine.num_threads", "must be >= 0")
+        _check(self.scan in ("torch", "numpy"), "engine.scan", f"unknown scan {self.scan!r}; use torch or numpy")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    preposition: bool = True
+    """Run pre-positioning in idle windows. Off gives the prefix-cache baseline."""
+    retain_kv: bool = True
+    """Keep a session's KV between requests. Off gives the stateless baseline (every request prefills the log)."""
+    chunk_tokens: int = 32
+    """Most tokens one pre-positioning chunk prefills; a foreground request waits at most one chunk."""
+    idle_policy: str = "most_recent"
+    """Which idle session to pre-position first: ``most_recent`` or ``least_recent``."""
+    session_idle_timeout_s: float = 600.0
+    """Sessions idle longer are closed; set from the model's ``max_sequence_idle_microseconds``."""
+    default_max_tokens: int = 64
+    """``max_tokens`` when a request does not send it."""
+
+    def __post_init__(self) -> None:
+        _check(self.chunk_tokens >= 1, "scheduler.chunk_tokens", "must be >= 1")
+        _check(self.session_idle_timeout_s > 0, "scheduler.session_idle_timeout_s", "must be > 0")
+        _check(self.default_max_tokens >= 0, "scheduler.default_max_tokens", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    speculate: bool = True
+    """Default for a request's ``speculate`` input: may a non-empty delta be answered by the gate?"""
+    threshold: float = 0.9
+    """Gate fires when the score of the speculative distribution is at least this."""
+    score: str = "p_max"
+    """Gate score: ``p_max``, ``margin`` or ``certainty`` (1 - entropy / log(number of allowed tokens)); all in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.threshold), "gate.threshold", "must be finite")
+        _check(self.score in ("p_max", "margin", "certainty"), "gate.score", f"unknown score {self.score!r}")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    kv_budget_bytes: int = 0
+    """KV bytes all sessions may hold; over it, idle sessions' KV is evicted (LRU). 0 = a quarter of physical memory."""
+    max_sessions: int = 4096
+    """Open sessions at most; a START beyond it is rejected."""
+
+    def __post_init__(self) -> None:
+        _check(self.kv_budget_bytes >= 0, "memory.kv_budget_bytes", "must be >= 0")
+        _check(self.max_sessions >= 1, "memory.max_sessions", "must be >= 1")
+
+    def resolved_budget(self) -> int:
+        if self.kv_budget_bytes:
+            return self.kv_budget_bytes
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return pages // 4
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_tokens: int = 4096
+    """Largest ``max_tokens`` a request may ask for."""
+    max_delta_bytes: int = 1 << 20
+    """Largest ``text_input`` in bytes."""
+    max_choices: int = 256
+    max_choice_bytes: int = 256
+    max_stops: int = 16
+    max_stop_bytes: int = 256
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check(getattr(self, f.name) >= 1, f"limits.{f.name}", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class PreposConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    def engine_dir(self, model_dir: str | Path) -> Path:
+        path = Path(self.engine.dir)
+        return path if path.is_absolute() else (Path(model_dir) / path).resolve()
+
+
+_AREAS = {f.name: f.type for f in dataclasses.fields(PreposConfig)}
+
+
+def _parse_value(key: str, raw: str, kind: Any) -> Any:
+    text = raw.strip()
+    try:
+        if kind in (bool, "bool"):
+            lowered = text.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if kind in (int, "int"):
+            return int(text)
+        if kind in (float, "float"):
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"{key}: cannot read {raw!r} as {getattr(kind, '__name__', kind)}") from None
+    return text
+
+
+def read_config(parameters: Mapping[str, str], environ: Mapping[str, str] | None = None) -> PreposConfig:
+    """Build the configuration from model parameters and environment overrides.
+
+    Raises :class:`ConfigError` naming the key for an unknown key or a bad value.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, dict[str, Any]] = {area: {} for area in _AREAS}
+    classes = {area: globals()[_AREAS[area]] if isinstance(_AREAS[area], str) else _AREAS[area] for area in _AREAS}
+    for key, raw in parameters.items():
+        area, _, name = key.partition(".")
+        if area not in classes or name not in {f.name for f in dataclasses.fields(classes[area])}:
+            raise ConfigError(f"{key}: unknown parameter; known: {', '.join(sorted(known_keys()))}")
+        values[area][name] = raw
+    for area, cls in classes.items():
+        for f in dataclasses.fields(cls):
+            env_key = f"PREPOS_{area}_{f.name}".upper()
+            if env_key in environ:
+                values[area][f.name] = environ[env_key]
+    built = {}
+    for area, cls in classes.items():
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        parsed = {name: _parse_value(f"{area}.{name}", raw, kinds[name]) for name, raw in values[area].items()}
+        built[area] = cls(**parsed)
+    return PreposConfig(**built)
+
+
+def known_keys() -> list[str]:
+    keys = []
+    for area, cls in _AREAS.items():
+        cls = globals()[cls] if isinstance(cls, str) else cls
+        keys += [f"{area}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys

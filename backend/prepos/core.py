@@ -1,0 +1,89 @@
+"""Builds the core from configuration: engine, tokenizer, framing, gate, scan, scheduler.
+
+This is what the Triton adapter holds; it is also usable without Triton
+(tests, benchmarks) with any :class:`~prepos.protocol.ResponseSink`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from prepos.config import ConfigError, EngineConfig, PreposConfig, read_config
+from prepos.engines.base import Engine
+from prepos.gate import Gate
+from prepos.metrics import Metrics, MetricsSink
+from prepos.protocol import Request, ResponseSink, parse_request
+from prepos.scan import get_scan
+from prepos.scheduler import Scheduler
+from prepos.template import EngineManifest, Tokenizer
+
+log = logging.getLogger("prepos.core")
+
+
+def create_engine(config: EngineConfig, engine_dir: Path) -> Engine:
+    """The engine named by ``config.name``, loaded from ``engine_dir``."""
+    if config.name == "torch":
+        from prepos.engines.torch_llama import TorchLlamaEngine
+
+        return TorchLlamaEngine(
+            str(engine_dir), device=config.device, dtype=config.dtype, num_threads=config.num_threads or None
+        )
+    raise ConfigError(f"engine.name: {config.name!r} is not available in this build; use torch")
+
+
+class Core:
+    """The engine loop plus request parsing, ready to take requests from any thread."""
+
+    def __init__(self, config: PreposConfig, model_dir: str | Path, metrics_sink: MetricsSink | None = None,
+                 engine: Engine | None = None):
+        self.config = config
+        engine_dir = config.engine_dir(model_dir)
+        manifest = EngineManifest.load(engine_dir)
+        self.tokenizer = Tokenizer(engine_dir / "tokenizer.json")
+        self.engine = engine if engine is not None else create_engine(config.engine, engine_dir)
+        self.metrics = Metrics(metrics_sink)
+        self.framing = manifest.framing
+        self.scheduler = Scheduler(
+            engine=self.engine,
+            tokenizer=self.tokenizer,
+            framing=manifest.framing,
+            config=config.scheduler,
+            gate=Gate(config.gate),
+            scan=get_scan(config.engine.scan),
+            metrics=self.metrics,
+            max_sessions=config.memory.max_sessions,
+            kv_budget_bytes=config.memory.resolved_budget(),
+        )
+        log.info("prepos core ready: model %s, engine %s on %s, %d-token context",
+                 manifest.model_name, self.engine.info.name, self.engine.info.device, self.engine.info.max_context)
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, str], model_dir: str | Path,
+                        metrics_sink: MetricsSink | None = None) -> "Core":
+        return cls(read_config(parameters), model_dir, metrics_sink)
+
+    def parse(self, inputs: Mapping[str, np.ndarray], *, session_id: str | int, request_id: str | None,
+              arrival_s: float) -> Request:
+        """Validate one request's input arrays (raises ProtocolError)."""
+        return parse_request(
+            inputs,
+            session_id=session_id,
+            request_id=request_id or uuid.uuid4().hex[:12],
+            limits=self.config.limits,
+            default_max_tokens=self.config.scheduler.default_max_tokens,
+            arrival_s=arrival_s,
+        )
+
+    def submit(self, request: Request, sink: ResponseSink) -> None:
+        self.scheduler.submit(request, sink)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()

@@ -1,0 +1,83 @@
+"""The engine contract: what the scheduler needs from a model runtime.
+
+An engine owns per-session KV caches. The scheduler never sees KV tensors; it
+asks an engine to make a session's KV hold a token sequence and gets the
+next-token logits there. Engines are interchangeable (torch, TensorRT-LLM) and
+nothing here knows about Triton or threads: one engine loop calls an engine.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Static facts about a loaded engine."""
+
+    name: str
+    vocab_size: int
+    max_context: int  # tokens a session's KV may hold
+    kv_bytes_per_token: int  # KV bytes one cached token costs, all layers
+    weight_bytes: int  # bytes read by one decode step (the memory-bound floor)
+    device: str  # "cpu", "cuda", "cuda:0", ...
+
+
+class Engine(abc.ABC):
+    """Per-session KV cache plus forward passes.
+
+    Every method is called from one thread (the engine loop). Logits are a 1-D
+    float32 torch tensor ``[vocab]`` on the engine's device; callers must not
+    modify them, and they stay valid until the next call for the same session.
+    """
+
+    info: EngineInfo
+
+    @abc.abstractmethod
+    def prefill(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor:
+        """Make the session's KV hold exactly ``token_ids``; return the logits after the last one.
+
+        Reuses the longest common prefix of ``token_ids`` and what the session's
+        KV already holds: only the tokens past that prefix are computed (when
+        ``token_ids`` is fully cached already, the last token is recomputed to
+        produce its logits). Creates the session's KV if it has none.
+        Raises ``ValueError`` if ``token_ids`` is empty or longer than
+        ``info.max_context``.
+        """
+
+    @abc.abstractmethod
+    def decode(self, session_id: str, token_id: int) -> torch.Tensor:
+        """Append one token to the session's KV; return the logits after it.
+
+        Equivalent to ``prefill(session_id, cached_token_ids(session_id) + [token_id])``
+        but without the prefix comparison. The session must have KV.
+        """
+
+    @abc.abstractmethod
+    def cached_token_ids(self, session_id: str) -> Sequence[int]:
+        """The tokens the session's KV holds now, in order (empty if it has none)."""
+
+    @abc.abstractmethod
+    def truncate(self, session_id: str, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` cached tokens of the session."""
+
+    @abc.abstractmethod
+    def release(self, session_id: str) -> None:
+        """Free the session's KV. A no-op for a session without KV."""
+
+    @abc.abstractmethod
+    def kv_bytes(self, session_id: str) -> int:
+        """Bytes of KV memory the session holds now (allocated capacity, not just used)."""
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,107 @@
+"""Metric names and recording, decoupled from Triton by a small sink interface.
+
+The Triton adapter supplies a sink backed by the Python backend's custom
+metrics (served on Triton's metrics port); tests use :class:`MemorySink`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Protocol
+
+FIRST_TOKEN_BUCKETS_MS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str  # "counter", "gauge" or "histogram"
+    description: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+SPECS = (
+    MetricSpec("prepos_requests_total", "counter", "Requests served, by path (append and close included)", ("path",)),
+    MetricSpec("prepos_request_errors_total", "counter", "Requests rejected, by the input the error names", ("field",)),
+    MetricSpec("prepos_first_token_ms", "histogram", "Server-side time from arrival to first response, by path (ms)",
+               ("path",), FIRST_TOKEN_BUCKETS_MS),
+    MetricSpec("prepos_gate_decisions_total", "counter", "Gate decisions on requests with a delta, by outcome", ("outcome",)),
+    MetricSpec("prepos_prepositionings_total", "counter", "Pre-positionings, by result", ("result",)),
+    MetricSpec("prepos_sessions", "gauge", "Open sessions, by state", ("state",)),
+    MetricSpec("prepos_kv_bytes", "gauge", "KV cache bytes held by all sessions"),
+    MetricSpec("prepos_kv_budget_bytes", "gauge", "KV cache budget in bytes"),
+    MetricSpec("prepos_kv_evictions_total", "counter", "Sessions whose KV was evicted under the memory budget"),
+    MetricSpec("prepos_prefill_tokens_total", "counter", "Tokens prefilled, by where the work ran", ("where",)),
+)
+
+
+class MetricsSink(Protocol):
+    def declare(self, spec: MetricSpec) -> None: ...
+
+    def inc(self, name: str, labels: dict[str, str], value: float) -> None: ...
+
+    def set(self, name: str, labels: dict[str, str], value: float) -> None: ...
+
+    def observe(self, name: str, labels: dict[str, str], value: float) -> None: ...
+
+
+class MemorySink:
+    """Keeps values in dictionaries; for tests and for the benchmark's own reading."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, tuple], float] = defaultdict(float)
+        self.observations: dict[tuple[str, tuple], list[float]] = defaultdict(list)
+
+    def declare(self, spec: MetricSpec) -> None:
+        pass
+
+    def inc(self, name: str, labels: dict[str, str], value: float) -> None:
+        self.values[name, tuple(sorted(labels.items()))] += value
+
+    def set(self, name: str, labels: dict[str, str], value: float) -> None:
+        self.values[name, tuple(sorted(labels.items()))] = value
+
+    def observe(self, name: str, labels: dict[str, str], value: float) -> None:
+        self.observations[name, tuple(sorted(labels.items()))].append(value)
+
+    def get(self, name: str, **labels: str) -> float:
+        return self.values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+class Metrics:
+    """What the core records; one method per event."""
+
+    def __init__(self, sink: MetricsSink | None = None):
+        self.sink = sink if sink is not None else MemorySink()
+        for spec in SPECS:
+            self.sink.declare(spec)
+
+    def request_served(self, path: str, first_token_ms: float | None) -> None:
+        self.sink.inc("prepos_requests_total", {"path": path}, 1)
+        if first_token_ms is not None:
+            self.sink.observe("prepos_first_token_ms", {"path": path}, first_token_ms)
+
+    def request_rejected(self, field: str) -> None:
+        self.sink.inc("prepos_request_errors_total", {"field": field}, 1)
+
+    def gate_decided(self, outcome: str) -> None:
+        self.sink.inc("prepos_gate_decisions_total", {"outcome": outcome}, 1)
+
+    def prepositioning_ended(self, result: str) -> None:
+        self.sink.inc("prepos_prepositionings_total", {"result": result}, 1)
+
+    def prefilled(self, where: str, num_tokens: int) -> None:
+        self.sink.inc("prepos_prefill_tokens_total", {"where": where}, num_tokens)
+
+    def sessions(self, by_state: dict[str, int]) -> None:
+        for state, count in by_state.items():
+            self.sink.set("prepos_sessions", {"state": state}, count)
+
+    def kv(self, used_bytes: int, budget_bytes: int) -> None:
+        self.sink.set("prepos_kv_bytes", {}, used_bytes)
+        self.sink.set("prepos_kv_budget_bytes", {}, budget_bytes)
+
+    def evicted(self) -> None:
+        self.sink.inc("prepos_kv_evictions_total", {}, 1)

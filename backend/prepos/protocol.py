@@ -1,0 +1,251 @@
+"""The request protocol: request/response dataclasses and input validation.
+
+:func:`parse_request` is the one place a request's inputs are checked. It takes
+the inputs as NumPy arrays keyed by input name (what the Triton adapter reads),
+so it is testable without Triton. Every problem raises :class:`ProtocolError`,
+which names the input and maps to a gRPC status.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from prepos.config import LimitsConfig
+
+INPUT_NAMES = (
+    "text_input", "input_ids", "role", "max_tokens", "choices", "temperature", "top_p",
+    "top_k", "seed", "stop", "speculate", "gate_threshold",
+)
+CONTROL_NAMES = ("START", "END")
+
+
+class Status(enum.Enum):
+    """gRPC status codes the core uses (Triton's error codes map onto these)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+
+
+class ProtocolError(Exception):
+    """A request the server will not serve. ``str(err)`` is ``"<field>: <problem>"``."""
+
+    def __init__(self, field: str, problem: str, status: Status = Status.INVALID_ARGUMENT):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated request of a session. Fields are as sent, defaults applied."""
+
+    session_id: str | int
+    request_id: str
+    start: bool
+    end: bool
+    role: str
+    max_tokens: int
+    delta_text: str | None = None
+    delta_ids: tuple[int, ...] | None = None
+    choices: tuple[str, ...] | None = None
+    sampling: Sampling = Sampling()
+    stop: tuple[str, ...] = ()
+    speculate: bool | None = None
+    gate_threshold: float | None = None
+    arrival_s: float = 0.0  # perf_counter() when the request reached the server
+
+    @property
+    def is_append(self) -> bool:
+        return self.max_tokens == 0
+
+    @property
+    def has_delta(self) -> bool:
+        return bool(self.delta_text) or bool(self.delta_ids)
+
+
+@dataclass(frozen=True)
+class ResponseChunk:
+    """One streamed response. The last one of a request has a non-empty ``finish_reason``."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    path: str
+    confidence: float
+    finish_reason: str
+    queue_ms: float
+    compute_ms: float
+    first_token_ms: float
+
+
+class ResponseSink(Protocol):
+    """Where a request's responses go. Every request gets exactly one final send."""
+
+    def send(self, chunk: ResponseChunk, final: bool) -> None: ...
+
+    def send_error(self, error: ProtocolError) -> None: ...
+
+
+def _scalar(inputs: Mapping[str, np.ndarray], name: str, kinds: str) -> np.generic | None:
+    value = inputs.get(name)
+    if value is None:
+        return None
+    if value.size != 1:
+        raise ProtocolError(name, f"expected one value, got shape {list(value.shape)}")
+    if value.dtype.kind not in kinds:
+        raise ProtocolError(name, f"wrong type {value.dtype}")
+    return value.reshape(-1)[0]
+
+
+def _utf8(name: str, raw: object) -> str:
+    if isinstance(raw, str):
+        return raw
+    if not isinstance(raw, (bytes, np.bytes_)):
+        raise ProtocolError(name, f"expected bytes, got {type(raw).__name__}")
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ProtocolError(name, f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})") from None
+
+
+def _string_list(inputs: Mapping[str, np.ndarray], name: str, max_count: int, max_bytes: int) -> tuple[str, ...] | None:
+    value = inputs.get(name)
+    if value is None:
+        return None
+    if value.dtype.kind not in "OSU":
+        raise ProtocolError(name, f"wrong type {value.dtype}; expected BYTES")
+    items = list(value.reshape(-1))
+    if len(items) > max_count:
+        raise ProtocolError(name, f"{len(items)} entries; at most {max_count} allowed")
+    strings = []
+    for i, raw in enumerate(items):
+        if len(raw) > max_bytes:
+            raise ProtocolError(name, f"entry {i} is {len(raw)} bytes; at most {max_bytes} allowed")
+        text = _utf8(name, raw)
+        if not text:
+            raise ProtocolError(name, f"entry {i} is empty")
+        strings.append(text)
+    return tuple(strings)
+
+
+def _finite(name: str, value: np.generic | None, low: float, high: float, default: float) -> float:
+    if value is None:
+        return default
+    number = float(value)
+    if not math.isfinite(number) or not low <= number <= high:
+        raise ProtocolError(name, f"must be a finite number in [{low}, {high}], got {number}")
+    return number
+
+
+def parse_request(
+    inputs: Mapping[str, np.ndarray],
+    *,
+    session_id: str | int,
+    request_id: str,
+    limits: LimitsConfig,
+    default_max_tokens: int,
+    arrival_s: float = 0.0,
+) -> Request:
+    """Validate one request's inputs and build a :class:`Request`.
+
+    ``inputs`` maps input names (including the ``START``/``END`` controls) to
+    arrays. Raises :class:`ProtocolError` naming the first bad input. Checks
+    that need the model (token id range, context length, role framing) happen
+    where the session is served, with the same error type.
+    """
+    unknown = set(inputs) - set(INPUT_NAMES) - set(CONTROL_NAMES)
+    if unknown:
+        name = sorted(unknown)[0]
+        raise ProtocolError(name, "unknown input")
+    if session_id in (None, "", 0):
+        raise ProtocolError("correlation_id", "a session id (sequence id) is required")
+
+    start = _scalar(inputs, "START", "biuf")
+    end = _scalar(inputs, "END", "biuf")
+
+    text_raw = _scalar(inputs, "text_input", "OSU")
+    delta_text = None
+    if text_raw is not None:
+        if len(text_raw) > limits.max_delta_bytes:
+            raise ProtocolError("text_input", f"{len(text_raw)} bytes; at most {limits.max_delta_bytes} allowed")
+        delta_text = _utf8("text_input", text_raw)
+
+    delta_ids = None
+    ids = inputs.get("input_ids")
+    if ids is not None:
+        if delta_text is not None:
+            raise ProtocolError("input_ids", "exclusive with text_input; send one of them")
+        if ids.dtype.kind not in "iu":
+            raise ProtocolError("input_ids", f"wrong type {ids.dtype}; expected INT32")
+        delta_ids = tuple(int(i) for i in ids.reshape(-1))
+        if any(i < 0 for i in delta_ids):
+            raise ProtocolError("input_ids", "token ids must be >= 0")
+
+    role_raw = _scalar(inputs, "role", "OSU")
+    role = "user" if role_raw is None else _utf8("role", role_raw)
+
+    max_tokens_raw = _scalar(inputs, "max_tokens", "iu")
+    max_tokens = default_max_tokens if max_tokens_raw is None else int(max_tokens_raw)
+    if not 0 <= max_tokens <= limits.max_tokens:
+        raise ProtocolError("max_tokens", f"must be in [0, {limits.max_tokens}], got {max_tokens}")
+
+    choices = _string_list(inputs, "choices", limits.max_choices, limits.max_choice_bytes)
+    if choices is not None:
+        if not choices:
+            raise ProtocolError("choices", "empty list; send at least one choice or leave the input out")
+        if len(set(choices)) != len(choices):
+            raise ProtocolError("choices", "duplicate entries")
+        if max_tokens == 0:
+            raise ProtocolError("choices", "needs max_tokens >= 1 (max_tokens=0 is an append)")
+    stop = _string_list(inputs, "stop", limits.max_stops, limits.max_stop_bytes) or ()
+
+    sampling = Sampling(
+        temperature=_finite("temperature", _scalar(inputs, "temperature", "f"), 0.0, 100.0, 0.0),
+        top_p=_finite("top_p", _scalar(inputs, "top_p", "f"), 0.0, 1.0, 1.0),
+        top_k=int(_scalar(inputs, "top_k", "iu") or 0),
+        seed=None if (seed := _scalar(inputs, "seed", "iu")) is None else int(seed),
+    )
+    if sampling.top_p == 0.0:
+        raise ProtocolError("top_p", "must be > 0")
+    if sampling.top_k < 0:
+        raise ProtocolError("top_k", f"must be >= 0, got {sampling.top_k}")
+
+    speculate = _scalar(inputs, "speculate", "b")
+    gate_threshold = _scalar(inputs, "gate_threshold", "f")
+    return Request(
+        session_id=session_id,
+        request_id=request_id,
+        start=bool(start) if start is not None else False,
+        end=bool(end) if end is not None else False,
+        role=role,
+        max_tokens=max_tokens,
+        delta_text=delta_text,
+        delta_ids=delta_ids,
+        choices=choices,
+        sampling=sampling,
+        stop=stop,
+        speculate=None if speculate is None else bool(speculate),
+        gate_threshold=None if gate_threshold is None else _finite("gate_threshold", gate_threshold, 0.0, 1.0, 0.0),
+        arrival_s=arrival_s,
+    )

@@ -1,0 +1,156 @@
+"""The vocabulary scan: one pass over a next-token distribution.
+
+Contract (every implementation): given logits ``[vocab]``, an optional set of
+allowed token ids (a ``choices`` trie node), a temperature and top-k/top-p cuts
+and, when sampling, one uniform draw ``u`` in [0, 1), return a
+:class:`ScanResult`:
+
+- ``p_max``, ``margin``, ``entropy``: the gate's features, over the allowed
+  tokens at temperature 1 (probabilities renormalised over the allowed set;
+  margin = top-1 minus top-2 probability, 0 when one token is allowed; entropy
+  in nats);
+- ``token_id``: greedy (temperature 0) the allowed token with the largest
+  logit, lowest id on ties; sampling: the tempered distribution over the
+  allowed set, cut to the ``top_k`` most likely then to the smallest
+  most-likely prefix whose mass reaches ``top_p`` (order: probability
+  descending, id ascending on ties), renormalised, inverted at ``u``.
+
+``numpy`` is the reference; ``torch`` runs where the logits live (CPU or CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    token_id: int
+    p_max: float
+    margin: float
+    entropy: float
+    num_allowed: int
+
+    @property
+    def certainty(self) -> float:
+        """1 - entropy / log(num_allowed): 1 when one token holds all mass, 0 when uniform."""
+        if self.num_allowed <= 1:
+            return 1.0
+        return max(0.0, 1.0 - self.entropy / math.log(self.num_allowed))
+
+
+ScanFn = Callable[..., ScanResult]
+
+
+def _cut_and_pick_numpy(q: np.ndarray, top_k: int, top_p: float, u: float) -> int:
+    order = np.argsort(-q, kind="stable")  # probability descending, index ascending on ties
+    sorted_q = q[order]
+    if 0 < top_k < len(sorted_q):
+        sorted_q = sorted_q[:top_k]
+    if top_p < 1.0:
+        cum = np.cumsum(sorted_q) / sorted_q.sum()
+        keep = int(np.searchsorted(cum, top_p, side="left")) + 1
+        sorted_q = sorted_q[:keep]
+    cum = np.cumsum(sorted_q)
+    index = int(np.searchsorted(cum, u * cum[-1], side="right"))
+    return int(order[min(index, len(sorted_q) - 1)])
+
+
+def scan_numpy(
+    logits: np.ndarray | torch.Tensor,
+    *,
+    allowed_ids: Sequence[int] | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    uniform: float | None = None,
+) -> ScanResult:
+    """Reference implementation (float64 accumulation)."""
+    if isinstance(logits, torch.Tensor):
+        logits = logits.detach().float().cpu().numpy()
+    # x: [allowed]
+    ids = None if allowed_ids is None else np.asarray(allowed_ids, dtype=np.int64)
+    x = np.asarray(logits, dtype=np.float64)
+    if ids is not None:
+        x = x[ids]
+    top = x.max()
+    if not math.isfinite(top):
+        raise ValueError("scan: no finite logit among the allowed tokens")
+    e = np.exp(x - top)
+    total = e.sum()
+    p = e / total
+    order2 = np.argsort(-p, kind="stable")[:2]
+    p_max = float(p[order2[0]])
+    margin = float(p_max - p[order2[1]]) if len(x) > 1 else p_max
+    entropy = float(-(p[p > 0] * np.log(p[p > 0])).sum())
+    if temperature == 0.0:
+        index = int(order2[0])
+    else:
+        if uniform is None:
+            raise ValueError("scan: sampling needs a uniform draw")
+        q = np.exp((x - top) / temperature)
+        index = _cut_and_pick_numpy(q / q.sum(), top_k, top_p, uniform)
+    token = int(ids[index]) if ids is not None else index
+    return ScanResult(token_id=token, p_max=p_max, margin=margin, entropy=entropy, num_allowed=len(x))
+
+
+def scan_torch(
+    logits: torch.Tensor,
+    *,
+    allowed_ids: Sequence[int] | torch.Tensor | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    uniform: float | None = None,
+) -> ScanResult:
+    """Torch implementation on the logits' device; one host sync at the end."""
+    # x: [allowed] float32
+    x = logits.float()
+    ids = None
+    if allowed_ids is not None:
+        ids = torch.as_tensor(allowed_ids, dtype=torch.long, device=x.device)
+        x = x.index_select(0, ids)
+    lse = torch.logsumexp(x, 0)
+    p = torch.exp(x - lse)
+    k = min(2, x.numel())
+    top_p2, top_i2 = torch.topk(p, k, sorted=True)  # ties: topk does not promise lowest index
+    best = torch.argmax(x)  # documented to return the first maximal index
+    plogp = torch.where(p > 0, p * (x - lse), torch.zeros_like(p))
+    entropy = -plogp.sum()
+    if temperature != 0.0:
+        if uniform is None:
+            raise ValueError("scan: sampling needs a uniform draw")
+        q = torch.softmax((x - x.max()) / temperature, 0)
+        sorted_q, order = torch.sort(q, descending=True, stable=True)
+        if 0 < top_k < sorted_q.numel():
+            sorted_q = sorted_q[:top_k]
+        if top_p < 1.0:
+            cum = torch.cumsum(sorted_q, 0) / sorted_q.sum()
+            keep = int(torch.searchsorted(cum, torch.tensor([top_p], device=cum.device), right=False)) + 1
+            sorted_q = sorted_q[:keep]
+        cum = torch.cumsum(sorted_q, 0)
+        index = torch.searchsorted(cum, (uniform * cum[-1]).reshape(1), right=True).clamp(max=sorted_q.numel() - 1)
+        best = order[index[0]]
+    token = ids[best] if ids is not None else best
+    stats = torch.stack([token.float(), top_p2[0], top_p2[-1], entropy, lse]).tolist()  # one sync
+    if not math.isfinite(stats[4]):
+        raise ValueError("scan: no finite logit among the allowed tokens")
+    p_max = stats[1]
+    margin = p_max - stats[2] if k > 1 else p_max
+    # float32 holds every integer below 2**24, far above any vocabulary size
+    return ScanResult(token_id=int(stats[0]), p_max=p_max, margin=margin, entropy=max(0.0, stats[3]), num_allowed=x.numel())
+
+
+SCANS: dict[str, ScanFn] = {"numpy": scan_numpy, "torch": scan_torch}
+
+
+def get_scan(name: str) -> ScanFn:
+    try:
+        return SCANS[name]
+    except KeyError:
+        raise ValueError(f"unknown scan implementation {name!r}; known: {', '.join(sorted(SCANS))}") from None

@@ -1,0 +1,521 @@
+"""The engine loop: foreground requests first, pre-positioning in idle windows.
+
+Other threads only call :meth:`Scheduler.submit`. One loop thread owns the
+engine, the session store and every session's state. Work is cooperative: a
+foreground request is a generator that yields after each engine call (so
+sessions interleave token by token), and pre-positioning is a generator that
+yields after each chunk of at most ``chunk_tokens`` prefilled tokens. Before
+every step the loop admits new requests, and a foreground step always goes
+before a pre-positioning chunk: a new request waits at most one chunk (or one
+foreground step of another session).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from prepos.config import SchedulerConfig
+from prepos.engines.base import Engine, common_prefix_length
+from prepos.gate import Gate
+from prepos.metrics import Metrics
+from prepos.policies import IDLE_POLICIES
+from prepos.protocol import ProtocolError, Request, ResponseChunk, ResponseSink, Status
+from prepos.scan import ScanFn, ScanResult
+from prepos.session import Positioned, Session, SessionStore
+from prepos.template import ChoiceTrie, Framing, IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("prepos.scheduler")
+
+HOUSEKEEPING_INTERVAL_S = 0.5
+
+
+class ServedPath(str, enum.Enum):
+    """Which path served a request's first token (``append``/``close`` for requests with no answer)."""
+
+    EXACT = "exact"
+    GATED = "gated"
+    PREPAID = "prepaid"
+    PREFIX = "prefix"
+    REBUILD = "rebuild"
+    APPEND = "append"
+    CLOSE = "close"
+
+
+@dataclass
+class _Clock:
+    """Per-request timings: queue time, compute time (engine-loop time spent on it), first token."""
+
+    now: Callable[[], float]
+    arrival_s: float
+    picked_s: float = 0.0
+    compute_s: float = 0.0
+    resumed_s: float = 0.0
+    first_token_ms: float | None = None
+
+    def start(self) -> None:
+        self.picked_s = self.resumed_s = self.now()
+
+    def pause(self) -> None:
+        self.compute_s += self.now() - self.resumed_s
+
+    def resume(self) -> None:
+        self.resumed_s = self.now()
+
+    def chunk(self, text: str, ids: Sequence[int], path: str, confidence: float, finish: str) -> ResponseChunk:
+        now = self.now()
+        if self.first_token_ms is None:
+            self.first_token_ms = (now - self.arrival_s) * 1e3
+        return ResponseChunk(
+            text=text, token_ids=tuple(ids), path=path, confidence=confidence, finish_reason=finish,
+            queue_ms=(self.picked_s - self.arrival_s) * 1e3,
+            compute_ms=(self.compute_s + now - self.resumed_s) * 1e3,
+            first_token_ms=self.first_token_ms,
+        )
+
+
+class Scheduler:
+    """Owns sessions and the engine; serves requests and pre-positions idle sessions."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        framing: Framing,
+        config: SchedulerConfig,
+        gate: Gate,
+        scan: ScanFn,
+        metrics: Metrics,
+        max_sessions: int,
+        kv_budget_bytes: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._framing = framing
+        self._config = config
+        self._gate = gate
+        self._scan = scan
+        self._metrics = metrics
+        self._clock = clock
+        self._kv_budget = kv_budget_bytes
+        self._vocab_size = engine.info.vocab_size
+        self._max_context = engine.info.max_context
+        self._terminator_id = (framing.answer_terminator_ids or tuple(sorted(framing.stop_token_ids)))[0]
+        self._idle_policy = IDLE_POLICIES[config.idle_policy]()
+        self.store = SessionStore(max_sessions)
+        self._inbox: queue.SimpleQueue[tuple[Request, ResponseSink] | None] = queue.SimpleQueue()
+        self._tasks: dict[str | int, Iterator[None]] = {}
+        self._ready: deque[Session] = deque()
+        self._idle: dict[str | int, Session] = {}  # idle sessions that are not positioned
+        self._prep: tuple[Session, Iterator[None]] | None = None
+        self._stepping_prep = False
+        self._kv_bytes: dict[str | int, int] = {}
+        self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
+        self._next_housekeeping = 0.0
+        self._thread: threading.Thread | None = None
+        self._running = False
+
+    # --- other threads -------------------------------------------------
+
+    def submit(self, request: Request, sink: ResponseSink) -> None:
+        """Queue a validated request; its responses go to ``sink``. Thread-safe, never blocks."""
+        self._inbox.put((request, sink))
+
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="prepos-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop and join it; requests still queued get an UNAVAILABLE error."""
+        self._running = False
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].send_error(ProtocolError("model", "server is shutting down", Status.UNAVAILABLE))
+
+    def _run(self) -> None:
+        while self._running:
+            try:
+                self.run_once(block=True)
+            except Exception:  # the loop must survive anything one request does
+                log.exception("engine loop step failed")
+
+    # --- the loop ------------------------------------------------------
+
+    def run_once(self, block: bool = False) -> bool:
+        """Admit queued requests, then run one step: a foreground step, else a pre-positioning chunk.
+
+        Returns whether any work was done. With ``block``, waits for a request
+        when there is nothing to do.
+        """
+        self._admit_queued(block=False)
+        if self._ready:
+            self._step_foreground()
+            return True
+        if self._step_prepositioning():
+            return True
+        now = self._clock()
+        if now >= self._next_housekeeping:
+            self._housekeeping(now)
+        if block:
+            self._admit_queued(block=True)
+        return False
+
+    def _admit_queued(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(timeout=HOUSEKEEPING_INTERVAL_S) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                return
+            self._admit(*item)
+            block = False
+
+    def _admit(self, request: Request, sink: ResponseSink) -> None:
+        try:
+            if request.start:
+                existing = self.store.get(request.session_id)
+                if existing is not None and self._expired(existing, self._clock()):
+                    self._close(existing, "idle timeout")
+                session = self.store.open(request.session_id, self._clock())
+            else:
+                session = self.store.lookup(request.session_id)
+        except ProtocolError as err:
+            self._reject(sink, err)
+            return
+        session.pending.append((request, sink))
+        self._idle.pop(session.session_id, None)
+        if self._prep is not None and self._prep[0] is session:
+            self._prep[1].close()
+            self._prep = None
+            self._metrics.prepositioning_ended("preempted")
+        if session.session_id not in self._tasks:
+            self._tasks[session.session_id] = self._serve_session(session)
+            self._ready.append(session)
+
+    def _step_foreground(self) -> None:
+        session = self._ready.popleft()
+        task = self._tasks[session.session_id]
+        try:
+            next(task)
+        except StopIteration:
+            del self._tasks[session.session_id]
+            return
+        self._ready.append(session)
+
+    def _step_prepositioning(self) -> bool:
+        if self._prep is None:
+            if not (self._config.preposition and self._config.retain_kv and self._idle):
+                return False
+            session = self._idle_policy.pick(list(self._idle.values()))
+            del self._idle[session.session_id]
+            self._prep = (session, self._preposition(session))
+        session, task = self._prep
+        self._stepping_prep = True
+        try:
+            next(task)
+        except StopIteration:
+            self._prep = None
+        finally:
+            self._stepping_prep = False
+        return True
+
+    def _housekeeping(self, now: float) -> None:
+        self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
+        for session in self.store:
+            if self._expired(session, now):
+                self._close(session, "idle timeout")
+        self._metrics.sessions({state.value: n for state, n in self.store.count_by_state().items()})
+        self._metrics.kv(sum(self._kv_bytes.values()), self._kv_budget)
+
+    def _expired(self, session: Session, now: float) -> bool:
+        idle = not session.serving and not session.pending
+        return idle and now - session.last_active_s > self._config.session_idle_timeout_s
+
+    # --- foreground ----------------------------------------------------
+
+    def _serve_session(self, session: Session) -> Iterator[None]:
+        while session.pending:
+            request, sink = session.pending.popleft()
+            if self.store.get(session.session_id) is not session:
+                self._reject(sink, ProtocolError("START", f"session {session.session_id!r} is closed", Status.NOT_FOUND))
+                continue
+            session.serving = True
+            try:
+                yield from self._serve_request(session, request, sink)
+            finally:
+                session.serving = False
+                session.last_active_s = self._clock()
+        if self.store.get(session.session_id) is session and session.token_log and not session.positioned_valid():
+            self._idle[session.session_id] = session
+
+    def _serve_request(self, session: Session, request: Request, sink: ResponseSink) -> Iterator[None]:
+        clock = _Clock(self._clock, request.arrival_s or self._clock())
+        clock.start()
+        try:
+            delta_ids = self._delta_ids(request)
+            if request.is_append:
+                self._append(session, request, delta_ids, clock, sink)
+            else:
+                yield from self._generate(session, request, delta_ids, clock, sink)
+        except ProtocolError as err:
+            self._reject(sink, err)
+            return
+        except Exception:
+            log.exception("session %r request %r failed", session.session_id, request.request_id)
+            self._reject(sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
+            return
+        if request.end:
+            self._close(session, "END")
+
+    def _delta_ids(self, request: Request) -> list[int]:
+        if request.role not in self._framing.entry_ids:
+            raise ProtocolError("role", f"unknown role {request.role!r}; expected one of {', '.join(self._framing.roles)}")
+        if request.delta_ids is not None:
+            bad = [i for i in request.delta_ids if i >= self._vocab_size]
+            if bad:
+                raise ProtocolError("input_ids", f"token id {bad[0]} out of range [0, {self._vocab_size})")
+            return list(request.delta_ids)
+        return self._tokenizer.encode(request.delta_text) if request.delta_text else []
+
+    def _turn_ids(self, session: Session, role: str, delta_ids: Sequence[int], closing: Sequence[int]) -> list[int]:
+        """Opening (default system turn, first turn only) + entry + delta + closing."""
+        return [*self._framing.opening_ids(not session.token_log, role), *self._framing.entry_ids[role], *delta_ids, *closing]
+
+    def _check_fits(self, session: Session, request: Request, num_new: int) -> None:
+        if len(session.token_log) + num_new + 1 > self._max_context:
+            field = "input_ids" if request.delta_ids is not None else "text_input"
+            raise ProtocolError(
+                field,
+                f"the turn needs {num_new} tokens but the session holds {len(session.token_log)} "
+                f"of a {self._max_context}-token context",
+            )
+
+    def _append(self, session: Session, request: Request, delta_ids: list[int], clock: _Clock, sink: ResponseSink) -> None:
+        path = ServedPath.CLOSE if request.end and not delta_ids else ServedPath.APPEND
+        if delta_ids:  # an empty update changes nothing (a bare START or END)
+            turn = self._turn_ids(session, request.role, delta_ids, self._framing.close_ids)
+            self._check_fits(session, request, len(turn))
+            if session.positioned_valid():
+                self._metrics.prepositioning_ended("invalidated")
+            session.append(turn)
+        chunk = clock.chunk("", (), path.value, float("nan"), "closed" if path is ServedPath.CLOSE else "appended")
+        sink.send(chunk, final=True)
+        self._metrics.request_served(path.value, None)
+
+    def _trie(self, choices: tuple[str, ...] | None) -> ChoiceTrie | None:
+        if choices is None:
+            return None
+        trie = self._tries.get(choices)
+        if trie is None:
+            if len(self._tries) > 64:
+                self._tries.clear()
+            trie = self._tries[choices] = ChoiceTrie(choices, self._tokenizer, self._terminator_id)
+        return trie
+
+    def _scan_at(self, logits, trie: ChoiceTrie | None, answer: Sequence[int], request: Request, rng) -> ScanResult:
+        sampling = request.sampling
+        return self._scan(
+            logits,
+            allowed_ids=trie.allowed_ids(answer) if trie else None,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            uniform=None if sampling.greedy else float(rng.random()),
+        )
+
+    def _generate(
+        self, session: Session, request: Request, delta_ids: list[int], clock: _Clock, sink: ResponseSink
+    ) -> Iterator[None]:
+        sid = session.session_id
+        turn = self._turn_ids(session, request.role, delta_ids, self._framing.cue_ids)
+        trie = self._trie(request.choices)
+        forced = tuple(trie.forced_ids()) if trie else ()
+        self._check_fits(session, request, len(turn) + len(forced))
+        prompt = [*session.token_log, *turn]
+        rng = np.random.default_rng(request.sampling.seed)
+
+        # Choose the path that serves the first token.
+        pos = session.positioned if session.positioned_valid() else None
+        if pos is not None and (pos.role != request.role or pos.forced_ids != forced):
+            self._metrics.prepositioning_ended("invalidated")
+            pos = None
+        first: ScanResult | None = None
+        kv_len = -1  # tokens of prompt + answer the KV is known to hold exactly
+        if pos is not None:
+            greedy_match = request.sampling.greedy and pos.choices == request.choices and pos.greedy_scan is not None
+            first = pos.greedy_scan if greedy_match else self._scan_at(pos.logits, trie, forced, request, rng)
+            if not delta_ids:
+                path, logits, kv_len = ServedPath.EXACT, pos.logits, len(prompt) + len(forced)
+            else:
+                decision = self._gate.decide(first, speculate=request.speculate, threshold=request.gate_threshold)
+                self._metrics.gate_decided(decision.outcome)
+                path = ServedPath.GATED if decision.fired else ServedPath.PREPAID
+        else:
+            path = ServedPath.REBUILD if session.evicted else ServedPath.PREFIX
+        if path not in (ServedPath.EXACT, ServedPath.GATED):
+            logits = self._prefill(session, [*prompt, *forced], "foreground")
+            kv_len = len(prompt) + len(forced)
+            first = self._scan_at(logits, trie, forced, request, rng)
+        confidence = self._gate.score(first)
+
+        answer: list[int] = list(forced)
+        unsent: list[int] = list(forced)  # forced leading choice tokens go out with the first decision
+        detok = IncrementalDetokenizer(self._tokenizer, request.stop)
+        max_new = min(request.max_tokens, self._max_context - len(prompt))
+        scan = first
+        while True:
+            token = scan.token_id
+            answer.append(token)
+            if trie and token == self._terminator_id:  # a choice ends where a longer one goes on
+                emit, done, finish = [], True, "stop"
+            elif trie:
+                tail = trie.forced_ids(answer)
+                answer.extend(tail)
+                emit, done, finish = [token, *tail], trie.finished(answer) is not None, "stop"
+            else:
+                emit = [] if token in self._framing.stop_token_ids else [token]
+                done = not emit or len(answer) >= max_new
+                finish = "stop" if not emit else "length"
+            emit, unsent = unsent + emit, []
+            text = detok.push(emit)
+            if detok.stopped:
+                done, finish = True, "stop"
+            if done:
+                text += detok.flush()
+            sink.send(clock.chunk(text, emit, path.value, confidence, finish if done else ""), final=done)
+            if done:
+                break
+            clock.pause()
+            yield
+            clock.resume()
+            sequence = [*prompt, *answer]
+            if kv_len == len(sequence) - 1:
+                logits = self._engine.decode(sid, sequence[-1])
+                self._note_kv(session)
+            else:
+                logits = self._prefill(session, sequence, "foreground")
+            kv_len = len(sequence)
+            scan = self._scan_at(logits, trie, answer, request, rng)
+
+        self._metrics.request_served(path.value, clock.first_token_ms)
+        session.append([*turn, *answer, *self._framing.closing_ids(answer)])
+        session.last_role, session.last_choices = request.role, request.choices
+        if not self._config.retain_kv:
+            self._release_kv(session)
+            session.evicted = True
+
+    def _prefill(self, session: Session, token_ids: Sequence[int], where: str):
+        cached = self._engine.cached_token_ids(session.session_id)
+        reused = common_prefix_length(cached, token_ids)
+        logits = self._engine.prefill(session.session_id, token_ids)
+        self._metrics.prefilled(where, max(1, len(token_ids) - reused))
+        self._note_kv(session, background=where == "background")
+        return logits
+
+    # --- pre-positioning -----------------------------------------------
+
+    def _preposition(self, session: Session) -> Iterator[None]:
+        """Make the KV hold log + entry + speculative delta (empty) + cue + forced choice tokens; cache the distribution."""
+        log_length = len(session.token_log)
+        role = session.last_role
+        trie = self._trie(session.last_choices)
+        forced = tuple(trie.forced_ids()) if trie else ()
+        spec = (*self._turn_ids(session, role, (), self._framing.cue_ids), *forced)
+        target = [*session.token_log, *spec]
+        if len(target) + 1 > self._max_context:
+            return
+        done = common_prefix_length(self._engine.cached_token_ids(session.session_id), target)
+        while True:
+            end = min(len(target), done + self._config.chunk_tokens) if done < len(target) else len(target)
+            logits = self._prefill(session, target[:end], "background")
+            if not session.has_kv:  # the budget had no room for it
+                self._metrics.prepositioning_ended("abandoned")
+                return
+            done = end
+            if done == len(target):
+                break
+            yield
+            if self.store.get(session.session_id) is not session or len(session.token_log) != log_length:
+                self._metrics.prepositioning_ended("invalidated")
+                return
+        greedy = self._scan(logits, allowed_ids=trie.allowed_ids(forced) if trie else None)
+        session.positioned = Positioned(
+            log_length=log_length, role=role, choices=session.last_choices, spec_ids=spec,
+            forced_ids=forced, logits=logits.clone(), greedy_scan=greedy,
+        )
+        self._metrics.prepositioning_ended("completed")
+
+    # --- memory and lifecycle -----------------------------------------
+
+    def _note_kv(self, session: Session, background: bool = False) -> None:
+        session.has_kv, session.evicted = True, False
+        self._kv_bytes[session.session_id] = self._engine.kv_bytes(session.session_id)
+        if sum(self._kv_bytes.values()) > self._kv_budget:
+            # Background work may only displace sessions less recently active than its own;
+            # when that is not enough, the speculative work itself gives way.
+            self._evict(protect=session, older_than=session.last_active_s if background else None)
+            if background and sum(self._kv_bytes.values()) > self._kv_budget:
+                self._evict_one(session)
+
+    def _evict(self, protect: Session, older_than: float | None = None) -> None:
+        """Drop idle sessions' KV, least recently active first, until usage fits the budget."""
+        victims = sorted(
+            (s for s in self.store if s.has_kv and s is not protect and not s.serving and not s.pending
+             and (older_than is None or s.last_active_s < older_than)),
+            key=lambda s: s.last_active_s,
+        )
+        for victim in victims:
+            if sum(self._kv_bytes.values()) <= self._kv_budget:
+                break
+            self._evict_one(victim)
+
+    def _evict_one(self, victim: Session) -> None:
+        """Drop one session's KV; its next request rebuilds it from the token log."""
+        # A running pre-positioning of the victim (not the one evicting itself) stops; the self-evicting
+        # one sees has_kv go False and stops on its own.
+        if self._prep is not None and self._prep[0] is victim and not self._stepping_prep:
+            self._prep[1].close()
+            self._prep = None
+            self._metrics.prepositioning_ended("preempted")
+        self._release_kv(victim)
+        victim.mark_evicted()
+        self._idle.pop(victim.session_id, None)
+        self._metrics.evicted()
+        log.info("session %r KV evicted (over the %d-byte budget)", victim.session_id, self._kv_budget)
+
+    def _release_kv(self, session: Session) -> None:
+        self._engine.release(session.session_id)
+        self._kv_bytes.pop(session.session_id, None)
+        session.mark_kv(False)
+
+    def _close(self, session: Session, reason: str) -> None:
+        if self._prep is not None and self._prep[0] is session:
+            self._prep[1].close()
+            self._prep = None
+        self._release_kv(session)
+        self.store.close(session.session_id)
+        self._idle.pop(session.session_id, None)
+        log.info("session %r closed (%s), %d tokens in its log", session.session_id, reason, len(session.token_log))
+
+    def _reject(self, sink: ResponseSink, err: ProtocolError) -> None:
+        self._metrics.request_rejected(err.field)
+        sink.send_error(err)

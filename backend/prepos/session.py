@@ -1,0 +1,127 @@
+"""Sessions and the session store.
+
+A session's token log is the source of truth; its KV (held by the engine) can
+always be rebuilt from it. State transitions live here:
+
+    open -> (requests append to the log; any append invalidates `positioned`)
+    idle -> positioning -> positioned  (pre-positioning in the idle window)
+    resident KV -> evicted (memory pressure) -> rebuilt on the next request
+    closed (END or idle timeout): the store forgets the session
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from prepos.protocol import ProtocolError, Status
+from prepos.scan import ScanResult
+
+
+class SessionState(enum.Enum):
+    SERVING = "serving"  # a foreground request is being served
+    POSITIONED = "positioned"  # idle, cached distribution valid
+    RESIDENT = "resident"  # idle, KV resident but not positioned
+    EVICTED = "evicted"  # idle, no KV (or never had any)
+
+
+@dataclass
+class Positioned:
+    """The cached decision point: KV holds ``log + spec_ids`` and ``logits`` are the distribution after it."""
+
+    log_length: int  # token log length when positioned; any append makes it stale
+    role: str  # role whose entry was pre-paid
+    choices: tuple[str, ...] | None  # choice set whose shared leading tokens were followed
+    spec_ids: tuple[int, ...]  # opening + entry + speculative delta + cue + forced choice tokens
+    forced_ids: tuple[int, ...]  # the trailing forced choice tokens of spec_ids
+    logits: torch.Tensor  # [vocab], owned copy
+    greedy_scan: ScanResult | None = None  # precomputed scan at temperature 0 under ``choices``
+
+
+@dataclass
+class Session:
+    session_id: str | int
+    token_log: list[int] = field(default_factory=list)
+    positioned: Positioned | None = None
+    has_kv: bool = False
+    evicted: bool = False  # KV was dropped under memory pressure; the next request rebuilds it
+    serving: bool = False
+    last_role: str = "user"
+    last_choices: tuple[str, ...] | None = None
+    last_active_s: float = 0.0
+    pending: deque = field(default_factory=deque)  # (Request, ResponseSink) in arrival order
+
+    @property
+    def state(self) -> SessionState:
+        if self.serving:
+            return SessionState.SERVING
+        if self.positioned_valid():
+            return SessionState.POSITIONED
+        return SessionState.RESIDENT if self.has_kv else SessionState.EVICTED
+
+    def positioned_valid(self) -> bool:
+        return self.positioned is not None and self.positioned.log_length == len(self.token_log)
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        """Accept tokens into the log; the cached distribution no longer matches it."""
+        if token_ids:
+            self.token_log.extend(token_ids)
+            self.positioned = None
+
+    def mark_kv(self, resident: bool) -> None:
+        self.has_kv = resident
+        if not resident:
+            self.positioned = None
+
+    def mark_evicted(self) -> None:
+        self.mark_kv(False)
+        self.evicted = True
+
+
+class SessionStore:
+    """Open sessions by id. Not thread-safe: owned by the engine loop."""
+
+    def __init__(self, max_sessions: int):
+        self._sessions: dict[str | int, Session] = {}
+        self._max_sessions = max_sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+    def open(self, session_id: str | int, now_s: float) -> Session:
+        """Open a new session. Raises ProtocolError if it is open already or the store is full."""
+        if session_id in self._sessions:
+            raise ProtocolError("START", f"session {session_id!r} is already open", Status.ALREADY_EXISTS)
+        if len(self._sessions) >= self._max_sessions:
+            raise ProtocolError("START", f"too many open sessions (limit {self._max_sessions})", Status.RESOURCE_EXHAUSTED)
+        session = Session(session_id, last_active_s=now_s)
+        self._sessions[session_id] = session
+        return session
+
+    def lookup(self, session_id: str | int) -> Session:
+        """The open session with this id. Raises ProtocolError if there is none."""
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise ProtocolError(
+                "START", f"session {session_id!r} is not open; send START with its first request", Status.NOT_FOUND
+            ) from None
+
+    def get(self, session_id: str | int) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def close(self, session_id: str | int) -> Session | None:
+        return self._sessions.pop(session_id, None)
+
+    def count_by_state(self) -> dict[SessionState, int]:
+        counts = {state: 0 for state in SessionState}
+        for session in self._sessions.values():
+            counts[session.state] += 1
+        return counts

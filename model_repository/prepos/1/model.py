@@ -1,0 +1,85 @@
+"""Triton adapter for prepos: tensors -> core requests -> Triton responses.
+
+All logic lives in the ``prepos`` core package; this file only converts.
+"""
+
+import json
+import logging
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from prepos.core import Core
+from prepos.protocol import CONTROL_NAMES, INPUT_NAMES, ProtocolError, ResponseChunk, Status
+from triton_metrics import TritonMetricsSink
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+ERROR_CODES = {
+    Status.INVALID_ARGUMENT: pb_utils.TritonError.INVALID_ARG,
+    Status.NOT_FOUND: pb_utils.TritonError.NOT_FOUND,
+    Status.ALREADY_EXISTS: pb_utils.TritonError.ALREADY_EXISTS,
+    Status.RESOURCE_EXHAUSTED: pb_utils.TritonError.UNAVAILABLE,
+    Status.UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
+    Status.INTERNAL: pb_utils.TritonError.INTERNAL,
+}
+
+
+class TritonSink:
+    """Sends a request's response chunks through its decoupled response sender."""
+
+    def __init__(self, sender):
+        self._sender = sender
+
+    def send(self, chunk: ResponseChunk, final: bool) -> None:
+        tensors = [
+            pb_utils.Tensor("text_output", np.array([chunk.text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("output_ids", np.array(chunk.token_ids, dtype=np.int32)),
+            pb_utils.Tensor("path", np.array([chunk.path.encode()], dtype=np.object_)),
+            pb_utils.Tensor("confidence", np.array([chunk.confidence], dtype=np.float32)),
+            pb_utils.Tensor("finish_reason", np.array([chunk.finish_reason.encode()], dtype=np.object_)),
+            pb_utils.Tensor("queue_ms", np.array([chunk.queue_ms], dtype=np.float32)),
+            pb_utils.Tensor("compute_ms", np.array([chunk.compute_ms], dtype=np.float32)),
+            pb_utils.Tensor("first_token_ms", np.array([chunk.first_token_ms], dtype=np.float32)),
+        ]
+        self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+
+    def send_error(self, error: ProtocolError) -> None:
+        triton_error = pb_utils.TritonError(str(error), ERROR_CODES[error.status])
+        self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=triton_error), flags=FINAL)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        model_config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        idle_us = model_config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
+        if idle_us and "scheduler.session_idle_timeout_s" not in parameters:
+            parameters["scheduler.session_idle_timeout_s"] = str(int(idle_us) / 1e6)
+        model_dir = f"{args['model_repository']}"
+        self.core = Core.from_parameters(parameters, model_dir, TritonMetricsSink(args["model_name"]))
+        self.core.start()
+
+    def execute(self, requests):
+        for request in requests:
+            arrival_s = time.perf_counter()
+            sink = TritonSink(request.get_response_sender())
+            inputs = {}
+            for name in INPUT_NAMES + CONTROL_NAMES:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            try:
+                parsed = self.core.parse(
+                    inputs, session_id=request.correlation_id(), request_id=request.request_id(), arrival_s=arrival_s
+                )
+            except ProtocolError as err:
+                self.core.metrics.request_rejected(err.field)
+                sink.send_error(err)
+                continue
+            self.core.submit(parsed, sink)
+        return None
+
+    def finalize(self):
+        self.core.stop()

@@ -1,0 +1,45 @@
+"""The core's metrics sink on Triton's metrics port (Python backend custom metrics)."""
+
+import triton_python_backend_utils as pb_utils
+
+KINDS = {
+    "counter": pb_utils.MetricFamily.COUNTER,
+    "gauge": pb_utils.MetricFamily.GAUGE,
+    "histogram": pb_utils.MetricFamily.HISTOGRAM,
+}
+
+
+class TritonMetricsSink:
+    """Creates one metric family per spec and one metric per label set, labelled with the model name."""
+
+    def __init__(self, model_name: str):
+        self._model = model_name
+        self._families = {}
+        self._buckets = {}
+        self._metrics = {}
+
+    def declare(self, spec) -> None:
+        self._families[spec.name] = pb_utils.MetricFamily(
+            name=spec.name, description=spec.description, kind=KINDS[spec.kind]
+        )
+        self._buckets[spec.name] = list(spec.buckets) or None
+
+    def _metric(self, name, labels):
+        key = (name, tuple(sorted(labels.items())))
+        metric = self._metrics.get(key)
+        if metric is None:
+            full = {"model": self._model, **labels}
+            buckets = self._buckets[name]
+            family = self._families[name]
+            metric = family.Metric(labels=full, buckets=buckets) if buckets else family.Metric(labels=full)
+            self._metrics[key] = metric
+        return metric
+
+    def inc(self, name, labels, value) -> None:
+        self._metric(name, labels).increment(value)
+
+    def set(self, name, labels, value) -> None:
+        self._metric(name, labels).set(value)
+
+    def observe(self, name, labels, value) -> None:
+        self._metric(name, labels).observe(value)

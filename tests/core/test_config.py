@@ -1,0 +1,21 @@
+import pytest
+
+from prepos.config import ConfigError, read_config
+
+
+def test_parameters_and_environment_override_defaults():
+    config = read_config({"gate.threshold": "0.8", "scheduler.preposition": "false"}, environ={"PREPOS_GATE_THRESHOLD": "0.7"})
+    assert config.gate.threshold == 0.7 and config.scheduler.preposition is False
+    assert config.engine.name == "torch" and config.scheduler.chunk_tokens == 32
+
+
+@pytest.mark.parametrize("params, key", [
+    ({"gate.treshold": "1"}, "gate.treshold"),
+    ({"scheduler.chunk_tokens": "0"}, "scheduler.chunk_tokens"),
+    ({"scheduler.chunk_tokens": "many"}, "scheduler.chunk_tokens"),
+    ({"engine.name": "onnx"}, "engine.name"),
+    ({"scheduler.preposition": "perhaps"}, "scheduler.preposition"),
+])
+def test_bad_values_name_the_key(params, key):
+    with pytest.raises(ConfigError, match=f"^{key}: "):
+        read_config(params, environ={})

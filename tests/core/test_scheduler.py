@@ -1,0 +1,324 @@
+"""The engine loop on a fake engine: served paths, token-log bookkeeping, preemption, eviction."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from fakes import IM_END, CollectSink, FakeClock, FakeEngine, char_tokenizer, chatml_framing, hashed_logits
+from prepos.config import GateConfig, SchedulerConfig
+from prepos.gate import Gate
+from prepos.metrics import Metrics
+from prepos.protocol import Request, Sampling, Status
+from prepos.scan import scan_numpy
+from prepos.scheduler import Scheduler
+from prepos.session import SessionState
+
+_ids = itertools.count()
+
+
+class Harness:
+    def __init__(self, tmp_path, *, threshold=2.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True, **engine_kw):
+        self.clock = FakeClock()
+        self.engine = FakeEngine(clock=self.clock, **engine_kw)
+        self.tok = char_tokenizer(tmp_path)
+        self.framing = chatml_framing(self.tok)
+        self.metrics = Metrics()
+        self.sched = Scheduler(
+            engine=self.engine, tokenizer=self.tok, framing=self.framing,
+            config=SchedulerConfig(chunk_tokens=chunk_tokens, retain_kv=retain_kv),
+            gate=Gate(GateConfig(threshold=threshold)), scan=scan_numpy, metrics=self.metrics,
+            max_sessions=100, kv_budget_bytes=kv_budget, clock=self.clock,
+        )
+
+    def request(self, sid, text=None, *, start=False, end=False, max_tokens=8, **kw) -> Request:
+        return Request(session_id=sid, request_id=str(next(_ids)), start=start, end=end, role=kw.pop("role", "user"),
+                       max_tokens=max_tokens, delta_text=text, arrival_s=self.clock(), **kw)
+
+    def submit(self, request) -> CollectSink:
+        sink = CollectSink()
+        self.sched.submit(request, sink)
+        return sink
+
+    def serve(self, request) -> CollectSink:
+        """Submit and run foreground steps until the request is answered (no idle work after it)."""
+        sink = self.submit(request)
+        for _ in range(10_000):
+            if sink.done:
+                return sink
+            self.sched.run_once()
+        raise AssertionError("request never finished")
+
+    def idle(self) -> None:
+        """Run until there is nothing left to do (pre-positioning included)."""
+        for _ in range(10_000):
+            if not self.sched.run_once():
+                return
+        raise AssertionError("loop never went idle")
+
+    def log(self, sid) -> list[int]:
+        return list(self.sched.store.lookup(sid).token_log)
+
+    def reference(self, sequence, max_tokens) -> list[int]:
+        """Stateless greedy decoding from a full prefill of ``sequence``."""
+        seq, out = list(sequence), []
+        while len(out) < max_tokens:
+            token = int(np.argmax(hashed_logits(seq, self.engine.info.vocab_size)))
+            out.append(token)
+            seq.append(token)
+            if token == IM_END:
+                break
+        return out
+
+    def prompt(self, sid, text, role="user") -> list[int]:
+        log = self.log(sid)
+        opening = self.framing.opening_ids(not log, role)
+        return [*log, *opening, *self.framing.entry_ids[role], *self.tok.encode(text), *self.framing.cue_ids]
+
+
+def answer_ids(sink):
+    return [t for t in sink.ids]
+
+
+@pytest.fixture
+def h(tmp_path):
+    return Harness(tmp_path)
+
+
+def open_session(h, sid="s1", text="You are a tool router.", role="system"):
+    sink = h.serve(h.request(sid, text, start=True, max_tokens=0, role=role))
+    assert sink.chunks[-1].finish_reason == "appended"
+    return sink
+
+
+def expected(h, sid, text, max_tokens=8, role="user"):
+    ref = h.reference(h.prompt(sid, text, role), max_tokens)
+    return [t for t in ref if t != IM_END]
+
+
+def test_paths_are_token_identical_to_stateless_prefill(h):
+    open_session(h)
+    want = expected(h, "s1", "hello there")
+    first = h.serve(h.request("s1", "hello there"))  # not positioned yet
+    assert first.path == "prefix" and first.ids == want
+
+    h.idle()
+    assert h.sched.store.lookup("s1").state is SessionState.POSITIONED
+    want = expected(h, "s1", "")
+    exact = h.serve(h.request("s1", ""))
+    assert exact.path == "exact" and exact.ids == want
+
+    h.idle()
+    want = expected(h, "s1", "next question")
+    prepaid = h.serve(h.request("s1", "next question"))  # gate threshold 2.0 never fires
+    assert prepaid.path == "prepaid" and prepaid.ids == want
+    assert prepaid.chunks[-1].finish_reason in ("stop", "length")
+
+
+def test_rebuild_after_eviction_is_token_identical(tmp_path):
+    h = Harness(tmp_path, kv_budget=100 * 70)  # the fake engine counts 100 bytes a token: one session fits
+    open_session(h, "a")
+    h.clock.t += 1
+    open_session(h, "b")
+    h.idle()
+    assert h.metrics.sink.get("prepos_kv_evictions_total") >= 1
+    evicted = [s for s in ("a", "b") if h.sched.store.lookup(s).state is SessionState.EVICTED]
+    assert evicted == ["a"]  # least recently active goes first
+    want = expected(h, "a", "are you there")
+    sink = h.serve(h.request("a", "are you there"))
+    assert sink.path == "rebuild" and sink.ids == want
+
+
+def test_gated_answer_comes_from_the_speculative_distribution(tmp_path):
+    h = Harness(tmp_path, threshold=0.0)
+    open_session(h)
+    h.idle()
+    spec_prompt = h.prompt("s1", "")  # the decision point without the delta
+    spec_first = int(np.argmax(hashed_logits(spec_prompt, h.engine.info.vocab_size)))
+    calls_before = len(h.engine.calls)
+    sink = h.submit(h.request("s1", "what now", max_tokens=1))
+    h.sched.run_once()
+    assert sink.done and sink.path == "gated"
+    assert len(h.engine.calls) == calls_before  # answered by a scan, no engine work on the critical path
+    assert sink.chunks[0].token_ids == ((spec_first,) if spec_first != IM_END else ())
+    assert h.metrics.sink.get("prepos_gate_decisions_total", outcome="fired") == 1
+    # the delta still entered the token log, once, before the answer
+    log = h.log("s1")
+    delta = h.tok.encode("what now")
+    assert sum(log[i:i + len(delta)] == delta for i in range(len(log))) == 1
+
+
+def test_every_delta_enters_the_log_once_in_order(h):
+    texts = ["alpha one", "bravo two", "charlie three", "delta four", "echo five"]
+    open_session(h)
+    for i, text in enumerate(texts):
+        if i % 2:
+            h.serve(h.request("s1", text, max_tokens=0))  # an update
+        else:
+            h.serve(h.request("s1", text, max_tokens=3))
+        if i == 2:
+            h.idle()
+    decoded = h.tok.decode(h.log("s1"))
+    positions = [decoded.find(t) for t in texts]
+    assert all(p >= 0 for p in positions) and positions == sorted(positions)
+    assert all(decoded.count(t) == 1 for t in texts)
+
+
+def test_rejected_requests_leave_the_log_unchanged(h):
+    open_session(h)
+    h.serve(h.request("s1", "hi", max_tokens=2))
+    before = h.log("s1")
+    bad = [
+        h.request("s1", "x", role="wizard"),
+        Request(session_id="s1", request_id="r", start=False, end=False, role="user", max_tokens=2,
+                delta_ids=(5, 10**6)),
+        h.request("s1", "y" * 5000),  # longer than the 4096-token context
+    ]
+    fields = []
+    for request in bad:
+        sink = h.serve(request)
+        assert sink.error is not None and not sink.chunks
+        fields.append(sink.error.field)
+    assert fields == ["role", "input_ids", "text_input"]
+    assert h.log("s1") == before
+    assert h.serve(h.request("s1", "still here", max_tokens=2)).error is None
+
+
+def test_append_invalidates_the_cached_distribution(h):
+    open_session(h)
+    h.idle()
+    session = h.sched.store.lookup("s1")
+    assert session.state is SessionState.POSITIONED
+    h.serve(h.request("s1", "new data point", max_tokens=0))
+    assert session.state is not SessionState.POSITIONED
+    h.idle()
+    assert session.state is SessionState.POSITIONED
+    assert session.positioned.log_length == len(session.token_log)
+    assert h.metrics.sink.get("prepos_prepositionings_total", result="invalidated") == 1
+
+
+def test_foreground_request_waits_at_most_one_chunk(tmp_path):
+    chunk_tokens, token_time = 16, 0.002
+    h = Harness(tmp_path, chunk_tokens=chunk_tokens, token_time_s=token_time, step_time_s=0.0)
+    open_session(h, "idle", "x" * 400)  # a long log: its pre-positioning takes many chunks
+    open_session(h, "busy")
+    h.engine.release("idle")  # force a full re-prefill in the background
+    h.sched.store.lookup("idle").mark_kv(False)
+    h.sched.run_once()  # starts pre-positioning "idle" ...
+    sinks = []
+    h.engine.on_compute = lambda: sinks.append(h.submit(h.request("busy", "", max_tokens=1))) if not sinks else None
+    h.sched.run_once()  # ... the next chunk; a request arrives in its middle
+    h.engine.on_compute = None
+    while not sinks[0].done:
+        h.sched.run_once()
+    chunk_s = token_time * chunk_tokens
+    assert sinks[0].chunks[0].queue_ms <= chunk_s * 1e3 / 2 + 1e-6  # it arrived mid-chunk
+    assert h.metrics.sink.get("prepos_prepositionings_total", result="completed") == 0
+    h.idle()
+    assert h.sched.store.lookup("idle").state is SessionState.POSITIONED
+
+
+def test_request_for_the_session_being_positioned_preempts_it(tmp_path):
+    h = Harness(tmp_path, chunk_tokens=8)
+    open_session(h, "s1", "y" * 200)
+    h.engine.release("s1")
+    h.sched.store.lookup("s1").mark_kv(False)
+    h.sched.run_once()
+    sink = h.serve(h.request("s1", "hi", max_tokens=2))
+    assert sink.path == "prefix"
+    assert h.metrics.sink.get("prepos_prepositionings_total", result="preempted") == 1
+
+
+def test_choices_follow_shared_tokens_and_answer_from_the_cache(h):
+    choices = ("lookup", "weather", "alarm")
+    open_session(h)
+    first = h.serve(h.request("s1", "which tool?", choices=choices))
+    assert first.text in choices and first.chunks[-1].finish_reason == "stop"
+    h.idle()
+    positioned = h.sched.store.lookup("s1").positioned
+    assert positioned.forced_ids == ()  # the choices diverge at their first token
+    calls = len(h.engine.calls)
+    sink = h.serve(h.request("s1", "", choices=choices))
+    assert sink.path == "exact" and sink.text in choices
+    assert len(h.engine.calls) == calls  # a scan at the decision point answered it
+
+    shared = ("get_weather", "get_time")
+    h.serve(h.request("s1", "and now?", choices=shared))
+    h.idle()
+    positioned = h.sched.store.lookup("s1").positioned
+    assert h.tok.decode(positioned.forced_ids) == "get_"  # followed the shared tokens forward
+    calls = len(h.engine.calls)
+    sink = h.serve(h.request("s1", "", choices=shared))
+    assert sink.path == "exact" and sink.text in shared and len(h.engine.calls) == calls
+    assert sink.ids == h.tok.encode(sink.text)
+
+
+def test_choices_answer_matches_constrained_reference(h):
+    choices = ("yes", "no", "yesterday")  # "yes" is a prefix of "yesterday": the terminator decides
+    open_session(h)
+    prompt = h.prompt("s1", "answer")
+    sink = h.serve(h.request("s1", "answer", choices=choices))
+    # reference: walk the trie greedily over full prefills
+    seq, text = list(prompt), ""
+    candidates = [h.tok.encode(c) for c in choices]
+    out = []
+    while True:
+        live = [c for c in candidates if c[:len(out)] == out]
+        allowed = sorted({c[len(out)] for c in live if len(c) > len(out)} | ({IM_END} if out in live and len(live) > 1 else set()))
+        if not allowed:
+            break
+        logits = hashed_logits(seq, h.engine.info.vocab_size)
+        token = allowed[int(np.argmax(logits[allowed]))] if len(allowed) > 1 else allowed[0]
+        if token == IM_END:
+            break
+        out.append(token)
+        seq.append(token)
+        if out in live and not any(len(c) > len(out) and c[:len(out)] == out for c in live):
+            break
+    assert sink.text == h.tok.decode(out) and sink.text in choices
+
+
+def test_stop_strings_cut_the_answer(h):
+    open_session(h)
+    full = h.serve(h.request("s2", "tell me", start=True, max_tokens=30)).text
+    assert len(full) > 4
+    stop = full[2:4]
+    sink = h.serve(h.request("s3", "tell me", start=True, max_tokens=30, stop=(stop,)))
+    assert sink.text == full[:full.find(stop)] and sink.chunks[-1].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(h):
+    sampling = Sampling(temperature=1.0, seed=7)
+    a = h.serve(h.request("a", "roll", start=True, max_tokens=12, sampling=sampling)).ids
+    b = h.serve(h.request("b", "roll", start=True, max_tokens=12, sampling=sampling)).ids
+    c = h.serve(h.request("c", "roll", start=True, max_tokens=12, sampling=Sampling(temperature=1.0, seed=8))).ids
+    assert a == b and a != c
+
+
+def test_end_frees_the_session_and_start_rules_hold(h):
+    open_session(h)
+    h.idle()
+    dup = h.serve(h.request("s1", "again", start=True, max_tokens=0))
+    assert dup.error.field == "START" and dup.error.status is Status.ALREADY_EXISTS
+    closed = h.serve(h.request("s1", None, end=True, max_tokens=0))
+    assert closed.chunks[-1].path == "close" and closed.chunks[-1].finish_reason == "closed"
+    assert "s1" not in h.engine.kv and h.sched.store.get("s1") is None
+    after = h.serve(h.request("s1", "hello"))
+    assert after.error.field == "START" and after.error.status is Status.NOT_FOUND
+
+
+def test_stateless_mode_prefills_the_whole_log_every_time(tmp_path):
+    h = Harness(tmp_path, retain_kv=False)
+    open_session(h)
+    h.serve(h.request("s1", "one", max_tokens=2))
+    h.idle()
+    assert h.metrics.sink.get("prepos_prepositionings_total", result="completed") == 0
+    want = expected(h, "s1", "two", max_tokens=3)
+    prompt_length = len(h.prompt("s1", "two"))
+    num_calls = len(h.engine.calls)
+    sink = h.serve(h.request("s1", "two", max_tokens=3))
+    assert sink.path == "rebuild" and sink.ids == want
+    assert h.engine.calls[num_calls] == ("prefill", "s1", prompt_length)  # the whole log, every time
+    assert "s1" not in h.engine.kv

@@ -1,0 +1,170 @@
+"""Toy-size stand-ins for unit tests: a character tokenizer, ChatML framing and a fake engine.
+
+The fake engine's logits are a pure function of the whole token sequence, so a
+stateless full prefill and any incremental path must agree token for token;
+what the tests check is the scheduler's bookkeeping, not a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from prepos.engines.base import Engine, EngineInfo, common_prefix_length
+from prepos.protocol import ProtocolError, ResponseChunk
+from prepos.template import Framing
+from prepos.template import Tokenizer as PreposTokenizer
+
+SPECIALS = ["<|im_start|>", "<|im_end|>"]
+CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
+VOCAB = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+IM_START, IM_END = 0, 1
+
+
+def write_char_tokenizer(path: Path) -> Path:
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".|\n"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
+    tok.save(str(path))
+    return path
+
+
+def char_tokenizer(tmp_path: Path) -> PreposTokenizer:
+    return PreposTokenizer(write_char_tokenizer(tmp_path / "tokenizer.json"))
+
+
+def chatml_framing(tok: PreposTokenizer) -> Framing:
+    enc = tok.encode
+    return Framing(
+        entry_ids={role: tuple(enc(f"<|im_start|>{role}\n")) for role in ("system", "user", "tool")},
+        close_ids=tuple(enc("<|im_end|>\n")),
+        cue_ids=tuple(enc("<|im_end|>\n<|im_start|>assistant\n")),
+        answer_terminator_ids=tuple(enc("<|im_end|>\n")),
+        default_system_ids=tuple(enc("<|im_start|>system\nBe brief.<|im_end|>\n")),
+        stop_token_ids=frozenset({IM_END}),
+    )
+
+
+def write_engine_dir(path: Path) -> Path:
+    """An engine directory (tokenizer + prepos_engine.json) for the fake engine."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = PreposTokenizer(write_char_tokenizer(path / "tokenizer.json"))
+    framing = chatml_framing(tok)
+    manifest = {
+        "format_version": 1, "model_name": "fake", "vocab_size": len(VOCAB), "max_context": 4096,
+        "framing": {
+            "roles": {r: {"entry_ids": list(v)} for r, v in framing.entry_ids.items()},
+            "close_ids": list(framing.close_ids), "cue_ids": list(framing.cue_ids),
+            "answer_terminator_ids": list(framing.answer_terminator_ids),
+            "default_system_ids": list(framing.default_system_ids), "stop_token_ids": sorted(framing.stop_token_ids),
+        },
+    }
+    (path / "prepos_engine.json").write_text(json.dumps(manifest))
+    return path
+
+
+def hashed_logits(seq: Sequence[int], vocab: int) -> np.ndarray:
+    """Pseudo-random logits determined by the last 8 tokens and the length; ends answers now and then."""
+    digest = hashlib.blake2b(np.asarray(seq[-8:], dtype=np.int64).tobytes() + len(seq).to_bytes(4, "little")).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    logits = rng.normal(0.0, 2.0, vocab).astype(np.float32)
+    logits[IM_START] = -30.0
+    logits[IM_END] += 2.0
+    return logits
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeEngine(Engine):
+    """Engine contract over a pure function of the sequence. Every computed token advances the fake clock."""
+
+    def __init__(self, vocab: int = len(VOCAB), max_context: int = 4096, clock: FakeClock | None = None,
+                 token_time_s: float = 0.001, step_time_s: float = 0.005,
+                 logits_fn: Callable[[Sequence[int], int], np.ndarray] = hashed_logits):
+        self.info = EngineInfo("fake", vocab, max_context, kv_bytes_per_token=100, weight_bytes=1000, device="cpu")
+        self.clock = clock or FakeClock()
+        self.token_time_s, self.step_time_s = token_time_s, step_time_s
+        self.logits_fn = logits_fn
+        self.kv: dict = {}
+        self.calls: list[tuple[str, object, int]] = []  # (method, session, tokens computed)
+        self.on_compute: Callable[[], None] | None = None  # called mid-computation (tests inject arrivals here)
+
+    def _compute(self, session_id, seq: list[int], num_new: int) -> torch.Tensor:
+        self.clock.t += self.step_time_s + self.token_time_s * num_new / 2
+        if self.on_compute is not None:
+            self.on_compute()
+        self.clock.t += self.token_time_s * num_new / 2
+        self.kv[session_id] = list(seq)
+        return torch.from_numpy(self.logits_fn(seq, self.info.vocab_size))
+
+    def prefill(self, session_id, token_ids):
+        if not token_ids or len(token_ids) > self.info.max_context:
+            raise ValueError("bad length")
+        cached = self.kv.get(session_id, [])
+        reuse = min(common_prefix_length(cached, token_ids), len(token_ids) - 1)
+        self.calls.append(("prefill", session_id, len(token_ids) - reuse))
+        return self._compute(session_id, list(token_ids), len(token_ids) - reuse)
+
+    def decode(self, session_id, token_id):
+        self.calls.append(("decode", session_id, 1))
+        return self._compute(session_id, self.kv[session_id] + [token_id], 1)
+
+    def cached_token_ids(self, session_id):
+        return tuple(self.kv.get(session_id, ()))
+
+    def truncate(self, session_id, num_tokens):
+        self.kv[session_id] = self.kv.get(session_id, [])[:num_tokens]
+
+    def release(self, session_id):
+        self.kv.pop(session_id, None)
+
+    def kv_bytes(self, session_id):
+        return 100 * len(self.kv.get(session_id, ()))
+
+
+class CollectSink:
+    """Records what a request got back."""
+
+    def __init__(self) -> None:
+        self.chunks: list[ResponseChunk] = []
+        self.error: ProtocolError | None = None
+        self.finals = 0
+
+    def send(self, chunk: ResponseChunk, final: bool) -> None:
+        assert self.finals == 0, "response after the final one"
+        self.chunks.append(chunk)
+        self.finals += final
+
+    def send_error(self, error: ProtocolError) -> None:
+        assert self.finals == 0, "error after the final response"
+        self.error = error
+        self.finals += 1
+
+    @property
+    def done(self) -> bool:
+        return self.finals == 1
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+    @property
+    def path(self) -> str:
+        return self.chunks[0].path
