@@ -1,0 +1,394 @@
+"""The `prepos` command line: `chat`, `ask`, `append`, `close`, `serve`, `build`.
+
+Subcommands live in the `COMMANDS` registry. `register_command` adds one
+defined here or in any module imported before `main` runs;
+`register_module_command` adds one that hands its arguments to another
+package's `main(argv)`, imported only when that subcommand runs (so the
+client commands never pay for the server's imports).
+
+Exit codes: 0 ok, 1 the server rejected a request (the message names the
+field), 2 usage, 3 the server cannot be reached, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from .client import DEFAULT_MODEL, DEFAULT_URL, Client
+from .errors import PreposError, PreposUnavailable
+from .protocol import Answer, Chunk, Update
+from .session import Session
+
+logger = logging.getLogger("prepos")
+
+EXIT_OK = 0
+EXIT_SERVER_ERROR = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_INTERRUPTED = 130
+
+URL_ENV = "PREPOS_URL"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: `add_arguments(parser)` declares its flags, `run(args)` returns the exit code.
+
+    With `forwards_argv`, the subcommand declares no flags of its own: the
+    arguments after its name reach `run` unparsed, as `args.argv`.
+    """
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    forwards_argv: bool = False
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register_command(
+    name: str,
+    *,
+    help: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
+    """Add (or replace) the subcommand `name`."""
+    COMMANDS[name] = Command(help, add_arguments, run)
+
+
+def register_module_command(name: str, module: str, *, help: str) -> None:
+    """Add (or replace) the subcommand `name` as `module.main(argv) -> int`.
+
+    `argv` is everything after the subcommand's name, `--help` included.
+    """
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            entry_point = importlib.import_module(module).main
+        except ImportError as error:
+            print(f"prepos {name} is unavailable here: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        return entry_point(args.argv)
+
+    COMMANDS[name] = Command(help, lambda parser: None, run, forwards_argv=True)
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """--url, --model, --timeout: where the server is and how long a call may take."""
+    parser.add_argument(
+        "--url",
+        default=os.environ.get(URL_ENV, DEFAULT_URL),
+        help=f"gRPC host:port of the server (env {URL_ENV}; default %(default)s)",
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="Triton model name (default %(default)s)")
+    parser.add_argument("--timeout", type=float, dest="timeout_s", help="seconds one call may take")
+
+
+def add_session_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """--session-id and --continue."""
+    parser.add_argument("--session-id", required=required, help="session id (default: a fresh random one)")
+    parser.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="the session is already open on the server: do not send START",
+    )
+
+
+def _comma_list(value: str) -> list[str]:
+    return [item for item in value.split(",") if item]
+
+
+# Flag -> argparse options; each becomes a keyword of Session.generate when set.
+# Defaults stay None so that the library's and the server's defaults apply.
+_GENERATION_FLAGS: dict[str, dict] = {
+    "--max-tokens": dict(type=int, help="tokens to generate"),
+    "--choices": dict(type=_comma_list, help="closed answer set, comma-separated: yes,no"),
+    "--temperature": dict(type=float, help="sampling temperature (greedy when unset)"),
+    "--top-p": dict(type=float, help="nucleus sampling mass"),
+    "--top-k": dict(type=int, help="sample from the k most likely tokens"),
+    "--seed": dict(type=int, help="sampling seed"),
+    "--stop": dict(action="append", help="stop string (repeatable)"),
+    "--speculate": dict(action=argparse.BooleanOptionalAction, help="allow the gated path"),
+    "--gate-threshold": dict(type=float, help="gate threshold for this request"),
+}
+GENERATION_OPTIONS = tuple(flag[2:].replace("-", "_") for flag in _GENERATION_FLAGS)
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for the options of a generate request (all optional)."""
+    group = parser.add_argument_group("generation")
+    for flag, options in _GENERATION_FLAGS.items():
+        group.add_argument(flag, default=None, **options)
+
+
+def generation_options(args: argparse.Namespace) -> dict:
+    """The generation flags that were given, as keywords for `Session.generate`."""
+    return {name: getattr(args, name) for name in GENERATION_OPTIONS if getattr(args, name, None) is not None}
+
+
+def connect(args: argparse.Namespace) -> Client:
+    """A Client for the connection flags of `args`."""
+    options = {} if args.timeout_s is None else {"timeout_s": args.timeout_s}
+    return Client(args.url, args.model, **options)
+
+
+@contextlib.contextmanager
+def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -> Iterator[Session]:
+    """Yield the session of `args`; on exit, close it (END) or, with keep_open, leave it open."""
+    session = client.session(args.session_id, resume=args.resume)
+    try:
+        yield session
+    except BaseException:
+        if keep_open:
+            session.detach()
+        else:
+            with contextlib.suppress(PreposError):
+                session.close()
+        raise
+    if keep_open:
+        session.detach()
+    else:
+        session.close()
+
+
+def _dim(text: str) -> str:
+    if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
+        return f"\x1b[2m{text}\x1b[0m"
+    return text
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}ms"
+
+
+def answer_status(answer: Answer) -> str:
+    """One status line: served path, gate confidence, client TTFT, server first-token time."""
+    confidence = "-" if answer.confidence is None else f"{answer.confidence:.2f}"
+    return (
+        f"[path={answer.path or '-'} confidence={confidence} ttft={_ms(answer.ttft_ms)} "
+        f"server_first_token={_ms(answer.first_token_ms)}]"
+    )
+
+
+def update_status(update: Update) -> str:
+    """One status line for an append or close acknowledgement."""
+    return f"[path={update.path or '-'} total={_ms(update.total_ms)}]"
+
+
+def stream_answer(chunks: Iterator[Chunk]) -> Answer:
+    """Print the answer's text to stdout as it arrives; return the collected Answer."""
+    received = []
+    for chunk in chunks:
+        received.append(chunk)
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return Answer.from_chunks(received)
+
+
+def _print_json(data: dict) -> None:
+    print(json.dumps(data, ensure_ascii=False))
+
+
+# --- ask ---------------------------------------------------------------------
+
+
+def _add_ask_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("text", help="the question (the delta); '' for an empty delta")
+    add_connection_arguments(parser)
+    add_session_arguments(parser)
+    parser.add_argument("--role", help="role of the delta: user (server default), tool, system")
+    parser.add_argument("--keep-open", action="store_true", help="leave the session open (no END)")
+    parser.add_argument("--json", action="store_true", help="print the Answer as JSON")
+    add_generation_arguments(parser)
+
+
+def _run_ask(args: argparse.Namespace) -> int:
+    with connect(args) as client, open_session(client, args, keep_open=args.keep_open) as session:
+        chunks = session.generate(args.text, role=args.role, end=not args.keep_open, **generation_options(args))
+        if args.json:
+            _print_json(Answer.from_chunks(list(chunks)).to_dict())
+        else:
+            stream_answer(chunks)
+    return EXIT_OK
+
+
+# --- append ------------------------------------------------------------------
+
+
+def _add_append_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("text", help="the delta to append")
+    add_connection_arguments(parser)
+    add_session_arguments(parser, required=True)
+    parser.add_argument("--role", help="role of the delta: user (server default), tool, system")
+    parser.add_argument("--end", action="store_true", help="close the session with this append")
+    parser.add_argument("--json", action="store_true", help="print the acknowledgement as JSON")
+
+
+def _run_append(args: argparse.Namespace) -> int:
+    with connect(args) as client, open_session(client, args, keep_open=not args.end) as session:
+        update = session.append(args.text, role=args.role, end=args.end)
+        if args.json:
+            _print_json(update.to_dict())
+    return EXIT_OK
+
+
+# --- close -------------------------------------------------------------------
+
+
+def _add_close_arguments(parser: argparse.ArgumentParser) -> None:
+    add_connection_arguments(parser)
+    parser.add_argument("--session-id", required=True, help="id of the open session to close")
+    parser.add_argument("--json", action="store_true", help="print the acknowledgement as JSON")
+
+
+def _run_close(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        update = client.session(args.session_id, resume=True).close()
+        if args.json and update is not None:
+            _print_json(update.to_dict())
+    return EXIT_OK
+
+
+# --- chat --------------------------------------------------------------------
+
+CHAT_HELP = """commands:
+  /append TEXT   append TEXT without asking for an answer
+  /role ROLE     role of the next delta (user, tool, system)
+  /quit          close the session and leave (also Ctrl-D, Ctrl-C)
+  /help          this text"""
+
+
+def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    add_connection_arguments(parser)
+    add_session_arguments(parser)
+    parser.add_argument("--system", help="system message appended when the session opens")
+    parser.add_argument("--keep-open", action="store_true", help="leave the session open on exit (no END)")
+    add_generation_arguments(parser)
+
+
+def _read_line(interactive: bool) -> str | None:
+    if interactive:
+        sys.stderr.write("> ")
+        sys.stderr.flush()
+    line = sys.stdin.readline()
+    return line.rstrip("\r\n") if line else None
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    interactive = sys.stdin.isatty()
+    options = generation_options(args)
+    with connect(args) as client, open_session(client, args, keep_open=args.keep_open) as session:
+        if args.system is not None:
+            session.append(args.system, role="system")
+        if interactive:
+            print(_dim(f"session {session.session_id} on {args.url}; /help for commands"), file=sys.stderr)
+        try:
+            _chat_loop(session, options, interactive)
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+    return EXIT_OK
+
+
+def _chat_loop(session: Session, options: dict, interactive: bool) -> None:
+    role = None
+    while (line := _read_line(interactive)) is not None:
+        command, _, rest = line.partition(" ")
+        try:
+            if command == "/quit":
+                return
+            if command == "/help":
+                print(CHAT_HELP, file=sys.stderr)
+            elif command == "/role":
+                role = rest.strip() or None
+            elif command == "/append":
+                update = session.append(rest, role=role)
+                role = None
+                print(_dim(update_status(update)), file=sys.stderr)
+            elif command.startswith("/"):
+                print(f"unknown command {command}; /help for commands", file=sys.stderr)
+            elif line.strip():
+                answer = stream_answer(session.generate(line, role=role, **options))
+                role = None
+                print(_dim(answer_status(answer)), file=sys.stderr)
+        except PreposUnavailable:
+            raise
+        except PreposError as error:
+            sys.stdout.flush()
+            print(f"error: {error}", file=sys.stderr)
+
+
+# --- entry point ---------------------------------------------------------------
+
+register_command(
+    "chat",
+    help="interactive multi-turn session on stdin/stdout",
+    add_arguments=_add_chat_arguments,
+    run=_run_chat,
+)
+register_command("ask", help="ask one question and print the answer", add_arguments=_add_ask_arguments, run=_run_ask)
+register_command(
+    "append",
+    help="append a delta to a session without an answer",
+    add_arguments=_add_append_arguments,
+    run=_run_append,
+)
+register_command("close", help="close an open session (END)", add_arguments=_add_close_arguments, run=_run_close)
+register_module_command("serve", "prepos.launcher", help="start Triton with the prepos model repository")
+register_module_command("build", "prepos_build.__main__", help="build an engine directory from a checkpoint")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `prepos` parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(prog="prepos", description="prepos: stateful LLM sessions on Triton")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        subparser = subparsers.add_parser(
+            name, help=command.help, description=command.help, add_help=not command.forwards_argv
+        )
+        command.add_arguments(subparser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `prepos` command line; return its exit code."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    command = COMMANDS[args.command]
+    if command.forwards_argv:
+        args.argv = extra
+        return command.run(args)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    level = logging.DEBUG if args.verbose else logging.WARNING
+    logging.basicConfig(format="prepos: %(levelname)s: %(message)s", level=level)
+    try:
+        return command.run(args)
+    except PreposUnavailable as error:
+        url = getattr(args, "url", "the configured address")
+        print(f"prepos: cannot reach prepos at {url}: is `make serve` running? ({error})", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except PreposError as error:
+        print(f"prepos: error: {error}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    except ValueError as error:
+        print(f"prepos {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED

@@ -1,0 +1,109 @@
+"""Client: the entry point that opens sessions and checks the server's health."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping
+
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from .errors import PreposError, PreposTimeout, PreposUnavailable, from_triton
+from .session import Session, new_session_id
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_URL = "127.0.0.1:8001"
+DEFAULT_MODEL = "prepos"
+
+
+class Client:
+    """Entry point: opens sessions on a prepos server.
+
+    Args:
+        url: host:port of Triton's gRPC endpoint.
+        model: the Triton model name.
+        timeout_s: default time limit of every call of the sessions it opens.
+        headers: extra gRPC headers sent on every stream and health call.
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        model: str = DEFAULT_MODEL,
+        *,
+        timeout_s: float = 60.0,
+        headers: Mapping[str, str] | None = None,
+    ):
+        self.url = url
+        self.model = model
+        self.timeout_s = timeout_s
+        self.headers = dict(headers or {})
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        self._health: grpcclient.InferenceServerClient | None = None
+
+    def session(self, session_id: str | int | None = None, *, resume: bool = False) -> Session:
+        """Open a `Session` (on the server with its first request).
+
+        `session_id` None picks a fresh random id. `resume=True` continues a
+        session that is already open on the server: no START is sent.
+        """
+        session = Session(
+            self.url,
+            self.model,
+            new_session_id() if session_id is None else session_id,
+            timeout_s=self.timeout_s,
+            headers=self.headers,
+            resume=resume,
+        )
+        self._sessions.add(session)
+        return session
+
+    def is_ready(self, *, timeout_s: float | None = None) -> bool:
+        """True when the server is live and the model is ready."""
+        try:
+            self.ensure_ready(timeout_s=timeout_s)
+        except PreposError:
+            return False
+        return True
+
+    def ensure_ready(self, *, timeout_s: float | None = None) -> None:
+        """Return if the server is live and the model ready.
+
+        Raises:
+            PreposUnavailable: the server cannot be reached.
+            PreposError: it answers, but the model is not ready.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self._health is None:
+            self._health = grpcclient.InferenceServerClient(self.url)
+        try:
+            if not self._health.is_server_live(headers=self.headers, client_timeout=timeout_s):
+                raise PreposUnavailable(f"the server at {self.url} is not live")
+            if not self._health.is_model_ready(self.model, headers=self.headers, client_timeout=timeout_s):
+                raise PreposError(f"model {self.model!r} is not ready at {self.url}")
+        except InferenceServerException as error:
+            failure = from_triton(error)
+            if isinstance(failure, PreposTimeout):
+                raise PreposUnavailable(f"no answer from {self.url} within {timeout_s:g} s", status=failure.status)
+            raise failure from None
+
+    def close(self) -> None:
+        """Close every session of this client that is still open, then the health connection."""
+        try:
+            for session in list(self._sessions):
+                try:
+                    session.close()
+                except PreposError:
+                    logger.warning("closing session %s failed", session.session_id, exc_info=True)
+        finally:
+            if self._health is not None:
+                self._health.close()
+                self._health = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close()

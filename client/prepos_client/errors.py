@@ -1,0 +1,82 @@
+"""Errors raised by the prepos client.
+
+Every failure the server reports reaches the caller as a `PreposError`; the
+two conditions a caller usually handles differently (the server cannot be
+reached, a call ran out of time) have their own subclasses.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tritonclient.utils import InferenceServerException
+
+# Triton prefixes errors raised while it normalizes a request (before the
+# model sees it) with the request id; the field name follows that prefix.
+_REQUEST_ID_PREFIX = re.compile(r"^\[request id: [^\]]*\]\s*")
+# Input names are snake_case; Triton's control inputs are upper case (START).
+_FIELD_PREFIX = re.compile(r"^([a-z][a-z0-9_]*|[A-Z][A-Z0-9_]*)\s*:")
+
+# gRPC codes that mean "no server answered", as tritonclient spells them.
+_UNREACHABLE_STATUSES = frozenset({"StatusCode.UNAVAILABLE"})
+
+
+class PreposError(Exception):
+    """A request failed on the server or on its way there.
+
+    Attributes:
+        message: the server's message, without Triton's request-id prefix.
+        field: the request input the message names (`max_tokens` for
+            "max_tokens: must be >= 0, got -1"), or None when it names none.
+        status: the gRPC status of a stream-level failure as tritonclient
+            reports it (e.g. "StatusCode.UNAVAILABLE"); None for an error the
+            model returned for one request.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, status: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.status = status
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class PreposUnavailable(PreposError):
+    """The server could not be reached (connection refused, DNS, TLS, shutdown)."""
+
+
+class PreposTimeout(PreposError, TimeoutError):
+    """A call did not complete within its timeout.
+
+    The request may still be running on the server; the session stays usable
+    and its next request is served after this one.
+    """
+
+
+def parse_field(message: str) -> str | None:
+    """Return the input name a server error message starts with, or None.
+
+    The server names the offending field before a colon
+    ("top_k: must be >= 0, got -3"); Triton's own "[request id: X] " prefix
+    is skipped. Messages that do not start with a snake_case or upper-case
+    identifier and a colon name no field.
+    """
+    match = _FIELD_PREFIX.match(_REQUEST_ID_PREFIX.sub("", message, count=1))
+    return match.group(1) if match else None
+
+
+def from_triton(error: InferenceServerException) -> PreposError:
+    """Convert a tritonclient exception into the matching `PreposError`."""
+    message = error.message() or str(error)
+    status = error.status()
+    if status in _UNREACHABLE_STATUSES:
+        return PreposUnavailable(message, status=status)
+    if status == "StatusCode.DEADLINE_EXCEEDED":
+        return PreposTimeout(message, status=status)
+    return PreposError(
+        _REQUEST_ID_PREFIX.sub("", message, count=1),
+        field=parse_field(message),
+        status=status,
+    )

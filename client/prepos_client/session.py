@@ -1,0 +1,367 @@
+"""Session: one stateful conversation with the `prepos` model over its own gRPC stream."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import InferInput
+from tritonclient.utils import InferenceServerException
+
+from .errors import PreposError, PreposTimeout, from_triton
+from .protocol import Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk
+from .stream import ResponseRouter
+
+logger = logging.getLogger(__name__)
+
+SESSION_HEADER = "prepos-session-id"
+
+# tritonclient sends an integer sequence id as an int64 request parameter.
+_MAX_INT_SESSION_ID = 2**63 - 1
+
+# How long the END of a session still open at interpreter exit may take.
+_EXIT_CLOSE_TIMEOUT_S = 2.0
+
+_streaming_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def _close_sessions_at_exit() -> None:
+    for session in list(_streaming_sessions):
+        try:
+            session.close(timeout_s=min(session.timeout_s, _EXIT_CLOSE_TIMEOUT_S))
+        except PreposError as error:
+            logger.warning("closing session %s at exit failed: %s", session.session_id, error)
+
+
+# tritonclient's stream thread is not a daemon thread, and atexit handlers run
+# only after such threads are joined: a session left open would hang
+# interpreter exit. threading._register_atexit runs before that join.
+getattr(threading, "_register_atexit", atexit.register)(_close_sessions_at_exit)
+
+
+def new_session_id() -> str:
+    """A fresh random opaque session id."""
+    return uuid.uuid4().hex
+
+
+def check_session_id(session_id: str | int) -> str | int:
+    """Return `session_id` if the server and a gRPC header can carry it.
+
+    Raises:
+        ValueError: an empty or non-printable-ASCII string (it also travels
+            as the `prepos-session-id` header), or an int outside
+            [1, 2**63 - 1] (0 means "no sequence" to Triton).
+        TypeError: neither str nor int.
+    """
+    if isinstance(session_id, bool) or not isinstance(session_id, (str, int, np.integer)):
+        raise TypeError(f"session_id: expected str or int, got {type(session_id).__name__}")
+    if isinstance(session_id, str):
+        if not session_id or not all(" " <= char <= "~" for char in session_id):
+            raise ValueError(f"session_id: expected a non-empty printable ASCII string, got {session_id!r}")
+        return session_id
+    if not 1 <= int(session_id) <= _MAX_INT_SESSION_ID:
+        raise ValueError(f"session_id: an integer id must be in [1, 2**63 - 1], got {session_id}")
+    return int(session_id)
+
+
+@dataclass
+class _Inflight:
+    request_id: str
+    deliveries: queue.SimpleQueue
+    sent_at: float
+    opens_session: bool
+    closes_session: bool
+
+
+class Session:
+    """One prepos session: a Triton sequence over its own gRPC stream.
+
+    The first request carries START (unless the session is resumed, i.e. it
+    was opened earlier, by another process say); a request that opened the
+    session and was rejected leaves it unopened, so the next request carries
+    START again. A request that carries END ends the session even when it is
+    rejected (Triton ends the sequence regardless). `close` sends END;
+    `detach` leaves the session open on the server. Each call waits at most `timeout_s` for its last response and
+    raises `PreposTimeout` after that; a failed request leaves the session
+    usable. A Session is meant for one thread at a time. Close or detach it
+    when done; one still open when the interpreter exits is closed then.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        session_id: str | int,
+        *,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+        resume: bool = False,
+    ):
+        self.session_id = check_session_id(session_id)
+        self.model = model
+        self.url = url
+        self.timeout_s = timeout_s
+        self._headers = {**(headers or {}), SESSION_HEADER: str(self.session_id)}
+        self._needs_start = not resume
+        self._closed = False
+        self._num_requests = 0
+        self._router: ResponseRouter | None = None
+        self._triton = grpcclient.InferenceServerClient(url)
+
+    @property
+    def closed(self) -> bool:
+        """True once the session was closed (END acknowledged) or detached."""
+        return self._closed
+
+    def append(
+        self,
+        text: str | None = None,
+        *,
+        ids: Sequence[int] | None = None,
+        role: str | None = None,
+        end: bool = False,
+        timeout_s: float | None = None,
+    ) -> Update:
+        """Append a delta to the session's token log without asking for an answer.
+
+        Sends max_tokens=0 and waits for the acknowledgement, which the
+        server sends once the delta is in the token log. `role` None means
+        the server's default (`user`); `end=True` closes the session with
+        this request.
+
+        Raises:
+            PreposError: the server rejected the request (`.field` names the input).
+            PreposTimeout: no acknowledgement within the timeout.
+        """
+        inputs = build_inputs(text, ids=ids, role=role, max_tokens=0)
+        inflight = self._send(inputs, end=end)
+        return Update.from_chunks(list(self._receive(inflight, timeout_s)))
+
+    def generate(
+        self,
+        text: str | None = None,
+        *,
+        ids: Sequence[int] | None = None,
+        role: str | None = None,
+        max_tokens: int | None = 64,
+        choices: Sequence[str] | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        speculate: bool | None = None,
+        gate_threshold: float | None = None,
+        end: bool = False,
+        timeout_s: float | None = None,
+    ) -> Iterator[Chunk]:
+        """Send a delta and stream the answer.
+
+        The request is sent before this returns; the iterator yields each
+        `Chunk` as it arrives, the last one with `final=True`. With no
+        `text` and no `ids` the delta is empty. Arguments left None are not
+        sent, so the server's defaults apply (`max_tokens=None` included).
+        Iteration raises `PreposError` when the server rejects the request and
+        `PreposTimeout` when the whole answer takes longer than the timeout.
+        """
+        inputs = build_inputs(
+            text,
+            ids=ids,
+            role=role,
+            max_tokens=max_tokens,
+            choices=choices,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            speculate=speculate,
+            gate_threshold=gate_threshold,
+        )
+        inflight = self._send(inputs, end=end)
+        return self._receive(inflight, timeout_s)
+
+    def ask(
+        self,
+        text: str | None = None,
+        *,
+        ids: Sequence[int] | None = None,
+        role: str | None = None,
+        max_tokens: int | None = 64,
+        choices: Sequence[str] | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        speculate: bool | None = None,
+        gate_threshold: float | None = None,
+        end: bool = False,
+        timeout_s: float | None = None,
+    ) -> Answer:
+        """Like `generate`, but wait for the last chunk and return the whole `Answer`.
+
+        Raises:
+            PreposError: the server rejected the request (`.field` names the input).
+            PreposTimeout: the answer did not complete within the timeout.
+        """
+        chunks = self.generate(
+            text,
+            ids=ids,
+            role=role,
+            max_tokens=max_tokens,
+            choices=choices,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            speculate=speculate,
+            gate_threshold=gate_threshold,
+            end=end,
+            timeout_s=timeout_s,
+        )
+        return Answer.from_chunks(list(chunks))
+
+    def close(self, *, timeout_s: float | None = None) -> Update | None:
+        """End the session on the server and release the connection. Idempotent.
+
+        Sends END (no delta, max_tokens=0) and waits for its acknowledgement,
+        then stops the stream. Returns the acknowledgement, or None when no
+        request was ever sent (nothing to end). If the request that was to
+        open the session was rejected, END goes out together with START, so
+        that no half-opened sequence is left behind. The connection is
+        released even when END fails; the error is raised after that.
+        """
+        if self._closed:
+            return None
+        try:
+            if self._num_requests == 0 and self._needs_start:
+                return None
+            inflight = self._send(build_inputs(max_tokens=0), end=True)
+            return Update.from_chunks(list(self._receive(inflight, timeout_s)))
+        finally:
+            self._release()
+
+    def detach(self) -> None:
+        """Release the connection and leave the session open on the server. Idempotent.
+
+        A later `Client.session(session_id, resume=True)` continues it.
+        """
+        if not self._closed:
+            self._release()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            self.close()
+        except PreposError:
+            if exc_type is None:
+                raise
+            logger.warning("closing session %s failed", self.session_id, exc_info=True)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Session({self.session_id!r}, url={self.url!r}, {state})"
+
+    def _send(self, inputs: list[InferInput], *, end: bool) -> _Inflight:
+        if self._closed:
+            raise PreposError(f"session {self.session_id} is closed")
+        router = self._ensure_stream()
+        self._num_requests += 1
+        request_id = str(self._num_requests)
+        deliveries = router.expect(request_id)
+        opens_session = self._needs_start
+        sent_at = time.perf_counter()
+        try:
+            self._triton.async_stream_infer(
+                self.model,
+                inputs,
+                request_id=request_id,
+                sequence_id=self.session_id,
+                sequence_start=opens_session,
+                sequence_end=end,
+                enable_empty_final_response=True,
+            )
+        except InferenceServerException as error:
+            # The stream died before the request could be queued on it;
+            # stopping it joins the response thread, so `failure` is final.
+            router.forget(request_id)
+            self._stop_stream()
+            raise (router.failure or from_triton(error)) from None
+        self._needs_start = False
+        return _Inflight(request_id, deliveries, sent_at, opens_session, end)
+
+    def _receive(self, inflight: _Inflight, timeout_s: float | None) -> Iterator[Chunk]:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = inflight.sent_at + timeout_s
+        decoder = new_text_decoder()
+        while True:
+            try:
+                delivery = inflight.deliveries.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                raise PreposTimeout(
+                    f"session {self.session_id}: no complete response to request "
+                    f"{inflight.request_id} within {timeout_s:g} s"
+                ) from None
+            if delivery.error is not None:
+                if inflight.opens_session:
+                    self._needs_start = True
+                if inflight.closes_session and delivery.error.status is None:
+                    # Triton ends the sequence on END whatever the model
+                    # answered: a later request without START would be refused.
+                    self._release()
+                raise delivery.error
+            chunk = parse_chunk(
+                delivery.result,
+                elapsed_ms=(delivery.received_at - inflight.sent_at) * 1e3,
+                decoder=decoder,
+            )
+            yield chunk
+            if chunk.final:
+                if inflight.closes_session:
+                    self._release()
+                return
+
+    def _ensure_stream(self) -> ResponseRouter:
+        if self._router is not None and self._router.failure is None:
+            return self._router
+        if self._router is not None:
+            # The old stream ended (e.g. the server restarted); the session
+            # lives on the server, so a new stream continues it.
+            self._stop_stream()
+        router = ResponseRouter()
+        try:
+            self._triton.start_stream(callback=router.on_response, headers=self._headers)
+        except InferenceServerException as error:
+            raise from_triton(error) from None
+        self._router = router
+        _streaming_sessions.add(self)
+        return router
+
+    def _stop_stream(self) -> None:
+        router, self._router = self._router, None
+        if router is None:
+            return
+        # Waiting for pending requests would block on a request that timed
+        # out; cancel those instead.
+        self._triton.stop_stream(cancel_requests=router.failure is None and router.num_pending > 0)
+
+    def _release(self) -> None:
+        self._closed = True
+        _streaming_sessions.discard(self)
+        try:
+            self._stop_stream()
+        finally:
+            self._triton.close()

@@ -1,0 +1,122 @@
+"""Routing of one gRPC stream's callbacks to the requests waiting for them.
+
+tritonclient calls one callback, on its own thread, for every response and
+every error of a stream. `ResponseRouter` is that callback: it hands each
+response to the queue of the request it belongs to, matched by request id.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from tritonclient.grpc import InferResult
+from tritonclient.utils import InferenceServerException
+
+from .errors import PreposError, from_triton
+from .protocol import is_final_response
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One response (or error) for a request, stamped when it arrived."""
+
+    result: InferResult | None
+    error: PreposError | None
+    received_at: float
+
+
+class ResponseRouter:
+    """Matches a stream's responses to its pending requests.
+
+    A request is pending from `expect` until its final response or an error
+    is delivered. Responses carry the request id, so responses of a request
+    nobody waits for any more (its caller timed out, or it already failed)
+    never reach another request. Errors of a single request carry no id in
+    tritonclient; the model handles a session's requests in arrival order,
+    so an error goes to the oldest pending request. An error with a gRPC
+    status ends the whole stream: every pending request receives it and
+    `failure` is set.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, queue.SimpleQueue[Delivery]] = {}  # in send order
+        self._failure: PreposError | None = None
+
+    @property
+    def failure(self) -> PreposError | None:
+        """The error that ended the stream, or None while it is usable."""
+        return self._failure
+
+    @property
+    def num_pending(self) -> int:
+        """How many requests still wait for their final response."""
+        with self._lock:
+            return len(self._pending)
+
+    def expect(self, request_id: str) -> queue.SimpleQueue[Delivery]:
+        """Register a request about to be sent; return the queue its responses arrive on."""
+        with self._lock:
+            if request_id in self._pending:
+                raise ValueError(f"request id {request_id!r} is already pending")
+            deliveries: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
+            if self._failure is not None:
+                deliveries.put(Delivery(None, self._failure, time.perf_counter()))
+            else:
+                self._pending[request_id] = deliveries
+            return deliveries
+
+    def forget(self, request_id: str) -> None:
+        """Stop routing to a request (one that could not be sent)."""
+        with self._lock:
+            self._pending.pop(request_id, None)
+
+    def on_response(self, result: InferResult | None, error: InferenceServerException | None) -> None:
+        """The stream callback (runs on tritonclient's response thread)."""
+        received_at = time.perf_counter()
+        try:
+            if error is not None:
+                self._route_error(from_triton(error), stream_ended=error.status() is not None, received_at=received_at)
+            elif result is not None:
+                self._route_result(result, received_at)
+        except Exception:
+            # An exception here would end tritonclient's response thread and
+            # leave every waiting request hanging until its timeout.
+            logger.exception("failed to route a stream response")
+
+    def _route_error(self, failure: PreposError, *, stream_ended: bool, received_at: float) -> None:
+        with self._lock:
+            if stream_ended:
+                self._failure = failure
+                targets = list(self._pending.values())
+                self._pending.clear()
+            elif self._pending:
+                oldest_id = next(iter(self._pending))
+                targets = [self._pending.pop(oldest_id)]
+            else:
+                targets = []
+        if not targets and not stream_ended:
+            logger.warning("error for no pending request: %s", failure)
+        for deliveries in targets:
+            deliveries.put(Delivery(None, failure, received_at))
+
+    def _route_result(self, result: InferResult, received_at: float) -> None:
+        request_id = result.get_response().id
+        final = is_final_response(result)
+        with self._lock:
+            deliveries = self._pending.get(request_id)
+            if deliveries is None and not request_id and self._pending:
+                request_id = next(iter(self._pending))
+                deliveries = self._pending[request_id]
+            if deliveries is not None and final:
+                del self._pending[request_id]
+        if deliveries is None:
+            logger.debug("dropped a response for request %r, which nobody waits for", request_id)
+            return
+        deliveries.put(Delivery(result, None, received_at))

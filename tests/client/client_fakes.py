@@ -1,0 +1,181 @@
+"""Hand-built Triton responses and a fake gRPC client for the client tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from tritonclient.grpc import InferResult, service_pb2
+from tritonclient.utils import (
+    InferenceServerException,
+    deserialize_bytes_tensor,
+    serialize_byte_tensor,
+    triton_to_np_dtype,
+)
+
+
+def make_result(
+    request_id: str = "1",
+    *,
+    text: bytes | str | None = None,
+    ids: list[int] | None = None,
+    path: str | None = None,
+    confidence: float | None = None,
+    finish_reason: str | None = None,
+    queue_ms: float | None = None,
+    compute_ms: float | None = None,
+    first_token_ms: float | None = None,
+    final: bool | None = None,
+) -> InferResult:
+    """An InferResult as tritonclient builds it from the wire (outputs in raw_output_contents)."""
+    response = service_pb2.ModelInferResponse(model_name="prepos", id=request_id)
+
+    def add(name: str, datatype: str, array: np.ndarray) -> None:
+        output = response.outputs.add()
+        output.name = name
+        output.datatype = datatype
+        output.shape.extend(array.shape)
+        if datatype == "BYTES":
+            raw = serialize_byte_tensor(array).item() if array.size else b""
+        else:
+            raw = array.tobytes()
+        response.raw_output_contents.append(raw)
+
+    def add_str(name: str, value: bytes | str | None) -> None:
+        if value is not None:
+            raw = value.encode("utf-8") if isinstance(value, str) else value
+            add(name, "BYTES", np.array([raw], dtype=np.object_))
+
+    def add_fp32(name: str, value: float | None) -> None:
+        if value is not None:
+            add(name, "FP32", np.array([value], dtype=np.float32))
+
+    add_str("text_output", text)
+    if ids is not None:
+        add("output_ids", "INT32", np.array(ids, dtype=np.int32))
+    add_str("path", path)
+    add_fp32("confidence", confidence)
+    add_str("finish_reason", finish_reason)
+    add_fp32("queue_ms", queue_ms)
+    add_fp32("compute_ms", compute_ms)
+    add_fp32("first_token_ms", first_token_ms)
+    if final is not None:
+        response.parameters["triton_final_response"].bool_param = final
+    return InferResult(response)
+
+
+def decode_input(infer_input) -> np.ndarray:
+    """The numpy value an InferInput carries on the wire."""
+    raw = infer_input._get_content()
+    if infer_input.datatype() == "BYTES":
+        values = deserialize_bytes_tensor(raw)
+    else:
+        values = np.frombuffer(raw, dtype=triton_to_np_dtype(infer_input.datatype()))
+    return values.reshape(list(infer_input.shape()))
+
+
+@dataclass
+class SentRequest:
+    """One request the fake client was asked to send."""
+
+    inputs: dict[str, np.ndarray]
+    request_id: str
+    sequence_id: str | int
+    sequence_start: bool
+    sequence_end: bool
+    enable_empty_final_response: bool
+
+
+def echo_responder(request: SentRequest) -> list:
+    """Answer like the server: an ack for max_tokens=0, else the delta echoed in one final chunk."""
+    max_tokens = request.inputs.get("max_tokens")
+    if max_tokens is not None and int(max_tokens[0]) == 0:
+        closing = request.sequence_end and "text_input" not in request.inputs
+        return [
+            make_result(
+                request.request_id,
+                text="",
+                ids=[],
+                path="close" if closing else "append",
+                confidence=float("nan"),
+                finish_reason="closed" if closing else "appended",
+                final=True,
+            )
+        ]
+    text = request.inputs["text_input"][0].decode() if "text_input" in request.inputs else ""
+    return [
+        make_result(
+            request.request_id,
+            text=text,
+            ids=[7],
+            path="prefix",
+            confidence=0.5,
+            finish_reason="length",
+            final=True,
+        )
+    ]
+
+
+@dataclass
+class FakeTriton:
+    """Stands in for tritonclient.grpc.InferenceServerClient: replies through the stream callback."""
+
+    url: str
+    responder: Callable[[SentRequest], list] = echo_responder
+    requests: list[SentRequest] = field(default_factory=list)
+    stream_headers: list[dict] = field(default_factory=list)
+    stop_calls: list[bool] = field(default_factory=list)
+    callback: Callable | None = None
+    closed: bool = False
+    fail_enqueue: bool = False
+
+    def start_stream(self, callback, stream_timeout=None, headers=None, compression_algorithm=None):
+        assert self.callback is None, "one stream per client"
+        self.callback = callback
+        self.stream_headers.append(dict(headers or {}))
+
+    def async_stream_infer(
+        self,
+        model_name,
+        inputs,
+        model_version="",
+        outputs=None,
+        request_id="",
+        sequence_id=0,
+        sequence_start=False,
+        sequence_end=False,
+        enable_empty_final_response=False,
+        priority=0,
+        timeout=None,
+        parameters=None,
+    ):
+        assert self.callback is not None, "stream not started"
+        if self.fail_enqueue:
+            self.callback(result=None, error=unavailable())
+            raise InferenceServerException("The stream is no longer in valid state")
+        request = SentRequest(
+            {infer_input.name(): decode_input(infer_input) for infer_input in inputs},
+            request_id,
+            sequence_id,
+            sequence_start,
+            sequence_end,
+            enable_empty_final_response,
+        )
+        self.requests.append(request)
+        for item in self.responder(request):
+            if isinstance(item, InferenceServerException):
+                self.callback(result=None, error=item)
+            else:
+                self.callback(result=item, error=None)
+
+    def stop_stream(self, cancel_requests=False):
+        self.stop_calls.append(cancel_requests)
+        self.callback = None
+
+    def close(self):
+        self.closed = True
+
+
+def unavailable() -> InferenceServerException:
+    return InferenceServerException(msg="failed to connect to all addresses", status="StatusCode.UNAVAILABLE")

@@ -1,0 +1,243 @@
+"""The `prepos` command line: arguments, subcommand registry, exit codes, chat loop."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+from client_fakes import echo_responder
+from prepos_client import cli
+from tritonclient.utils import InferenceServerException
+
+
+@pytest.fixture
+def stdin(monkeypatch):
+    def feed(text: str) -> None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+
+    return feed
+
+
+def parse(argv: list[str]):
+    return cli.build_parser().parse_args(argv)
+
+
+def test_ask_flags_become_generation_keywords():
+    args = parse(
+        ["ask", "is it?", "--max-tokens", "3", "--choices", "yes,no", "--temperature", "0.5", "--top-p", "0.9",
+         "--top-k", "4", "--seed", "7", "--stop", "\n", "--stop", "END", "--no-speculate", "--gate-threshold", "0.8"]
+    )
+    assert args.text == "is it?"
+    assert cli.generation_options(args) == {
+        "max_tokens": 3,
+        "choices": ["yes", "no"],
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 4,
+        "seed": 7,
+        "stop": ["\n", "END"],
+        "speculate": False,
+        "gate_threshold": 0.8,
+    }
+
+
+def test_unset_generation_flags_are_not_passed():
+    assert cli.generation_options(parse(["ask", "hi"])) == {}
+
+
+def test_session_flags():
+    args = parse(["append", "x", "--session-id", "s9", "--continue", "--role", "tool"])
+    assert (args.session_id, args.resume, args.role, args.end) == ("s9", True, "tool", False)
+    args = parse(["ask", "x"])
+    assert (args.session_id, args.resume, args.keep_open) == (None, False, False)
+
+
+def test_url_defaults_to_the_environment(monkeypatch):
+    monkeypatch.delenv(cli.URL_ENV, raising=False)
+    assert parse(["ask", "x"]).url == "127.0.0.1:8001"
+    monkeypatch.setenv(cli.URL_ENV, "prepos.internal:9001")
+    assert parse(["ask", "x"]).url == "prepos.internal:9001"
+    assert parse(["ask", "x", "--url", "h:1"]).url == "h:1"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["append", "x"], ["ask"], ["ask", "x", "--max-tokens", "many"], ["ask", "x", "--bogus"], ["bogus"], ["close"]],
+)
+def test_usage_errors_exit_2(argv):
+    with pytest.raises(SystemExit) as raised:
+        cli.main(argv)
+    assert raised.value.code == cli.EXIT_USAGE
+
+
+def test_no_command_exits_2(capsys):
+    assert cli.main([]) == cli.EXIT_USAGE
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_an_unreachable_server_exits_3_with_a_clear_message(capsys):
+    code = cli.main(["ask", "hello", "--url", "127.0.0.1:1", "--timeout", "5"])
+    assert code == cli.EXIT_UNREACHABLE
+    err = capsys.readouterr().err
+    assert "cannot reach prepos at 127.0.0.1:1: is `make serve` running?" in err
+
+
+def test_the_console_entry_point_exits_3_when_unreachable():
+    completed = subprocess.run(
+        [sys.executable, "-m", "prepos_client", "append", "x", "--session-id", "s", "--url", "127.0.0.1:1",
+         "--timeout", "5"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PYTHONPATH": str(cli.__file__).rsplit("/prepos_client/", 1)[0], "PATH": ""},
+    )
+    assert completed.returncode == cli.EXIT_UNREACHABLE
+    assert "cannot reach prepos at 127.0.0.1:1" in completed.stderr
+
+
+def test_a_server_error_exits_1_naming_the_field(fake_triton, capsys):
+    def reject(request):
+        return [InferenceServerException(msg="max_tokens: must be >= 0, got -1")]
+
+    fake_triton.responder = reject
+    code = cli.main(["ask", "hi", "--max-tokens", "-1"])
+    assert code == cli.EXIT_SERVER_ERROR
+    assert "max_tokens: must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_a_bad_session_id_exits_2(capsys):
+    assert cli.main(["ask", "hi", "--session-id", "sé"]) == cli.EXIT_USAGE
+    assert "session_id" in capsys.readouterr().err
+
+
+def test_ask_prints_the_answer_and_closes_with_it(fake_triton, capsys):
+    assert cli.main(["ask", "héllo", "--session-id", "s1"]) == cli.EXIT_OK
+    assert capsys.readouterr().out == "héllo\n"
+    (request,) = fake_triton[0].requests
+    assert (request.sequence_id, request.sequence_start, request.sequence_end) == ("s1", True, True)
+
+
+def test_ask_json_keep_open_continue(fake_triton, capsys):
+    code = cli.main(["ask", "q", "--session-id", "s1", "--continue", "--keep-open", "--json", "--choices", "a,b"])
+    assert code == cli.EXIT_OK
+    answer = json.loads(capsys.readouterr().out)
+    assert (answer["text"], answer["path"], answer["token_ids"]) == ("q", "prefix", [7])
+    (request,) = fake_triton[0].requests
+    assert (request.sequence_start, request.sequence_end) == (False, False)
+    assert request.inputs["choices"].tolist() == [b"a", b"b"]
+
+
+def test_append_keeps_the_session_open_unless_end(fake_triton):
+    assert cli.main(["append", "ctx", "--session-id", "s1", "--role", "tool"]) == cli.EXIT_OK
+    assert cli.main(["append", "more", "--session-id", "s1", "--continue", "--end"]) == cli.EXIT_OK
+    first, second = fake_triton[0].requests[0], fake_triton[1].requests[0]
+    assert (first.sequence_start, first.sequence_end) == (True, False)
+    assert first.inputs["role"].tolist() == [b"tool"]
+    assert (second.sequence_start, second.sequence_end) == (False, True)
+    assert len(fake_triton[0].requests) == 1
+
+
+def test_close_command_sends_end_to_an_existing_session(fake_triton, capsys):
+    assert cli.main(["close", "--session-id", "s1", "--json"]) == cli.EXIT_OK
+    (request,) = fake_triton[0].requests
+    assert (request.sequence_start, request.sequence_end) == (False, True)
+    assert json.loads(capsys.readouterr().out)["finish_reason"] == "closed"
+
+
+def test_chat_loop(fake_triton, stdin, capsys):
+    stdin("hello\n/role tool\n/append result=3\n\nnext\n/nope\n/quit\nnever sent\n")
+    assert cli.main(["chat", "--system", "be brief", "--session-id", "c1", "--max-tokens", "5"]) == cli.EXIT_OK
+    requests = fake_triton[0].requests
+    sent = [
+        (
+            request.inputs["text_input"][0].decode() if "text_input" in request.inputs else None,
+            request.inputs["role"][0].decode() if "role" in request.inputs else None,
+            int(request.inputs["max_tokens"][0]),
+        )
+        for request in requests
+    ]
+    assert sent == [
+        ("be brief", "system", 0),
+        ("hello", None, 5),
+        ("result=3", "tool", 0),
+        ("next", None, 5),
+        (None, None, 0),
+    ]
+    assert requests[0].sequence_start and requests[-1].sequence_end
+    captured = capsys.readouterr()
+    assert captured.out == "hello\nnext\n"
+    assert "[path=prefix confidence=0.50 ttft=" in captured.err
+    assert "server_first_token=-]" in captured.err
+    assert "[path=append total=" in captured.err
+    assert "unknown command /nope" in captured.err
+
+
+def test_chat_reports_a_server_error_and_goes_on(fake_triton, stdin, capsys):
+    def responder(request):
+        if "text_input" in request.inputs and request.inputs["text_input"][0] == b"bad":
+            return [InferenceServerException(msg="text_input: too long")]
+        return echo_responder(request)
+
+    fake_triton.responder = responder
+    stdin("bad\ngood\n")
+    assert cli.main(["chat"]) == cli.EXIT_OK
+    captured = capsys.readouterr()
+    assert "error: text_input: too long" in captured.err
+    assert captured.out.endswith("good\n")
+    assert fake_triton[0].requests[-1].sequence_end
+
+
+def test_chat_closes_the_session_on_ctrl_c(fake_triton, monkeypatch):
+    class Interrupting(io.StringIO):
+        def readline(self, *args):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "stdin", Interrupting())
+    assert cli.main(["chat", "--system", "s"]) == cli.EXIT_OK
+    assert fake_triton[0].requests[-1].sequence_end
+
+
+def test_registered_commands_join_the_parser(monkeypatch):
+    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
+    seen = {}
+
+    def add_arguments(parser):
+        parser.add_argument("--port", type=int, default=8001)
+
+    def run(args):
+        seen["port"] = args.port
+        return 4
+
+    cli.register_command("probe", help="a test command", add_arguments=add_arguments, run=run)
+    assert cli.main(["probe", "--port", "9"]) == 4
+    assert seen == {"port": 9}
+
+
+def test_module_commands_get_their_arguments_unparsed(monkeypatch, tmp_path):
+    (tmp_path / "prepos_probe_module.py").write_text(
+        "received = []\n"
+        "def main(argv):\n"
+        "    received.append(list(argv))\n"
+        "    return 5\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
+    cli.register_module_command("probe", "prepos_probe_module", help="a test command")
+    assert "prepos_probe_module" not in sys.modules
+    assert cli.main(["probe", "--grpc-port", "9", "-h", "x"]) == 5
+    assert sys.modules["prepos_probe_module"].received == [["--grpc-port", "9", "-h", "x"]]
+    monkeypatch.delitem(sys.modules, "prepos_probe_module")
+
+
+def test_a_module_command_that_is_not_installed_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
+    cli.register_module_command("probe", "no_such_prepos_module", help="a test command")
+    assert cli.main(["probe"]) == cli.EXIT_USAGE
+    assert "prepos probe is unavailable here" in capsys.readouterr().err
+
+
+def test_serve_and_build_are_registered():
+    assert cli.COMMANDS["serve"].forwards_argv and cli.COMMANDS["build"].forwards_argv

@@ -1,0 +1,287 @@
+"""Session and Client against a fake gRPC client: START/END, errors, timeouts, streams."""
+
+from __future__ import annotations
+
+import pytest
+from client_fakes import echo_responder, make_result, unavailable
+from prepos_client import Client, PreposError, PreposTimeout, PreposUnavailable, Session
+from prepos_client.session import SESSION_HEADER, check_session_id
+from tritonclient.utils import InferenceServerException
+
+
+def open_session(**kwargs) -> Session:
+    return Client("127.0.0.1:9", timeout_s=kwargs.pop("timeout_s", 2.0)).session(**kwargs)
+
+
+def reject_first(message: str):
+    state = {"num_requests": 0}
+
+    def responder(request):
+        state["num_requests"] += 1
+        if state["num_requests"] == 1:
+            return [InferenceServerException(msg=message)]
+        return echo_responder(request)
+
+    return responder
+
+
+def test_first_request_opens_the_session_and_later_ones_do_not(fake_triton):
+    session = open_session(session_id="s-1")
+    session.append("system prompt", role="system")
+    session.ask("hi")
+    first, second = fake_triton[0].requests
+    assert (first.sequence_start, second.sequence_start) == (True, False)
+    assert first.sequence_id == second.sequence_id == "s-1"
+    assert first.request_id != second.request_id
+    assert first.enable_empty_final_response and second.enable_empty_final_response
+    assert not first.sequence_end and not second.sequence_end
+
+
+def test_the_stream_carries_the_session_header(fake_triton):
+    client = Client("127.0.0.1:9", headers={"x-tenant": "a"})
+    client.session(42).ask("hi")
+    assert fake_triton[0].stream_headers == [{"x-tenant": "a", SESSION_HEADER: "42"}]
+    assert fake_triton[0].requests[0].sequence_id == 42
+
+
+def test_one_grpc_client_per_session(fake_triton):
+    client = Client("127.0.0.1:9")
+    client.session("a").ask("x")
+    client.session("b").ask("y")
+    assert [len(fake.requests) for fake in fake_triton] == [1, 1]
+
+
+def test_append_sends_the_delta_with_max_tokens_zero(fake_triton):
+    update = open_session().append("tool output", role="tool")
+    (request,) = fake_triton[0].requests
+    assert sorted(request.inputs) == ["max_tokens", "role", "text_input"]
+    assert request.inputs["max_tokens"].tolist() == [0]
+    assert update.path == "append"
+    assert update.finish_reason == "appended"
+    assert update.total_ms >= 0
+
+
+def test_generate_sends_only_what_was_set(fake_triton):
+    open_session().ask("q", choices=["yes", "no"], seed=3)
+    (request,) = fake_triton[0].requests
+    assert sorted(request.inputs) == ["choices", "max_tokens", "seed", "text_input"]
+    assert request.inputs["max_tokens"].tolist() == [64]
+
+
+def test_max_tokens_none_leaves_it_to_the_server(fake_triton):
+    open_session().ask(ids=[1, 2], max_tokens=None)
+    (request,) = fake_triton[0].requests
+    assert sorted(request.inputs) == ["input_ids"]
+
+
+def test_generate_streams_chunks_and_ask_collects_them(fake_triton):
+    session = open_session()
+    fake_triton[0].responder = lambda request: [
+        make_result(request.request_id, text="Hel", ids=[1], path="prefix", confidence=0.4, first_token_ms=0.3,
+                    final=False),
+        make_result(request.request_id, text="lo", ids=[2], path="prefix", finish_reason="length", final=True),
+    ]
+    chunks = list(session.generate("hi"))
+    assert [chunk.text for chunk in chunks] == ["Hel", "lo"]
+    assert [chunk.final for chunk in chunks] == [False, True]
+    answer = session.ask("again")
+    assert (answer.text, answer.token_ids, answer.path, answer.finish_reason) == ("Hello", (1, 2), "prefix", "length")
+    assert answer.first_token_ms == pytest.approx(0.3)
+    assert 0 <= answer.ttft_ms <= answer.total_ms
+
+
+def test_generate_sends_before_iteration(fake_triton):
+    session = open_session()
+    session.generate("hi")
+    assert len(fake_triton[0].requests) == 1
+
+
+def test_a_server_error_names_the_field_and_the_session_stays_usable(fake_triton):
+    session = open_session()
+    session.append("context")
+    fake_triton[0].responder = reject_first("max_tokens: must be >= 0, got -1")
+    with pytest.raises(PreposError) as raised:
+        session.ask("q", max_tokens=-1)
+    assert raised.value.field == "max_tokens"
+    assert session.ask("q").text == "q"
+    assert [request.sequence_start for request in fake_triton[0].requests] == [True, False, False]
+
+
+def test_a_rejected_first_request_leaves_the_session_unopened(fake_triton):
+    session = open_session()
+    fake_triton[0].responder = reject_first("role: must be one of user, tool, system, got 'bot'")
+    with pytest.raises(PreposError, match="role"):
+        session.append("x", role="bot")
+    session.append("x")
+    assert [request.sequence_start for request in fake_triton[0].requests] == [True, True]
+
+
+def test_close_sends_a_bare_end_and_releases_the_connection(fake_triton):
+    session = open_session()
+    session.ask("hi")
+    update = session.close()
+    end = fake_triton[0].requests[-1]
+    assert end.sequence_end and not end.sequence_start
+    assert sorted(end.inputs) == ["max_tokens"]
+    assert end.inputs["max_tokens"].tolist() == [0]
+    assert (update.path, update.finish_reason) == ("close", "closed")
+    assert fake_triton[0].stop_calls == [False]
+    assert fake_triton[0].closed
+    assert session.closed
+
+
+def test_close_is_idempotent_and_a_closed_session_refuses_requests(fake_triton):
+    session = open_session()
+    session.ask("hi")
+    session.close()
+    assert session.close() is None
+    assert len(fake_triton[0].requests) == 2
+    with pytest.raises(PreposError, match="closed"):
+        session.ask("again")
+
+
+def test_closing_an_unused_session_sends_nothing(fake_triton):
+    session = open_session()
+    assert session.close() is None
+    assert fake_triton[0].requests == []
+    assert fake_triton[0].closed
+
+
+def test_close_after_a_rejected_opening_sends_start_and_end(fake_triton):
+    session = open_session()
+    fake_triton[0].responder = reject_first("max_tokens: must be >= 0, got -1")
+    with pytest.raises(PreposError):
+        session.ask("q", max_tokens=-1)
+    session.close()
+    end = fake_triton[0].requests[-1]
+    assert (end.sequence_start, end.sequence_end) == (True, True)
+
+
+def test_a_resumed_session_sends_no_start(fake_triton):
+    session = open_session(session_id="old", resume=True)
+    session.ask("hi")
+    session.close()
+    assert [(r.sequence_start, r.sequence_end) for r in fake_triton[0].requests] == [(False, False), (False, True)]
+
+
+def test_ask_with_end_closes_the_session_with_the_last_request(fake_triton):
+    session = open_session()
+    answer = session.ask("bye", end=True)
+    assert answer.text == "bye"
+    assert session.closed
+    assert session.close() is None
+    assert [(r.sequence_start, r.sequence_end) for r in fake_triton[0].requests] == [(True, True)]
+
+
+def test_a_rejected_end_request_still_ends_the_session(fake_triton):
+    session = open_session()
+    session.append("x")
+    fake_triton[0].responder = reject_first("max_tokens: must be >= 0, got -1")
+    with pytest.raises(PreposError, match="max_tokens"):
+        session.ask("q", max_tokens=-1, end=True)
+    assert session.closed
+    assert session.close() is None
+    assert len(fake_triton[0].requests) == 2
+    assert fake_triton[0].closed
+
+
+def test_an_end_request_lost_with_the_stream_leaves_the_session_for_close(fake_triton):
+    session = open_session()
+    session.append("x")
+    fake_triton[0].responder = lambda request: [unavailable()]
+    with pytest.raises(PreposUnavailable):
+        session.append("y", end=True)
+    assert not session.closed
+    fake_triton[0].responder = echo_responder
+    session.close()
+    assert fake_triton[0].requests[-1].sequence_end
+    assert session.closed
+
+
+def test_context_manager_closes(fake_triton):
+    with open_session() as session:
+        session.ask("hi")
+    assert session.closed
+    assert fake_triton[0].requests[-1].sequence_end
+
+
+def test_detach_leaves_the_session_open(fake_triton):
+    session = open_session()
+    session.ask("hi")
+    session.detach()
+    assert session.closed
+    assert not any(request.sequence_end for request in fake_triton[0].requests)
+    assert fake_triton[0].closed
+
+
+def test_a_call_times_out_and_the_session_stays_usable(fake_triton):
+    session = open_session(timeout_s=0.05)
+    fake_triton[0].responder = lambda request: []
+    with pytest.raises(PreposTimeout, match="within 0.05 s"):
+        session.ask("slow")
+    fake_triton[0].responder = echo_responder
+    assert session.ask("fast").text == "fast"
+
+
+def test_a_per_call_timeout_overrides_the_default(fake_triton):
+    session = open_session(timeout_s=60.0)
+    fake_triton[0].responder = lambda request: []
+    with pytest.raises(PreposTimeout, match="within 0.01 s"):
+        session.append("x", timeout_s=0.01)
+
+
+def test_detach_with_a_request_still_running_cancels_it(fake_triton):
+    session = open_session(timeout_s=0.01)
+    fake_triton[0].responder = lambda request: []
+    with pytest.raises(PreposTimeout):
+        session.ask("slow")
+    session.detach()
+    assert fake_triton[0].stop_calls == [True]
+
+
+def test_an_unreachable_server_raises_unavailable_and_a_new_stream_is_tried(fake_triton):
+    session = open_session()
+    fake_triton[0].responder = lambda request: [unavailable()]
+    with pytest.raises(PreposUnavailable):
+        session.ask("hi")
+    fake_triton[0].responder = echo_responder
+    assert session.ask("hi").text == "hi"
+    assert len(fake_triton[0].stream_headers) == 2
+    assert fake_triton[0].requests[-1].sequence_start
+
+
+def test_a_stream_that_died_before_sending_raises_its_error(fake_triton):
+    session = open_session()
+    fake_triton[0].fail_enqueue = True
+    with pytest.raises(PreposUnavailable):
+        session.append("x")
+    assert fake_triton[0].stop_calls == [False]
+
+
+@pytest.mark.parametrize("session_id", ["", "sé", "a\nb", 0, -1, 2**63, True, 1.5])
+def test_session_ids_the_server_cannot_carry_are_refused(session_id):
+    with pytest.raises((ValueError, TypeError)):
+        check_session_id(session_id)
+
+
+def test_a_missing_session_id_becomes_a_fresh_random_one(fake_triton):
+    client = Client("127.0.0.1:9")
+    first, second = client.session(), client.session()
+    assert isinstance(first.session_id, str) and len(first.session_id) == 32
+    assert first.session_id != second.session_id
+
+
+def test_client_close_closes_sessions_still_open(fake_triton):
+    with Client("127.0.0.1:9") as client:
+        used = client.session("a")
+        used.ask("hi")
+        detached = client.session("b")
+        detached.ask("hi")
+        detached.detach()
+    assert used.closed
+    assert fake_triton[0].requests[-1].sequence_end
+    assert not fake_triton[1].requests[-1].sequence_end
+
+
+def test_is_ready_is_false_for_an_unreachable_server():
+    assert Client("127.0.0.1:1", timeout_s=2.0).is_ready() is False

@@ -1,0 +1,121 @@
+"""ResponseRouter: which request each stream callback belongs to."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+from client_fakes import make_result, unavailable
+from prepos_client.errors import PreposUnavailable
+from prepos_client.stream import ResponseRouter
+from tritonclient.utils import InferenceServerException
+
+
+def drain(deliveries: queue.SimpleQueue) -> list:
+    items = []
+    while True:
+        try:
+            items.append(deliveries.get_nowait())
+        except queue.Empty:
+            return items
+
+
+def model_error(message: str) -> InferenceServerException:
+    return InferenceServerException(msg=message)
+
+
+def test_responses_go_to_their_request_by_id():
+    router = ResponseRouter()
+    first, second = router.expect("1"), router.expect("2")
+    router.on_response(make_result("2", text="b", final=False), None)
+    router.on_response(make_result("1", text="a", finish_reason="stop", final=True), None)
+    assert [d.result.get_response().id for d in drain(first)] == ["1"]
+    assert [d.result.get_response().id for d in drain(second)] == ["2"]
+    assert router.num_pending == 1
+
+
+def test_a_final_response_ends_the_request():
+    router = ResponseRouter()
+    router.expect("1")
+    router.on_response(make_result("1", text="a", final=False), None)
+    assert router.num_pending == 1
+    router.on_response(make_result("1", finish_reason="stop", final=True), None)
+    assert router.num_pending == 0
+
+
+def test_responses_of_a_finished_request_are_dropped():
+    router = ResponseRouter()
+    first = router.expect("1")
+    router.on_response(make_result("1", finish_reason="stop", final=False), None)
+    second = router.expect("2")
+    # A flags-only final sent after the finish_reason response.
+    router.on_response(make_result("1", final=True), None)
+    assert len(drain(first)) == 1
+    assert drain(second) == []
+
+
+def test_a_model_error_goes_to_the_oldest_pending_request():
+    router = ResponseRouter()
+    first, second = router.expect("1"), router.expect("2")
+    router.on_response(None, model_error("max_tokens: must be >= 0, got -1"))
+    (delivery,) = drain(first)
+    assert delivery.result is None
+    assert delivery.error.field == "max_tokens"
+    assert drain(second) == []
+    assert router.num_pending == 1
+    assert router.failure is None
+
+
+def test_a_stream_error_fails_every_pending_request_and_the_stream():
+    router = ResponseRouter()
+    first, second = router.expect("1"), router.expect("2")
+    router.on_response(None, unavailable())
+    assert isinstance(drain(first)[0].error, PreposUnavailable)
+    assert isinstance(drain(second)[0].error, PreposUnavailable)
+    assert isinstance(router.failure, PreposUnavailable)
+    later = router.expect("3")
+    assert isinstance(drain(later)[0].error, PreposUnavailable)
+
+
+def test_a_response_without_id_goes_to_the_oldest_request():
+    router = ResponseRouter()
+    first = router.expect("1")
+    router.on_response(make_result("", text="x", finish_reason="stop", final=True), None)
+    assert len(drain(first)) == 1
+    assert router.num_pending == 0
+
+
+def test_forget_stops_routing():
+    router = ResponseRouter()
+    first = router.expect("1")
+    router.forget("1")
+    router.on_response(make_result("1", text="x", final=True), None)
+    assert drain(first) == []
+
+
+def test_duplicate_request_ids_are_refused():
+    router = ResponseRouter()
+    router.expect("1")
+    with pytest.raises(ValueError):
+        router.expect("1")
+
+
+def test_a_broken_response_does_not_escape_the_callback():
+    router = ResponseRouter()
+    router.expect("1")
+
+    class Broken:
+        def get_response(self):
+            raise RuntimeError("malformed")
+
+    router.on_response(Broken(), None)
+    assert router.num_pending == 1
+
+
+def test_deliveries_are_stamped_in_arrival_order():
+    router = ResponseRouter()
+    first = router.expect("1")
+    router.on_response(make_result("1", text="a", final=False), None)
+    router.on_response(make_result("1", text="b", final=True), None)
+    stamps = [delivery.received_at for delivery in drain(first)]
+    assert stamps == sorted(stamps)

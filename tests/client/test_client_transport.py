@@ -1,0 +1,112 @@
+"""The real tritonclient transport against an in-process gRPC server: what goes on the wire."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from grpc_fake_server import FakePreposServer, request_inputs
+from prepos_client import Client, PreposError, cli
+
+
+@pytest.fixture
+def server():
+    fake = FakePreposServer()
+    yield fake
+    fake.stop()
+
+
+def parameters(request) -> dict:
+    return {key: getattr(value, value.WhichOneof("parameter_choice")) for key, value in request.parameters.items()}
+
+
+def test_session_id_header_and_sequence_parameters(server):
+    with Client(server.url, headers={"x-tenant": "t1"}) as client, client.session("abc") as session:
+        session.append("hi", role="system")
+        session.ask("q", max_tokens=3)
+    (metadata,) = server.servicer.stream_metadata
+    assert metadata["prepos-session-id"] == "abc"
+    assert metadata["x-tenant"] == "t1"
+    first, second, end = server.servicer.requests
+    assert parameters(first) == {
+        "sequence_id": "abc",
+        "sequence_start": True,
+        "sequence_end": False,
+        "triton_enable_empty_final_response": True,
+    }
+    assert parameters(second)["sequence_start"] is False
+    assert parameters(end)["sequence_end"] is True
+    assert len({first.id, second.id, end.id}) == 3
+    assert all(request.model_name == "prepos" for request in server.servicer.requests)
+    assert sorted(request_inputs(end)) == ["max_tokens"]
+
+
+def test_integer_session_ids_travel_as_int64(server):
+    with Client(server.url).session(2**63 - 1) as session:
+        session.ask("q")
+    assert parameters(server.servicer.requests[0])["sequence_id"] == 2**63 - 1
+    assert server.servicer.stream_metadata[0]["prepos-session-id"] == str(2**63 - 1)
+
+
+def test_unicode_delta_round_trip(server):
+    with Client(server.url).session() as session:
+        answer = session.ask("héllo ✓ 🙂")
+    assert answer.text == "héllo ✓ 🙂"
+    assert (answer.path, answer.finish_reason, answer.token_ids) == ("prefix", "stop", (7,))
+    assert answer.first_token_ms == pytest.approx(0.3)
+
+
+def test_a_flags_only_final_response_ends_the_request(server):
+    with Client(server.url, timeout_s=5).session() as session:
+        answer = session.ask("EMPTY_FINAL")
+        assert session.ask("after").text == "after"
+    assert (answer.text, answer.num_chunks, answer.path) == ("a", 2, "exact")
+
+
+def test_a_character_split_across_responses(server):
+    with Client(server.url).session() as session:
+        assert [chunk.text for chunk in session.generate("SPLIT")] == ["✓", "✓"]
+
+
+def test_a_stream_error_names_the_field_and_the_stream_goes_on(server):
+    with Client(server.url, timeout_s=5).session() as session:
+        session.append("context")
+        with pytest.raises(PreposError) as raised:
+            session.ask("q", max_tokens=-1)
+        assert raised.value.field == "max_tokens"
+        assert session.ask("ok").text == "ok"
+    assert len(server.servicer.stream_metadata) == 1
+
+
+def test_is_ready(server):
+    assert Client(server.url).is_ready()
+    assert not Client(server.url, model="nope").is_ready()
+
+
+def test_a_session_left_open_is_closed_at_exit(server):
+    script = textwrap.dedent(
+        f"""
+        from prepos_client import Client
+        session = Client({server.url!r}).session("left-open")
+        print(session.ask("hi").text)
+        """
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PYTHONPATH": str(cli.__file__).rsplit("/prepos_client/", 1)[0], "PATH": ""},
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout == "hi\n"
+    assert parameters(server.servicer.requests[-1])["sequence_end"] is True
+
+
+def test_cli_ask_and_server_error_exit_codes(server, capsys):
+    assert cli.main(["ask", "héllo", "--url", server.url]) == cli.EXIT_OK
+    assert capsys.readouterr().out == "héllo\n"
+    assert cli.main(["ask", "x", "--url", server.url, "--max-tokens", "-1"]) == cli.EXIT_SERVER_ERROR
+    assert "max_tokens: must be >= 0, got -1" in capsys.readouterr().err
