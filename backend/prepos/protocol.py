@@ -99,6 +99,28 @@ class ResponseChunk:
     first_token_ms: float
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """A request that failed validation. It still takes its turn in the session's order: an END closes the session."""
+
+    session_id: str | int
+    start: bool
+    end: bool
+    error: ProtocolError
+
+
+def control_flags(inputs: Mapping[str, np.ndarray]) -> tuple[bool, bool]:
+    """START and END of a request whatever else is wrong with it (a malformed flag reads as unset)."""
+    flags = []
+    for name in CONTROL_NAMES:
+        value = inputs.get(name)
+        try:
+            flags.append(value is not None and value.size == 1 and bool(value.reshape(-1)[0]))
+        except (TypeError, ValueError):
+            flags.append(False)
+    return flags[0], flags[1]
+
+
 class ResponseSink(Protocol):
     """Where a request's responses go. Every request gets exactly one final send."""
 

@@ -28,7 +28,7 @@ from prepos.engines.base import Engine, common_prefix_length
 from prepos.gate import Gate
 from prepos.metrics import Metrics
 from prepos.policies import IDLE_POLICIES
-from prepos.protocol import ProtocolError, Request, ResponseChunk, ResponseSink, Status
+from prepos.protocol import ProtocolError, Rejection, Request, ResponseChunk, ResponseSink, Status
 from prepos.scan import ScanFn, ScanResult
 from prepos.session import Positioned, Session, SessionStore
 from prepos.template import ChoiceTrie, Framing, IncrementalDetokenizer, Tokenizer
@@ -127,8 +127,9 @@ class Scheduler:
 
     # --- other threads -------------------------------------------------
 
-    def submit(self, request: Request, sink: ResponseSink) -> None:
-        """Queue a validated request; its responses go to ``sink``. Thread-safe, never blocks."""
+    def submit(self, request: Request | Rejection, sink: ResponseSink) -> None:
+        """Queue a validated request (or a rejection, which keeps its place in the session's order); its
+        responses go to ``sink``. Thread-safe, never blocks."""
         self._inbox.put((request, sink))
 
     def start(self) -> None:
@@ -189,7 +190,12 @@ class Scheduler:
             self._admit(*item)
             block = False
 
-    def _admit(self, request: Request, sink: ResponseSink) -> None:
+    def _admit(self, request: Request | Rejection, sink: ResponseSink) -> None:
+        if isinstance(request, Rejection):
+            session = self.store.get(request.session_id)
+            if session is None or request.start:
+                self._reject(sink, request.error)
+                return
         try:
             if request.start:
                 existing = self.store.get(request.session_id)
@@ -258,6 +264,11 @@ class Scheduler:
             if self.store.get(session.session_id) is not session:
                 self._reject(sink, ProtocolError("START", f"session {session.session_id!r} is closed", Status.NOT_FOUND))
                 continue
+            if isinstance(request, Rejection):
+                self._reject(sink, request.error)
+                if request.end:  # Triton ends the sequence on END whatever the model answers
+                    self._close(session, "END")
+                continue
             session.serving = True
             try:
                 yield from self._serve_request(session, request, sink)
@@ -270,21 +281,24 @@ class Scheduler:
     def _serve_request(self, session: Session, request: Request, sink: ResponseSink) -> Iterator[None]:
         clock = _Clock(self._clock, request.arrival_s or self._clock())
         clock.start()
+        served = False
         try:
             delta_ids = self._delta_ids(request)
             if request.is_append:
                 self._append(session, request, delta_ids, clock, sink)
             else:
                 yield from self._generate(session, request, delta_ids, clock, sink)
+            served = True
         except ProtocolError as err:
             self._reject(sink, err)
-            return
         except Exception:
             log.exception("session %r request %r failed", session.session_id, request.request_id)
             self._reject(sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
-            return
+        # Triton ends the sequence on END whatever happened; a rejected START leaves no session behind.
         if request.end:
             self._close(session, "END")
+        elif not served and request.start and not session.token_log:
+            self._close(session, "its START request was rejected")
 
     def _delta_ids(self, request: Request) -> list[int]:
         if request.role not in self._framing.entry_ids:
@@ -351,7 +365,7 @@ class Scheduler:
         forced = tuple(trie.forced_ids()) if trie else ()
         self._check_fits(session, request, len(turn) + len(forced))
         prompt = [*session.token_log, *turn]
-        rng = np.random.default_rng(request.sampling.seed)
+        rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
 
         # Choose the path that serves the first token.
         pos = session.positioned if session.positioned_valid() else None

@@ -322,3 +322,28 @@ def test_stateless_mode_prefills_the_whole_log_every_time(tmp_path):
     assert sink.path == "rebuild" and sink.ids == want
     assert h.engine.calls[num_calls] == ("prefill", "s1", prompt_length)  # the whole log, every time
     assert "s1" not in h.engine.kv
+
+
+def test_rejected_start_leaves_no_session_and_rejected_end_still_closes(h):
+    bad_start = h.serve(h.request("s9", "hi", start=True, role="wizard"))
+    assert bad_start.error.field == "role" and h.sched.store.get("s9") is None
+    assert h.serve(h.request("s9", "hi", start=True, max_tokens=0)).error is None  # START works again
+
+    from prepos.protocol import ProtocolError, Rejection
+    sink = CollectSink()
+    h.sched.submit(Rejection("s9", start=False, end=True, error=ProtocolError("max_tokens", "bad")), sink)
+    h.sched.run_once()
+    assert sink.error.field == "max_tokens" and h.sched.store.get("s9") is None and "s9" not in h.engine.kv
+
+
+def test_rejection_keeps_its_place_in_the_session_order(h):
+    from prepos.protocol import ProtocolError, Rejection
+    open_session(h)
+    first = h.submit(h.request("s1", "one", max_tokens=4))
+    rejected = CollectSink()
+    h.sched.submit(Rejection("s1", start=False, end=True, error=ProtocolError("temperature", "bad")), rejected)
+    h.sched.run_once()  # admits both; the generate is mid-way
+    assert not rejected.done and h.sched.store.get("s1") is not None
+    while not rejected.done:
+        h.sched.run_once()
+    assert first.done and first.error is None and h.sched.store.get("s1") is None

@@ -5,24 +5,36 @@ All logic lives in the ``prepos`` core package; this file only converts.
 
 import json
 import logging
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+try:
+    import prepos  # noqa: F401  (installed into the environment)
+except ImportError:  # running from a source checkout: model_repository/prepos/1/model.py -> backend/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
+
 from prepos.core import Core
-from prepos.protocol import CONTROL_NAMES, INPUT_NAMES, ProtocolError, ResponseChunk, Status
+from prepos.protocol import CONTROL_NAMES, INPUT_NAMES, ProtocolError, Rejection, ResponseChunk, Status, control_flags
 from triton_metrics import TritonMetricsSink
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-ERROR_CODES = {
-    Status.INVALID_ARGUMENT: pb_utils.TritonError.INVALID_ARG,
-    Status.NOT_FOUND: pb_utils.TritonError.NOT_FOUND,
-    Status.ALREADY_EXISTS: pb_utils.TritonError.ALREADY_EXISTS,
-    Status.RESOURCE_EXHAUSTED: pb_utils.TritonError.UNAVAILABLE,
-    Status.UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
-    Status.INTERNAL: pb_utils.TritonError.INTERNAL,
-}
+
+
+def _error_code(status: Status):
+    # Looked up at use: the stub binds TritonError only once the model is initialised.
+    codes = pb_utils.TritonError
+    return {
+        Status.INVALID_ARGUMENT: codes.INVALID_ARG,
+        Status.NOT_FOUND: codes.NOT_FOUND,
+        Status.ALREADY_EXISTS: codes.ALREADY_EXISTS,
+        Status.RESOURCE_EXHAUSTED: codes.UNAVAILABLE,
+        Status.UNAVAILABLE: codes.UNAVAILABLE,
+        Status.INTERNAL: codes.INTERNAL,
+    }[status]
 
 
 class TritonSink:
@@ -45,7 +57,7 @@ class TritonSink:
         self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
 
     def send_error(self, error: ProtocolError) -> None:
-        triton_error = pb_utils.TritonError(str(error), ERROR_CODES[error.status])
+        triton_error = pb_utils.TritonError(str(error), _error_code(error.status))
         self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=triton_error), flags=FINAL)
 
 
@@ -75,9 +87,8 @@ class TritonPythonModel:
                     inputs, session_id=request.correlation_id(), request_id=request.request_id(), arrival_s=arrival_s
                 )
             except ProtocolError as err:
-                self.core.metrics.request_rejected(err.field)
-                sink.send_error(err)
-                continue
+                start, end = control_flags(inputs)
+                parsed = Rejection(request.correlation_id(), start, end, err)
             self.core.submit(parsed, sink)
         return None
 

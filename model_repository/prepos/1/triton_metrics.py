@@ -2,11 +2,10 @@
 
 import triton_python_backend_utils as pb_utils
 
-KINDS = {
-    "counter": pb_utils.MetricFamily.COUNTER,
-    "gauge": pb_utils.MetricFamily.GAUGE,
-    "histogram": pb_utils.MetricFamily.HISTOGRAM,
-}
+
+def _kind(name):
+    # Looked up at use: the stub binds MetricFamily only once the model is initialised.
+    return getattr(pb_utils.MetricFamily, name.upper())
 
 
 class TritonMetricsSink:
@@ -20,7 +19,7 @@ class TritonMetricsSink:
 
     def declare(self, spec) -> None:
         self._families[spec.name] = pb_utils.MetricFamily(
-            name=spec.name, description=spec.description, kind=KINDS[spec.kind]
+            name=spec.name, description=spec.description, kind=_kind(spec.kind)
         )
         self._buckets[spec.name] = list(spec.buckets) or None
 
