@@ -1,0 +1,68 @@
+{{/* Chart name, truncated to the 63 characters a DNS label allows. */}}
+{{- define "prepos.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Object name prefix: <release>-<chart>, or the release name when it already holds the chart name. */}}
+{{- define "prepos.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Names of the objects, shared by the templates that refer to each other. */}}
+{{- define "prepos.triton.fullname" -}}
+{{- printf "%s-triton" (include "prepos.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- define "prepos.metrics.fullname" -}}
+{{- printf "%s-metrics" (include "prepos.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- define "prepos.router.fullname" -}}
+{{- printf "%s-router" (include "prepos.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified DNS name of the headless Service: one A record per ready Triton replica. */}}
+{{- define "prepos.triton.dnsName" -}}
+{{- printf "%s.%s.svc.%s" (include "prepos.triton.fullname" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "prepos.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "prepos.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels of the Triton replicas. */}}
+{{- define "prepos.triton.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "prepos.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: triton
+{{- end }}
+
+{{/* Selector labels of the Envoy router. */}}
+{{- define "prepos.router.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "prepos.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{/* Triton image reference; image.repository has no default. */}}
+{{- define "prepos.image" -}}
+{{- $repository := required "image.repository is required: the prepos Triton image built from docker/Dockerfile" .Values.image.repository }}
+{{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Environment variable that carries the access token into Triton's arguments. */}}
+{{- define "prepos.auth.envName" -}}
+TRITON_ACCESS_TOKEN
+{{- end }}

@@ -1,0 +1,537 @@
+"""The Helm chart helm/prepos: lint, render, Kubernetes schema validation, routing contract.
+
+Rendering uses Helm's own engine (the Helm v4 Go SDK through helm-python-sdk), so templates,
+values.schema.json and `required`/`fail` checks behave as under `helm install`. Rendered objects
+are checked against the Kubernetes API schemas shipped by kubernetes-validate. No cluster runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+try:
+    import helm_python as helm
+except ModuleNotFoundError:
+    pytest.skip("helm-python-sdk is not installed (install the test extras)", allow_module_level=True)
+except Exception as exc:  # helm_python.HelmLibraryError, raised while the package loads libhelm_c
+    if type(exc).__name__ != "HelmLibraryError":
+        raise
+    pytest.skip(f"helm-python-sdk cannot load its native library on this platform: {exc}", allow_module_level=True)
+
+import kubernetes_validate  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO_ROOT / "helm" / "prepos"
+PRODUCTION_VALUES = REPO_ROOT / "helm" / "values-production.yaml"
+
+KUBE_VERSION = "1.33.0"  # Kubernetes API schemas to validate against (kubernetes-validate ships it)
+RELEASE = "prepos"
+NAMESPACE = "serving"
+SESSION_HEADER = "prepos-session-id"
+
+MINIMAL = {"image": {"repository": "registry.example.com/ml/prepos"}}
+# Custom resources have no schema in kubernetes-validate; their fields are checked by hand below.
+CUSTOM_KINDS = {"ServiceMonitor"}
+
+
+def with_minimal(**overrides: Any) -> dict[str, Any]:
+    """MINIMAL values deep-merged with `overrides`."""
+    values = copy.deepcopy(MINIMAL)
+    stack = [(values, overrides)]
+    while stack:
+        target, source = stack.pop()
+        for key, value in source.items():
+            if isinstance(value, dict) and isinstance(target.get(key), dict):
+                stack.append((target[key], value))
+            else:
+                target[key] = copy.deepcopy(value)
+    return values
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART_DIR) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def production_values() -> dict[str, Any]:
+    return yaml.safe_load(PRODUCTION_VALUES.read_text())
+
+
+def render_files(chart, values: dict[str, Any]) -> dict[str, str]:
+    return chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def render(chart, values: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every Kubernetes object the chart renders for `values`."""
+    objects = []
+    for path, text in sorted(render_files(chart, values).items()):
+        if path.endswith(".yaml"):
+            objects += [doc for doc in yaml.safe_load_all(text) if doc]
+    return objects
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = find(objects, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def container(pod_owner: dict[str, Any], name: str) -> dict[str, Any]:
+    spec = pod_owner["spec"]["template"]["spec"]
+    matches = [c for c in spec.get("containers", []) + spec.get("initContainers", []) if c["name"] == name]
+    assert len(matches) == 1, f"no container {name!r} in {pod_owner['metadata']['name']}"
+    return matches[0]
+
+
+def triton(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return container(one(objects, "StatefulSet"), "triton")
+
+
+def envoy_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return yaml.safe_load(one(objects, "ConfigMap")["data"]["envoy.yaml"])
+
+
+def grpc_listener(config: dict[str, Any]) -> dict[str, Any]:
+    (listener,) = config["static_resources"]["listeners"]
+    return listener
+
+
+def connection_manager(config: dict[str, Any]) -> dict[str, Any]:
+    (chain,) = grpc_listener(config)["filter_chains"]
+    (hcm,) = chain["filters"]
+    assert hcm["name"] == "envoy.filters.network.http_connection_manager"
+    return hcm["typed_config"]
+
+
+def triton_cluster(config: dict[str, Any]) -> dict[str, Any]:
+    (cluster,) = config["static_resources"]["clusters"]
+    return cluster
+
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def port_named(c: dict[str, Any], name: str) -> int:
+    (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == name]
+    return port
+
+
+def pod_owners(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] in ("StatefulSet", "Deployment")]
+
+
+# --- lint and validation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values_name", ["minimal", "production"])
+def test_lint_passes(values_name, production_values):
+    values = MINIMAL if values_name == "minimal" else production_values
+    report = helm.lint(CHART_DIR, values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 = warning, 3 = error
+    assert report["errors"] == [] and problems == [], report
+
+
+def test_lint_reports_missing_image_repository():
+    report = helm.lint(CHART_DIR)
+    assert any("missing property 'repository'" in error for error in report["errors"]), report
+
+
+VALIDATED_VALUES = {
+    "minimal": MINIMAL,
+    "maglev-journal-existing-claim": with_minimal(
+        router={"lbPolicy": "MAGLEV"},
+        journal={"enabled": True},
+        storage={"existingClaim": "prepos-engines"},
+        triton={"modelControlMode": "explicit", "modelRepository": "/opt/prepos/engines/model_repository"},
+    ),
+    "cpu-only-no-build": with_minimal(
+        resources={"gpu": 0}, engineBuild={"enabled": False}, prepos={"env": {"PREPOS_ENGINE_DEVICE": "cpu"}},
+        storage={"volumeClaimTemplate": {"enabled": False}}, podDisruptionBudget={"maxUnavailable": "50%"},
+    ),
+}
+
+
+@pytest.mark.parametrize("values_name", [*VALIDATED_VALUES, "production"])
+def test_renders_objects_valid_for_kubernetes(chart, production_values, values_name):
+    values = production_values if values_name == "production" else VALIDATED_VALUES[values_name]
+    objects = render(chart, values)
+    kinds = {o["kind"] for o in objects}
+    assert {"StatefulSet", "Service", "ConfigMap", "Deployment", "PodDisruptionBudget"} <= kinds
+    for obj in objects:
+        assert obj["metadata"]["namespace"] == NAMESPACE
+        if obj["kind"] in CUSTOM_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {error.message} at {list(error.path)}")
+
+
+def test_kubernetes_validation_catches_a_misspelt_field(chart):
+    statefulset = one(render(chart, MINIMAL), "StatefulSet")
+    statefulset["spec"]["template"]["spec"]["containers"][0]["resorces"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(statefulset, KUBE_VERSION, strict=True)
+
+
+def test_notes_name_the_entry_point_and_the_session_header(chart):
+    notes = render_files(chart, MINIMAL)["prepos/templates/NOTES.txt"]
+    assert f"{RELEASE}.{NAMESPACE}.svc.cluster.local:8001" in notes
+    assert SESSION_HEADER in notes
+
+
+# --- bad values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({}, "at '/image': missing property 'repository'"),
+        (with_minimal(replicaCount=-1), "at '/replicaCount': minimum: got -1, want 1"),
+        (with_minimal(router={"lbPolicy": "ROUND_ROBIN"}), "at '/router/lbPolicy': value must be one of 'RING_HASH', 'MAGLEV'"),
+        (with_minimal(router={"tls": {"enabled": True}}), "at '/router/tls/secretName': minLength"),
+        (with_minimal(auth={"enabled": True}), "at '/auth/existingSecret': minLength"),
+        (with_minimal(resources={"gpu": -1}), "at '/resources/gpu': minimum"),
+        (with_minimal(prepos={"env": {"GATE_THRESHOLD": "0.8"}}), "invalid propertyName 'GATE_THRESHOLD'"),
+        # null removes a default in Helm's merge: the router container would have no memory request
+        (with_minimal(router={"resources": {"requests": {"memory": None}}}),
+         "at '/router/resources/requests': missing property 'memory'"),
+    ],
+    ids=["no-image-repository", "negative-replicas", "unknown-lb-policy", "tls-without-secret",
+         "auth-without-secret", "negative-gpus", "env-without-prefix", "no-memory-request"],
+)
+def test_bad_values_fail_with_the_schema_message(chart, values, message):
+    with pytest.raises(helm.HelmValuesError) as raised:
+        render(chart, values)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (with_minimal(router={"streamIdleTimeoutSeconds": 300}), "router.streamIdleTimeoutSeconds must exceed"),
+        (with_minimal(triton={"exitTimeoutSeconds": 200}), "triton.exitTimeoutSeconds must be below"),
+        (with_minimal(prepos={"engineDir": "/models/engine"}), "prepos.engineDir must lie under storage.mountPath"),
+        (with_minimal(autoscaling={"enabled": True, "minReplicas": 5, "maxReplicas": 2}), "minReplicas must not exceed"),
+    ],
+    ids=["stream-idle-below-session-idle", "exit-timeout-above-grace", "engine-outside-volume", "hpa-min-above-max"],
+)
+def test_inconsistent_values_fail_in_the_templates(chart, values, message):
+    with pytest.raises(helm.HelmRenderError) as raised:
+        render(chart, values)
+    assert message in str(raised.value)
+
+
+# --- Triton replicas ----------------------------------------------------------------------
+
+
+def test_triton_container_limits_and_requests_gpus(chart):
+    resources = triton(render(chart, MINIMAL))["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 1
+    assert resources["requests"]["nvidia.com/gpu"] == 1
+
+    resources = triton(render(chart, with_minimal(resources={"gpu": 2, "gpuResourceName": "nvidia.com/mig-3g.40gb"})))[
+        "resources"
+    ]
+    assert resources["limits"]["nvidia.com/mig-3g.40gb"] == 2 and "nvidia.com/gpu" not in resources["limits"]
+
+    resources = triton(render(chart, with_minimal(resources={"gpu": 0})))["resources"]
+    assert not any("gpu" in key for key in {**resources["requests"], **resources["limits"]})
+
+
+def test_gpu_taint_tolerated_by_default(chart):
+    pod = one(render(chart, MINIMAL), "StatefulSet")["spec"]["template"]["spec"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+
+
+def test_probes_hit_triton_health_endpoints_on_the_http_port(chart):
+    values = with_minimal(triton={"httpPort": 8080}, probes={"startup": {"periodSeconds": 20, "failureThreshold": 90}})
+    c = triton(render(chart, values))
+    assert "--http-port=8080" in c["args"] and port_named(c, "http") == 8080
+    paths = {probe: c[probe]["httpGet"]["path"] for probe in ("livenessProbe", "readinessProbe", "startupProbe")}
+    assert paths == {
+        "livenessProbe": "/v2/health/live",
+        "readinessProbe": "/v2/health/ready",
+        "startupProbe": "/v2/health/ready",
+    }
+    assert {c[probe]["httpGet"]["port"] for probe in paths} == {"http"}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 1800
+
+
+def test_triton_args_come_from_values(chart):
+    args = triton(render(chart, with_minimal(triton={"modelControlMode": "explicit", "logVerbose": 2})))["args"]
+    for arg in ("--grpc-port=8001", "--metrics-port=8002", "--allow-metrics=true", "--model-control-mode=explicit",
+                "--load-model=prepos", "--log-verbose=2", "--exit-timeout-secs=100"):
+        assert arg in args
+    c = triton(render(chart, with_minimal(metrics={"enabled": False})))
+    assert "--allow-metrics=false" in c["args"] and "command" not in c  # the image's entrypoint runs tritonserver
+
+
+def test_prepos_env_and_engine_dir(chart):
+    values = with_minimal(prepos={"env": {"PREPOS_GATE_THRESHOLD": 0.8, "PREPOS_ENGINE_DEVICE": "cuda:0"}})
+    env = env_of(triton(render(chart, values)))
+    assert env["PREPOS_GATE_THRESHOLD"] == "0.8"
+    assert env["PREPOS_ENGINE_DEVICE"] == "cuda:0"
+    assert env["PREPOS_ENGINE_DIR"] == "/opt/prepos/engines/smollm2-135m-instruct"
+
+
+def test_engine_build_init_container_writes_the_engine_triton_reads(chart):
+    statefulset = one(render(chart, with_minimal(engineBuild={"args": ["--source", "/opt/prepos/engines/ckpt"]})), "StatefulSet")
+    build = container(statefulset, "engine-build")
+    command = build["command"] + build["args"]
+    assert command[command.index("-m") + 1] == "prepos_build"
+    engine_dir = command[command.index("--output") + 1]
+    assert engine_dir == env_of(container(statefulset, "triton"))["PREPOS_ENGINE_DIR"]
+    assert command[-2:] == ["--source", "/opt/prepos/engines/ckpt"]
+    mounts = {m["name"]: m["mountPath"] for m in build["volumeMounts"]}
+    assert engine_dir.startswith(mounts["engines"] + "/")
+    assert {m["name"]: m["mountPath"] for m in container(statefulset, "triton")["volumeMounts"]}["engines"] == mounts["engines"]
+
+    statefulset = one(render(chart, with_minimal(engineBuild={"enabled": False})), "StatefulSet")
+    assert "initContainers" not in statefulset["spec"]["template"]["spec"]
+
+
+def test_engine_storage_sources(chart):
+    def engines_source(values):
+        statefulset = one(render(chart, values), "StatefulSet")
+        volumes = {v["name"]: v for v in statefulset["spec"]["template"]["spec"]["volumes"]}
+        claims = {t["metadata"]["name"]: t["spec"] for t in statefulset["spec"].get("volumeClaimTemplates", [])}
+        return volumes.get("engines"), claims.get("engines")
+
+    volume, claim = engines_source(with_minimal(storage={"volumeClaimTemplate": {"storageClass": "fast", "size": "50Gi"}}))
+    assert volume is None
+    assert claim["storageClassName"] == "fast" and claim["resources"]["requests"]["storage"] == "50Gi"
+
+    volume, claim = engines_source(with_minimal(storage={"existingClaim": "shared-engines"}))
+    assert claim is None and volume["persistentVolumeClaim"]["claimName"] == "shared-engines"
+
+    volume, claim = engines_source(with_minimal(storage={"volumeClaimTemplate": {"enabled": False}}))
+    assert claim is None and volume["emptyDir"] == {}
+
+
+def test_journal_volume_only_when_enabled(chart):
+    statefulset = one(render(chart, with_minimal(journal={"enabled": True, "mountPath": "/journal", "size": "5Gi"})), "StatefulSet")
+    c = container(statefulset, "triton")
+    assert env_of(c)["PREPOS_JOURNAL_DIR"] == "/journal"
+    assert {"name": "journal", "mountPath": "/journal"} in c["volumeMounts"]
+    claims = {t["metadata"]["name"]: t["spec"] for t in statefulset["spec"]["volumeClaimTemplates"]}
+    assert claims["journal"]["resources"]["requests"]["storage"] == "5Gi"
+
+    statefulset = one(render(chart, MINIMAL), "StatefulSet")
+    assert "PREPOS_JOURNAL_DIR" not in env_of(container(statefulset, "triton"))
+    assert "journal" not in {t["metadata"]["name"] for t in statefulset["spec"]["volumeClaimTemplates"]}
+
+
+def test_termination_drains_streams(chart):
+    statefulset = one(render(chart, MINIMAL), "StatefulSet")
+    pod = statefulset["spec"]["template"]["spec"]
+    c = container(statefulset, "triton")
+    assert pod["terminationGracePeriodSeconds"] == 120
+    sleep = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep[0] == "sleep" and 0 < int(sleep[1]) <= 30
+    exit_timeout = int(next(a for a in c["args"] if a.startswith("--exit-timeout-secs=")).split("=")[1])
+    assert exit_timeout + int(sleep[1]) < pod["terminationGracePeriodSeconds"]
+
+
+def test_every_container_has_resource_requests(chart, production_values):
+    for values in (MINIMAL, production_values, VALIDATED_VALUES["cpu-only-no-build"]):
+        for owner in pod_owners(render(chart, values)):
+            spec = owner["spec"]["template"]["spec"]
+            for c in spec["containers"] + spec.get("initContainers", []):
+                requests = c.get("resources", {}).get("requests", {})
+                assert {"cpu", "memory"} <= requests.keys(), f"{owner['metadata']['name']}/{c['name']}"
+
+
+# --- replicas, autoscaling, disruption budget -----------------------------------------------
+
+
+def test_replicas_come_from_values(chart):
+    objects = render(chart, with_minimal(replicaCount=5))
+    assert one(objects, "StatefulSet")["spec"]["replicas"] == 5
+    assert find(objects, "HorizontalPodAutoscaler") == []
+
+
+def test_autoscaler_bounds_and_metric_come_from_values(chart):
+    values = with_minimal(autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 7,
+                                       "metricName": "prepos_open_sessions", "targetAverageValue": "100"})
+    objects = render(chart, values)
+    statefulset = one(objects, "StatefulSet")
+    hpa = one(objects, "HorizontalPodAutoscaler")
+    assert "replicas" not in statefulset["spec"]  # the autoscaler owns the count
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 7)
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                             "name": statefulset["metadata"]["name"]}
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == "prepos_open_sessions"
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "100"}
+
+
+def test_disruption_budget_covers_the_triton_replicas(chart):
+    objects = render(chart, MINIMAL)
+    pdb = one(objects, "PodDisruptionBudget")
+    pod_labels = one(objects, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+# --- services and metrics -------------------------------------------------------------------
+
+
+def test_headless_service_exposes_the_triton_ports(chart):
+    objects = render(chart, MINIMAL)
+    statefulset = one(objects, "StatefulSet")
+    headless = one(objects, "Service", statefulset["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+    c = container(statefulset, "triton")
+    ports = {p["name"]: (p["port"], p["targetPort"]) for p in headless["spec"]["ports"]}
+    assert ports == {name: (port_named(c, name), name) for name in ("grpc", "http", "metrics")}
+
+
+def test_service_monitor_scrapes_the_metrics_service(chart, production_values):
+    objects = render(chart, production_values)
+    monitor = one(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    selected = [s for s in find(objects, "Service") if selector.items() <= s["metadata"]["labels"].items()]
+    assert len(selected) == 1, "the ServiceMonitor must select exactly the metrics Service"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["interval"] == "15s"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (metrics_port,) = selected[0]["spec"]["ports"]
+    assert metrics_port["targetPort"] == "metrics" and "--allow-metrics=true" in triton(objects)["args"]
+
+
+def test_service_monitor_off_by_default(chart):
+    assert find(render(chart, MINIMAL), "ServiceMonitor") == []
+
+
+# --- session-affine router ------------------------------------------------------------------
+
+
+def test_router_hashes_the_session_header_onto_the_headless_service(chart):
+    objects = render(chart, MINIMAL)
+    config = envoy_config(objects)
+    hcm = connection_manager(config)
+    (virtual_host,) = hcm["route_config"]["virtual_hosts"]
+    (route,) = virtual_host["routes"]
+    assert route["route"]["hash_policy"] == [{"header": {"header_name": SESSION_HEADER}, "terminal": True}]
+
+    cluster = triton_cluster(config)
+    assert route["route"]["cluster"] == cluster["name"]
+    assert cluster["type"] == "STRICT_DNS"
+    assert cluster["lb_policy"] == "RING_HASH"
+    (locality,) = cluster["load_assignment"]["endpoints"]
+    (endpoint,) = locality["lb_endpoints"]
+    address = endpoint["endpoint"]["address"]["socket_address"]
+    headless = one(objects, "Service", one(objects, "StatefulSet")["spec"]["serviceName"])
+    assert address["address"] == f"{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    assert headless["spec"]["clusterIP"] == "None"
+    assert address["port_value"] == {p["name"]: p["port"] for p in headless["spec"]["ports"]}["grpc"]
+
+
+def test_router_speaks_http2_both_ways(chart):
+    config = envoy_config(render(chart, MINIMAL))
+    assert connection_manager(config)["codec_type"] == "HTTP2"
+    options = triton_cluster(config)["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert options["@type"] == "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    assert "http2_protocol_options" in options["explicit_http_config"]
+
+
+def test_router_keeps_long_streams_open(chart):
+    config = envoy_config(render(chart, with_minimal(router={"streamIdleTimeoutSeconds": 900})))
+    hcm = connection_manager(config)
+    (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert route["route"]["timeout"] == "0s"
+    assert hcm["stream_idle_timeout"] == "900s"
+
+
+def test_ring_size_bounds_reach_the_config(chart):
+    # Envoy's ring itself cannot be reproduced here; this checks only that the configured bounds
+    # (which set how many virtual nodes spread sessions over replicas) reach the cluster config.
+    values = with_minimal(router={"ringHash": {"minimumRingSize": 4096, "maximumRingSize": 65536}})
+    ring = triton_cluster(envoy_config(render(chart, values)))["ring_hash_lb_config"]
+    assert ring["minimum_ring_size"] == 4096
+    assert ring["maximum_ring_size"] == 65536
+    defaults = triton_cluster(envoy_config(render(chart, MINIMAL)))["ring_hash_lb_config"]
+    assert 1024 <= defaults["minimum_ring_size"] <= defaults["maximum_ring_size"] <= 8388608
+
+
+def test_maglev_policy(chart):
+    cluster = triton_cluster(envoy_config(render(chart, with_minimal(router={"lbPolicy": "MAGLEV"}))))
+    assert cluster["lb_policy"] == "MAGLEV"
+    assert cluster["maglev_lb_config"]["table_size"] == 65537
+    assert "ring_hash_lb_config" not in cluster
+
+
+def test_router_deployment_and_service(chart):
+    objects = render(chart, with_minimal(router={"replicas": 3, "service": {"type": "LoadBalancer"}}))
+    deployment = one(objects, "Deployment")
+    envoy = container(deployment, "envoy")
+    assert deployment["spec"]["replicas"] == 3
+    assert envoy["image"].startswith("envoyproxy/envoy:v1.3")
+    config_path = envoy["args"][envoy["args"].index("--config-path") + 1]
+    mounts = {m["name"]: m["mountPath"] for m in envoy["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    config_map = one(objects, "ConfigMap")
+    assert config_path == f"{mounts['config']}/envoy.yaml"
+    assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
+    assert port_named(envoy, "grpc") == grpc_listener(envoy_config(objects))["address"]["socket_address"]["port_value"]
+
+    service = one(objects, "Service", RELEASE)
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(8001, "grpc")]
+
+
+# --- TLS and access token -------------------------------------------------------------------
+
+
+def test_tls_wiring_only_when_enabled(chart):
+    objects = render(chart, MINIMAL)
+    assert "transport_socket" not in grpc_listener(envoy_config(objects))["filter_chains"][0]
+    assert "tls" not in {v["name"] for v in one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+
+    objects = render(chart, with_minimal(router={"tls": {"enabled": True, "secretName": "grpc-cert"}}))
+    socket = grpc_listener(envoy_config(objects))["filter_chains"][0]["transport_socket"]
+    context = socket["typed_config"]
+    assert context["@type"] == "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
+    assert context["common_tls_context"]["alpn_protocols"] == ["h2"]
+    (certificate,) = context["common_tls_context"]["tls_certificates"]
+    deployment = one(objects, "Deployment")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container(deployment, "envoy")["volumeMounts"]}
+    assert volumes["tls"]["secret"]["secretName"] == "grpc-cert"
+    assert certificate["certificate_chain"]["filename"] == f"{mounts['tls']}/tls.crt"
+    assert certificate["private_key"]["filename"] == f"{mounts['tls']}/tls.key"
+
+
+def test_auth_wiring_only_when_enabled(chart):
+    c = triton(render(chart, MINIMAL))
+    assert not any("restricted-protocol" in arg for arg in c["args"])
+    assert not any("secretKeyRef" in str(value) for value in env_of(c).values())
+
+    values = with_minimal(auth={"enabled": True, "existingSecret": "prepos-token", "secretKey": "value"})
+    c = triton(render(chart, values))
+    restricted = [arg for arg in c["args"] if "restricted-protocol" in arg]
+    (token_env,) = [name for name, value in env_of(c).items() if isinstance(value, dict) and "secretKeyRef" in value]
+    assert env_of(c)[token_env]["secretKeyRef"] == {"name": "prepos-token", "key": "value"}
+    expected = f"=inference,model-repository:prepos-access-token=$({token_env})"
+    assert restricted == [f"--grpc-restricted-protocol{expected}", f"--http-restricted-protocol{expected}"]

@@ -1,0 +1,79 @@
+# docker/Dockerfile is not built by these tests: building it needs a Docker engine and NVIDIA's base image.
+"""The production image's Dockerfile agrees with the chart and the model repository."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from pathlib import Path
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
+DOCKERIGNORE = REPO_ROOT / "docker" / "Dockerfile.dockerignore"
+CHART_VALUES = REPO_ROOT / "helm" / "prepos" / "values.yaml"
+MODEL_CONFIG = REPO_ROOT / "model_repository" / "prepos" / "config.pbtxt"
+IMAGE_MODEL_REPOSITORY = "/opt/prepos/model_repository"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(line for line in DOCKERFILE.read_text().splitlines()
+                                          if not line.lstrip().startswith("#")))
+    pairs = []
+    for line in text.splitlines():
+        if line.strip():
+            keyword, _, rest = line.strip().partition(" ")
+            pairs.append((keyword.upper(), rest.strip()))
+    return pairs
+
+
+def arguments(keyword: str) -> list[str]:
+    return [rest for kw, rest in instructions() if kw == keyword]
+
+
+def test_base_is_the_triton_trtllm_container_with_a_tag_argument():
+    pairs = instructions()
+    assert pairs[0] == ("ARG", "TRITON_TAG=24.10")
+    assert arguments("FROM") == ["nvcr.io/nvidia/tritonserver:${TRITON_TAG}-trtllm-python-py3"]
+
+
+def test_project_installed_without_dependencies_the_base_provides():
+    (install,) = [run for run in arguments("RUN") if "/opt/prepos/src" in run]
+    first = install.split("&&")[0]
+    assert "pip install" in first and "--no-deps" in first
+    assert "torch" not in install
+
+
+def test_entrypoint_serves_the_copied_model_repository():
+    (entrypoint,) = arguments("ENTRYPOINT")
+    command = json.loads(entrypoint)
+    assert command[command.index("tritonserver") + 1] == f"--model-repository={IMAGE_MODEL_REPOSITORY}"
+    assert f"model_repository {IMAGE_MODEL_REPOSITORY}" in arguments("COPY")
+
+
+def test_ports_match_the_chart_defaults():
+    triton = yaml.safe_load(CHART_VALUES.read_text())["triton"]
+    ports = {triton["httpPort"], triton["grpcPort"], triton["metricsPort"]}
+    assert {int(p) for p in arguments("EXPOSE")[0].split()} == ports
+    cmd = json.loads(arguments("CMD")[0])
+    assert {int(arg.split("=")[1]) for arg in cmd} == ports
+
+
+def test_default_engine_dir_of_the_model_resolves_to_the_chart_engine_dir():
+    # config.pbtxt's engine.dir is relative to the model directory; in the image that lands on
+    # the engine volume the chart mounts, at the directory the chart passes as PREPOS_ENGINE_DIR.
+    values = yaml.safe_load(CHART_VALUES.read_text())
+    match = re.search(r'key: "engine\.dir" value: \{ string_value: "([^"]+)" \}', MODEL_CONFIG.read_text())
+    assert match, "engine.dir parameter not found in config.pbtxt"
+    resolved = posixpath.normpath(posixpath.join(IMAGE_MODEL_REPOSITORY, "prepos", match.group(1)))
+    assert resolved == values["prepos"]["engineDir"]
+    assert resolved.startswith(values["storage"]["mountPath"] + "/")
+
+
+def test_build_context_keeps_what_the_copies_need():
+    kept = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("!")}
+    sources = {rest.split()[0].rstrip("/") for rest in arguments("COPY")}
+    assert sources <= kept
