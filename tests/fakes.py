@@ -93,11 +93,12 @@ class FakeEngine(Engine):
 
     def __init__(self, vocab: int = len(VOCAB), max_context: int = 4096, clock: FakeClock | None = None,
                  token_time_s: float = 0.001, step_time_s: float = 0.005,
-                 logits_fn: Callable[[Sequence[int], int], np.ndarray] = hashed_logits):
+                 logits_fn: Callable[[Sequence[int], int], np.ndarray] = hashed_logits, num_layers: int = 0):
         self.info = EngineInfo("fake", vocab, max_context, kv_bytes_per_token=100, weight_bytes=1000, device="cpu")
         self.clock = clock or FakeClock()
         self.token_time_s, self.step_time_s = token_time_s, step_time_s
         self.logits_fn = logits_fn
+        self.num_layers = num_layers  # > 0: prefill_steps yields once per layer
         self.kv: dict = {}
         self.calls: list[tuple[str, object, int]] = []  # (method, session, tokens computed)
         self.on_compute: Callable[[], None] | None = None  # called mid-computation (tests inject arrivals here)
@@ -117,6 +118,21 @@ class FakeEngine(Engine):
         reuse = min(common_prefix_length(cached, token_ids), len(token_ids) - 1)
         self.calls.append(("prefill", session_id, len(token_ids) - reuse))
         return self._compute(session_id, list(token_ids), len(token_ids) - reuse)
+
+    def prefill_steps(self, session_id, token_ids):
+        if not self.num_layers:
+            return self.prefill(session_id, token_ids)
+        cached = self.kv.get(session_id, [])
+        num_new = len(token_ids) - min(common_prefix_length(cached, token_ids), len(token_ids) - 1)
+        for layer in range(self.num_layers):
+            self.clock.t += self.token_time_s * num_new / self.num_layers / 2
+            if self.on_compute is not None:
+                self.on_compute()
+            self.clock.t += self.token_time_s * num_new / self.num_layers / 2
+            yield
+        self.calls.append(("prefill", session_id, num_new))
+        self.kv[session_id] = list(token_ids)
+        return torch.from_numpy(self.logits_fn(list(token_ids), self.info.vocab_size))
 
     def decode(self, session_id, token_id):
         self.calls.append(("decode", session_id, 1))

@@ -386,7 +386,7 @@ class Scheduler:
         else:
             path = ServedPath.REBUILD if session.evicted else ServedPath.PREFIX
         if path not in (ServedPath.EXACT, ServedPath.GATED):
-            logits = self._prefill(session, [*prompt, *forced], "foreground")
+            logits = self._prefill(session, [*prompt, *forced])
             kv_len = len(prompt) + len(forced)
             first = self._scan_at(logits, trie, forced, request, rng)
         confidence = self._gate.score(first)
@@ -426,7 +426,7 @@ class Scheduler:
                 logits = self._engine.decode(sid, sequence[-1])
                 self._note_kv(session)
             else:
-                logits = self._prefill(session, sequence, "foreground")
+                logits = self._prefill(session, sequence)
             kv_len = len(sequence)
             scan = self._scan_at(logits, trie, answer, request, rng)
 
@@ -437,12 +437,12 @@ class Scheduler:
             self._release_kv(session)
             session.evicted = True
 
-    def _prefill(self, session: Session, token_ids: Sequence[int], where: str):
+    def _prefill(self, session: Session, token_ids: Sequence[int]):
         cached = self._engine.cached_token_ids(session.session_id)
         reused = common_prefix_length(cached, token_ids)
         logits = self._engine.prefill(session.session_id, token_ids)
-        self._metrics.prefilled(where, max(1, len(token_ids) - reused))
-        self._note_kv(session, background=where == "background")
+        self._metrics.prefilled("foreground", max(1, len(token_ids) - reused))
+        self._note_kv(session)
         return logits
 
     # --- pre-positioning -----------------------------------------------
@@ -460,7 +460,10 @@ class Scheduler:
         done = common_prefix_length(self._engine.cached_token_ids(session.session_id), target)
         while True:
             end = min(len(target), done + self._config.chunk_tokens) if done < len(target) else len(target)
-            logits = self._prefill(session, target[:end], "background")
+            # Yields between layers too: a foreground request waits at most one layer of one chunk.
+            logits = yield from self._engine.prefill_steps(session.session_id, target[:end])
+            self._metrics.prefilled("background", max(1, end - done))
+            self._note_kv(session, background=True)
             if not session.has_kv:  # the budget had no room for it
                 self._metrics.prepositioning_ended("abandoned")
                 return

@@ -347,3 +347,35 @@ def test_rejection_keeps_its_place_in_the_session_order(h):
     while not rejected.done:
         h.sched.run_once()
     assert first.done and first.error is None and h.sched.store.get("s1") is None
+
+
+def test_layered_prefill_bounds_the_wait_by_one_layer_step(tmp_path):
+    chunk_tokens, token_time, layers = 32, 0.004, 8
+    h = Harness(tmp_path, chunk_tokens=chunk_tokens, token_time_s=token_time, step_time_s=0.0, num_layers=layers)
+    open_session(h, "idle", "x" * 400)
+    open_session(h, "busy")
+    h.sched.run_once()  # pre-positioning of one session starts; the loop now steps it layer by layer
+    sinks = []
+    h.engine.on_compute = lambda: sinks.append(h.submit(h.request("busy", "", max_tokens=1))) if not sinks else None
+    h.sched.run_once()  # one layer step; the request arrives in its middle
+    h.engine.on_compute = None
+    while not sinks[0].done:
+        h.sched.run_once()
+    layer_s = token_time * chunk_tokens / layers
+    assert sinks[0].chunks[0].queue_ms <= layer_s * 1e3 / 2 + 1e-6  # far less than a whole chunk
+    h.idle()
+    assert h.sched.store.lookup("idle").state is SessionState.POSITIONED
+    assert h.metrics.sink.get("prepos_prepositionings_total", result="completed") == 2
+
+
+def test_abandoned_layered_prefill_leaves_a_consistent_kv(tmp_path):
+    h = Harness(tmp_path, chunk_tokens=64, num_layers=4)
+    open_session(h, "s1", "y" * 200)
+    h.sched.run_once()
+    h.sched.run_once()  # mid-forward of the first chunk
+    before = list(h.engine.cached_token_ids("s1"))
+    want = expected(h, "s1", "hi", max_tokens=3)
+    sink = h.serve(h.request("s1", "hi", max_tokens=3))  # preempts it
+    assert sink.path == "prefix" and sink.ids == want
+    assert h.metrics.sink.get("prepos_prepositionings_total", result="preempted") == 1
+    assert before == [] or h.log("s1")[:len(before)] == before

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Generator, Sequence
 
 import torch
 
@@ -48,6 +48,18 @@ class Engine(abc.ABC):
         Raises ``ValueError`` if ``token_ids`` is empty or longer than
         ``info.max_context``.
         """
+
+    def prefill_steps(self, session_id: str, token_ids: Sequence[int]) -> Generator[None, None, torch.Tensor]:
+        """``prefill`` as a generator that yields between parts of the forward pass; returns the logits.
+
+        Between two steps the caller may use the engine for other sessions (the
+        engine loop serves foreground requests there), so a long background
+        prefill delays them by at most one step. Closing the generator early
+        abandons the work: the session's KV then holds a prefix of what it held
+        before the call. This default runs the whole prefill as one step.
+        """
+        return self.prefill(session_id, token_ids)
+        yield  # noqa: unreachable; makes this a generator
 
     @abc.abstractmethod
     def decode(self, session_id: str, token_id: int) -> torch.Tensor:

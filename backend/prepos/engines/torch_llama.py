@@ -114,7 +114,7 @@ class TorchLlamaEngine(Engine):
         self._build_rope(cfg["rope_theta"], max_context)
         self._sessions: dict[str, _Session] = {}
         elem = torch.empty((), dtype=self.dtype).element_size()
-        read = [*self.wqkv, *self.wo, *self.wgu, *self.wdown, *self.ln_attn, *self.ln_mlp, self.ln_final, self.lm_head_t]
+        read = [*self.wqkv, *self.wo, *self.wgu, *self.wdown, self.ln_final, self.lm_head_t]
         self.info = EngineInfo(
             name="torch",
             vocab_size=self.vocab_size,
@@ -131,24 +131,27 @@ class TorchLlamaEngine(Engine):
     def _load_weights(self, model_dir: str, *, tie: bool) -> None:
         sd = _load_tensors(model_dir)
         dev, dt = self.device, self.dtype
+        # RMSNorm weights (times sqrt(hidden), see _rms_scale) are folded into the rows of the
+        # matrix each norm feeds, so a norm is one scale factor per token.
+        root_n = float(self.hidden) ** 0.5
 
-        def take(name: str) -> torch.Tensor:
-            return sd.pop(name).to(device=dev, dtype=dt)
+        def fuse_t(*names: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+            w = torch.cat([sd.pop(n).float() for n in names], 0)  # [out_total, in]
+            if scale is not None:
+                w = w * (scale.float() * root_n)[None, :]
+            # -> [in, out_total], contiguous so the GEMV streams rows of it
+            return w.t().contiguous().to(device=dev, dtype=dt)
 
-        def fuse_t(*names: str) -> torch.Tensor:
-            # [out_total, in] -> [in, out_total], contiguous so the GEMV streams rows of it
-            return torch.cat([sd.pop(n) for n in names], 0).to(device=dev, dtype=dt).t().contiguous()
-
-        self.wqkv, self.wo, self.wgu, self.wdown, self.ln_attn, self.ln_mlp = [], [], [], [], [], []
+        self.wqkv, self.wo, self.wgu, self.wdown = [], [], [], []
         for i in range(self.n_layers):
             p = f"model.layers.{i}."
-            self.wqkv.append(fuse_t(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")))  # [hidden, (H+2KV)*hd]
+            ln_attn, ln_mlp = sd.pop(p + "input_layernorm.weight"), sd.pop(p + "post_attention_layernorm.weight")
+            qkv = (p + f"self_attn.{x}_proj.weight" for x in "qkv")
+            self.wqkv.append(fuse_t(*qkv, scale=ln_attn))  # [hidden, (H+2KV)*hd]
             self.wo.append(fuse_t(p + "self_attn.o_proj.weight"))  # [H*hd, hidden]
-            self.wgu.append(fuse_t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))  # [hidden, 2*inter]
+            self.wgu.append(fuse_t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", scale=ln_mlp))  # [hidden, 2*inter]
             self.wdown.append(fuse_t(p + "mlp.down_proj.weight"))  # [inter, hidden]
-            self.ln_attn.append(take(p + "input_layernorm.weight"))
-            self.ln_mlp.append(take(p + "post_attention_layernorm.weight"))
-        self.ln_final = take("model.norm.weight")
+        self.ln_final = sd.pop("model.norm.weight").to(device=dev, dtype=dt)
         embed = sd.pop("model.embed_tokens.weight")  # [vocab, hidden]
         head = embed if tie or "lm_head.weight" not in sd else sd.pop("lm_head.weight")
         if not tie and head is embed:
@@ -160,6 +163,11 @@ class TorchLlamaEngine(Engine):
         sd.pop("lm_head.weight", None)
         if sd:
             log.warning("%s: ignoring unexpected tensors %s", model_dir, sorted(sd)[:5])
+        # Decode multiplies 1-D activations by these [out, in] views (mv reads the [in, out] storage).
+        self._dec = [(a.t(), b.t(), c.t(), d.t()) for a, b, c, d in zip(self.wqkv, self.wo, self.wgu, self.wdown)]
+        self._zeros = {n: torch.zeros(n, device=dev, dtype=dt) for n in (self.wqkv[0].shape[1], self.wgu[0].shape[1])}
+        self._cpu = self.device.type == "cpu"
+        self._n_eps = self.hidden * self.eps
 
     def _build_rope(self, theta: float, max_context: int) -> None:
         # Same float32 recipe as transformers' default RoPE so logits match it closely.
@@ -173,6 +181,10 @@ class TorchLlamaEngine(Engine):
         sin[:, :half].neg_()
         self.cos = emb.cos().to(self.device, self.dtype)  # [max_context, hd]
         self.sin_signed = sin.to(self.device, self.dtype)  # [max_context, hd]
+        # Decode applies RoPE at one position as x @ R with R = diag(cos) + roll_matrix * sin_signed:
+        # built once per step, then one matmul per layer instead of three elementwise ops.
+        self._eye = torch.eye(hd, device=self.device, dtype=self.dtype)
+        self._roll = torch.eye(hd, device=self.device, dtype=self.dtype).roll(half, 1)  # x @ roll == x.roll(half)
 
     # ---- KV management -------------------------------------------------------------------
 
@@ -249,6 +261,12 @@ class TorchLlamaEngine(Engine):
         self.num_computed_tokens += len(new)
         return logits
 
+    def _rms_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times ``rsqrt(sum(x^2) + hidden*eps)`` per row, i.e. RMSNorm without its weight and
+        without the 1/sqrt(hidden) factor: both live in the matrix the norm feeds."""
+        xf = x.float()  # sums of squares overflow float16; a no-op for float32
+        return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True).add_(self._n_eps))).to(x.dtype)
+
     def _prefill_forward(self, kv: torch.Tensor, start: int, tokens: torch.Tensor) -> torch.Tensor:
         """Run ``tokens`` at positions ``start..`` causally over ``kv[:, :, :, :start]``; write their KV.
 
@@ -256,7 +274,7 @@ class TorchLlamaEngine(Engine):
         """
         n, end = tokens.shape[0], start + tokens.shape[0]
         H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
-        hidden, inter = self.hidden, self.intermediate
+        inter = self.intermediate
         cos = self.cos[start:end, None, :]  # [seq, 1, hd]
         sin = self.sin_signed[start:end, None, :]  # [seq, 1, hd]
         # Query i (position start+i) sees keys 0..start+i. SDPA's is_causal aligns to the top-left,
@@ -268,23 +286,21 @@ class TorchLlamaEngine(Engine):
             mask = None
         x = self.embed_t[:, tokens].t()  # [seq, hidden]
         for i in range(self.n_layers):
-            h = F.rms_norm(x, (hidden,), self.ln_attn[i], self.eps)
-            qkv = torch.mm(h, self.wqkv[i]).view(n, H + 2 * KV, hd)  # [seq, H+2KV, hd]
+            qkv = torch.mm(self._rms_scale(x), self.wqkv[i]).view(n, H + 2 * KV, hd)  # [seq, H+2KV, hd]
             qk = qkv[:, : H + KV]  # [seq, H+KV, hd]: RoPE q and k in one go
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
             kv[i, 0, :, start:end] = qk[:, H:].transpose(0, 1)  # [KV, seq, hd]
             kv[i, 1, :, start:end] = qkv[:, H + KV :].transpose(0, 1)
             q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # q: [1, H, seq, hd]
-            k = kv[i, 0, :, :end].unsqueeze(0)  # [1, KV, start+seq, hd]
-            v = kv[i, 1, :, :end].unsqueeze(0)
+            k, v = kv[i, 0, None, :, :end], kv[i, 1, None, :, :end]  # [1, KV, start+seq, hd]
+            # 4-D inputs keep SDPA on its CPU flash kernel (3-D ones take the slow math path).
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=G > 1)
-            x = x + torch.mm(a[0].transpose(0, 1).reshape(n, H * hd), self.wo[i])  # a: [1, H, seq, hd]
-            h = F.rms_norm(x, (hidden,), self.ln_mlp[i], self.eps)
-            gu = torch.mm(h, self.wgu[i])  # [seq, 2*inter]
+            x = torch.addmm(x, a[0].transpose(0, 1).reshape(n, H * hd), self.wo[i])  # a: [1, H, seq, hd]
+            gu = torch.mm(self._rms_scale(x), self.wgu[i])  # [seq, 2*inter]
             act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [seq, inter]
-            x = x + torch.mm(act, self.wdown[i])
-        h = F.rms_norm(x[-1:], (hidden,), self.ln_final, self.eps)  # [1, hidden]: last position only
-        return torch.mm(h, self.lm_head_t)[0].float()  # [vocab]
+            x = torch.addmm(x, act, self.wdown[i])
+        h = F.rms_norm(x[-1], (self.hidden,), self.ln_final, self.eps)  # [hidden]: last position only
+        return (h @ self.lm_head_t).float()  # [vocab]
 
     @torch.inference_mode()
     def decode(self, session_id: str, token_id: int) -> torch.Tensor:
@@ -306,31 +322,38 @@ class TorchLlamaEngine(Engine):
     def _decode_forward(self, kv: torch.Tensor, pos: int, token_id: int) -> torch.Tensor:
         """One token at ``pos`` over ``kv[:, :, :, :pos]``; writes its KV; returns float32 logits ``[vocab]``.
 
-        Query heads are grouped per kv head as ``[1, KV, G, hd]`` so SDPA sees G "query rows"
-        per kv head with every cached key visible: GQA without repeating KV or a mask.
+        Activations stay 1-D and every step costs a fixed, small number of ops per layer: the
+        weights' read time is the floor, everything else is overhead. Query heads are grouped
+        per kv head as ``[1, KV, G, hd]`` so SDPA sees G query rows per kv head with every cached
+        key visible: GQA without repeating KV or a mask.
         """
         H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
-        hidden, inter, eps, half = self.hidden, self.intermediate, self.eps, hd // 2
-        qk_width, end = (H + KV) * hd, pos + 1
-        cos = self.cos[pos]  # [hd]
-        sin = self.sin_signed[pos]  # [hd]
-        wqkv, wo, wgu, wdown, ln_attn, ln_mlp = self.wqkv, self.wo, self.wgu, self.wdown, self.ln_attn, self.ln_mlp
-        x = self.embed_t[:, token_id].unsqueeze(0)  # [1, hidden]
-        for i in range(self.n_layers):
-            h = F.rms_norm(x, (hidden,), ln_attn[i], eps)
-            qkv = torch.mm(h, wqkv[i])  # [1, (H+2KV)*hd]
-            qk = qkv[0, :qk_width].view(H + KV, hd)  # [H+KV, hd]
-            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
-            layer = kv[i]  # [2, KV, capacity, hd]
-            layer[0, :, pos] = qk[H:]  # [KV, hd]
-            layer[1, :, pos] = qkv[0, qk_width:].view(KV, hd)
-            a = F.scaled_dot_product_attention(
-                qk[:H].view(1, KV, G, hd), layer[0, :, :end].unsqueeze(0), layer[1, :, :end].unsqueeze(0)
-            )  # a: [1, KV, G, hd]
-            x = x + torch.mm(a.view(1, H * hd), wo[i])
-            h = F.rms_norm(x, (hidden,), ln_mlp[i], eps)
-            gu = torch.mm(h, wgu[i])  # [1, 2*inter]
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [1, inter]
-            x = x + torch.mm(act, wdown[i])
-        h = F.rms_norm(x, (hidden,), self.ln_final, eps)
-        return torch.mm(h, self.lm_head_t)[0].float()  # [vocab]
+        inter, qk_width, end = self.intermediate, (H + KV) * hd, pos + 1
+        norm_mv, sdpa, addmv, mm = self._norm_mv, F.scaled_dot_product_attention, torch.addmv, torch.mm
+        rot = torch.addcmul(self._eye * self.cos[pos], self._roll, self.sin_signed[pos])  # [hd, hd]
+        # Per-layer views, made once per step: this position's KV slots and the keys/values so far.
+        k_new, v_new = kv[:, 0, :, pos].unbind(0), kv[:, 1, :, pos].unbind(0)  # layers x [KV, hd]
+        k_all, v_all = kv[:, 0, None, :, :end].unbind(0), kv[:, 1, None, :, :end].unbind(0)  # layers x [1, KV, end, hd]
+        x = self.embed_t[:, token_id]  # [hidden]
+        for i, (wqkv, wo, wgu, wdown) in enumerate(self._dec):
+            qkv = norm_mv(wqkv, x)  # [(H+2KV)*hd]
+            qk = mm(qkv[:qk_width].view(H + KV, hd), rot)  # [H+KV, hd], RoPE applied
+            k_new[i].copy_(qk[H:])
+            v_new[i].copy_(qkv[qk_width:].view(KV, hd))
+            # 4-D inputs: SDPA's CPU flash kernel; 3-D ones fall back to the slower math path.
+            a = sdpa(qk[:H].view(1, KV, G, hd), k_all[i], v_all[i])  # [1, KV, G, hd]
+            x = addmv(x, wo, a.view(-1))
+            gu = norm_mv(wgu, x)  # [2*inter]
+            x = addmv(x, wdown, F.silu(gu[:inter]).mul_(gu[inter:]))
+        h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
+        return (h @ self.lm_head_t).float()  # [vocab]
+
+    def _norm_mv(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``w @ rmsnorm(x)`` for 1-D ``x``, the norm's weight being folded into ``w``."""
+        xf = x.float()  # sums of squares overflow float16; a no-op for float32
+        if self._cpu:
+            # Reading a scalar back costs nothing on CPU, and addmv's alpha then applies the
+            # norm without another op (beta=0: the zeros input is never read).
+            r = (torch.dot(xf, xf).item() + self._n_eps) ** -0.5
+            return torch.addmv(self._zeros[w.shape[0]], w, x, beta=0, alpha=r)
+        return torch.mv(w, (xf * torch.rsqrt(torch.dot(xf, xf) + self._n_eps)).to(x.dtype))
