@@ -74,7 +74,8 @@ class Conversation:
 def reference_greedy(model, prompt, max_tokens, stop_ids):
     """Stateless: one full prefill of the token log, then greedy decoding (Hugging Face's implementation)."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+        ids = torch.tensor([prompt])  # the mask is explicit: the stop token doubles as the pad token
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                              eos_token_id=list(stop_ids), pad_token_id=stop_ids[0])
     ids = out[0, len(prompt):].tolist()
     return [t for t in ids if t not in stop_ids]

@@ -1,0 +1,309 @@
+"""Path benchmark: first-token latency per served path against baselines, in one run.
+
+Starts one Triton server holding four models that share the engine directory:
+``prepos`` (as configured), ``prepos_prefix`` (pre-positioning off: what a
+prefix cache pays), ``prepos_stateless`` (KV dropped after every request: the
+whole log is prefilled each time) and ``floor`` (a no-op decoupled model: the
+transport floor). The same session traces (BFCL multi-turn tool routing and a
+streaming monitor) replay against each, one session at a time, with think time
+between turns; then an interference run and the engine's decode-step figures.
+Writes a markdown table and the raw samples as JSON.
+
+    python loadtest/bench.py [--sessions 3] [--think-time 2] [--out out/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for sub in ("backend", "client", "loadtest"):
+    sys.path.insert(0, str(ROOT / sub))
+
+from prepos.launcher import ServerOptions, TritonServer  # noqa: E402
+from prepos_client import Client  # noqa: E402
+from prepos_loadtest.workloads import SessionTrace, Step, bfcl_sessions, monitor_sessions  # noqa: E402
+
+log = logging.getLogger("prepos.bench")
+
+VARIANTS = {  # model name -> parameters added to prepos's config
+    "prepos": {},
+    "prepos_prefix": {"scheduler.preposition": "false"},
+    "prepos_stateless": {"scheduler.preposition": "false", "scheduler.retain_kv": "false"},
+}
+
+
+@dataclass
+class Sample:
+    mode: str  # model served
+    workload: str
+    session: str
+    step: int
+    path: str
+    delta_tokens_hint: int  # characters of the delta, to pair prepaid and prefix at the same delta
+    ttft_ms: float  # client-measured
+    server_first_token_ms: float
+    total_ms: float
+    answer: str
+    expected: str | None
+
+
+def build_repository(run_dir: Path) -> Path:
+    """A model repository with prepos's variants and the floor model."""
+    repo = run_dir / "bench_repository"
+    shutil.rmtree(repo, ignore_errors=True)
+    repo.mkdir(parents=True)
+    source = (ROOT / "model_repository" / "prepos" / "config.pbtxt").read_text()
+    for name, params in VARIANTS.items():
+        (repo / name).mkdir()
+        (repo / name / "1").symlink_to(ROOT / "model_repository" / "prepos" / "1")
+        config = re.sub(r'^name: "prepos"', f'name: "{name}"', source, flags=re.M)
+        extra = "".join(f'\n  {{ key: "{k}" value: {{ string_value: "{v}" }} }},' for k, v in params.items())
+        config = config.replace("parameters [", "parameters [" + extra, 1)
+        (repo / name / "config.pbtxt").write_text(config)
+    (repo / "floor").symlink_to(ROOT / "loadtest" / "floor_repository" / "floor")
+    return repo
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def replay(url: str, model: str, traces: list[SessionTrace], workload: str) -> list[Sample]:
+    samples = []
+    with Client(url, model=model) as client:
+        for trace in traces:
+            with client.session() as session:
+                for index, step in enumerate(trace.steps):
+                    time.sleep(step.delay_s)
+                    if step.max_tokens == 0:
+                        session.append(step.delta, role=step.role)
+                        continue
+                    answer = session.ask(step.delta, role=step.role, max_tokens=step.max_tokens,
+                                         choices=list(step.choices) if step.choices else None)
+                    samples.append(Sample(model, workload, trace.name, index, answer.path, len(step.delta),
+                                          answer.ttft_ms, answer.first_token_ms, answer.total_ms, answer.text,
+                                          step.expected))
+            log.info("%s %s: %s done", model, workload, trace.name)
+    return samples
+
+
+def measure_floor(url: str, num: int, gap_s: float) -> list[Sample]:
+    samples = []
+    with Client(url, model="floor") as client, client.session() as session:
+        for index in range(num):
+            time.sleep(gap_s)
+            answer = session.ask("", max_tokens=1)
+            samples.append(Sample("floor", "floor", "floor", index, "floor", 0, answer.ttft_ms,
+                                  answer.first_token_ms, answer.total_ms, "", None))
+    return samples
+
+
+def _wait_background_idle(server: TritonServer, model: str, quiet_s: float = 1.0, timeout_s: float = 120) -> None:
+    """Wait until the model's background prefill counter stops moving (pre-positioning finished)."""
+    import urllib.request
+
+    def background_tokens() -> float:
+        text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("prepos_prefill_tokens_total{") and f'model="{model}"' in line
+                   and 'where="background"' in line)
+
+    deadline, last, still_since = time.monotonic() + timeout_s, -1.0, time.monotonic()
+    while time.monotonic() < deadline:
+        now = background_tokens()
+        if now != last:
+            last, still_since = now, time.monotonic()
+        elif time.monotonic() - still_since >= quiet_s:
+            return
+        time.sleep(0.1)
+
+
+def measure_interference(server: TritonServer, model: str, num: int, think_s: float) -> list[Sample]:
+    """The same requests of session B, with and without session A's long update being pre-positioned meanwhile.
+
+    Both runs are on one model, so B's own work (including its own pre-positioning
+    between its requests) is identical; only A's background work differs.
+    """
+    def document(tag: str) -> str:
+        return " ".join(f"{tag} line {i}: sensor {i % 7} reported value {i * 37 % 101}." for i in range(90))
+
+    samples = []
+    with Client(server.grpc_url, model=model) as client, client.session() as a, client.session() as b:
+        b.append("You answer with one word.", role="system")
+        a.append(document("Warm-up"), role="user")
+        _wait_background_idle(server, model)
+        for condition in ("off", "on"):
+            if condition == "on":
+                a.append(document("Fresh"), role="user")  # A's pre-positioning now runs for many chunks
+            else:
+                _wait_background_idle(server, model)
+            for index in range(num):
+                time.sleep(think_s)
+                answer = b.ask(f"Question {index}: pick a color.", max_tokens=1, speculate=False)
+                samples.append(Sample(model, f"interference-{condition}", "b", index, answer.path, 0, answer.ttft_ms,
+                                      answer.first_token_ms, answer.total_ms, answer.text, None))
+    return samples
+
+
+def engine_figures(engine_dir: Path) -> dict:
+    """Decode step vs the memory-bandwidth bound, and prefill throughput (same machine, same run)."""
+    try:
+        import engine_microbench
+    except ImportError:
+        return {}
+    try:
+        return engine_microbench.measure(str(engine_dir), steps=40)
+    except Exception as err:  # the table says it is missing rather than the run failing
+        log.warning("engine figures unavailable: %s", err)
+        return {}
+
+
+def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, dict]:
+    def group(**match):
+        return [s for s in samples if all(getattr(s, k) == v for k, v in match.items())]
+
+    rows, figures = [], {}
+
+    def row(label, chosen):
+        if not chosen:
+            return
+        ttft = [s.ttft_ms for s in chosen]
+        server = [s.server_first_token_ms for s in chosen if s.server_first_token_ms is not None]
+        figures[label] = {"n": len(chosen), "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+                          "server_p50": pct(server, 50), "server_p99": pct(server, 99)}
+        rows.append((label, chosen))
+
+    workloads = [("bfcl", "BFCL tool routing"), ("monitor", "streaming monitor")]
+    for workload, _ in workloads:
+        row(f"{workload}: stateless baseline", group(mode="prepos_stateless", workload=workload))
+        row(f"{workload}: prefix-cache baseline", group(mode="prepos_prefix", workload=workload))
+        for path in ("exact", "gated", "prepaid", "prefix", "rebuild"):
+            row(f"{workload}: {path}", group(mode="prepos", workload=workload, path=path))
+    row("transport floor (no-op model)", group(mode="floor"))
+    row("interference: another session pre-positioning", group(workload="interference-on"))
+    row("interference: nothing in the background", group(workload="interference-off"))
+
+    def fig(label, key):
+        return figures.get(label, {}).get(key, float("nan"))
+
+    base = "bfcl: prefix-cache baseline"
+    lines = [
+        f"Machine: {machine}. Sessions replayed one at a time; client TTFT includes gRPC; "
+        "server first token is arrival in `execute` to the first response.",
+        "",
+        "| served | n | client TTFT p50 (ms) | p99 | server first token p50 (ms) | p99 | p50 vs prefix-cache baseline |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, chosen in rows:
+        f = figures[label]
+        workload = label.split(":")[0]
+        baseline = fig(f"{workload}: prefix-cache baseline", "ttft_p50")
+        ratio = baseline / f["ttft_p50"] if f["ttft_p50"] and baseline == baseline else float("nan")
+        lines.append(f"| {label} | {f['n']} | {f['ttft_p50']:.2f} | {f['ttft_p99']:.2f} | {f['server_p50']:.3f} | "
+                     f"{f['server_p99']:.3f} | {ratio:.1f}x faster |" if ratio == ratio else
+                     f"| {label} | {f['n']} | {f['ttft_p50']:.2f} | {f['ttft_p99']:.2f} | {f['server_p50']:.3f} | "
+                     f"{f['server_p99']:.3f} | |")
+
+    delta_requests = [s for s in samples if s.mode == "prepos" and s.delta_tokens_hint > 0]
+    gated = [s for s in delta_requests if s.path == "gated"]
+    positioned = [s for s in delta_requests if s.path in ("gated", "prepaid")]
+    agree = [s for s in gated if s.expected is not None and s.answer == s.expected]
+    derived = {
+        "gate coverage (gated / positioned requests with a delta)": f"{len(gated)}/{len(positioned)}",
+        "gated answers equal to the workload's expected answer": f"{len(agree)}/{len(gated)}",
+        "prefix / gated first-token ratio, BFCL (client p50)": fig(base, "ttft_p50") / fig("bfcl: gated", "ttft_p50"),
+        "prefix / gated first-token ratio, BFCL (server p50)": fig(base, "server_p50") / fig("bfcl: gated", "server_p50"),
+        "prefix / exact first-token ratio, monitor (client p50)":
+            fig("monitor: prefix-cache baseline", "ttft_p50") / fig("monitor: exact", "ttft_p50"),
+        "exact / floor client p50": fig("monitor: exact", "ttft_p50") / fig("transport floor (no-op model)", "ttft_p50"),
+        "gated / floor client p50": fig("bfcl: gated", "ttft_p50") / fig("transport floor (no-op model)", "ttft_p50"),
+        "exact server first token p50 (ms)": fig("monitor: exact", "server_p50"),
+        "gated server first token p50 (ms)": fig("bfcl: gated", "server_p50"),
+        "prepaid / prefix at the same delta (BFCL, paired p50)": paired_ratio(samples),
+        "interference p99 ratio (another session pre-positioning / nothing in the background)":
+            fig("interference: another session pre-positioning", "ttft_p99")
+            / fig("interference: nothing in the background", "ttft_p99"),
+    }
+    if engine:
+        derived.update({
+            "torch engine decode step p50, 100-token context (ms)": engine["engine_decode_median_ms"],
+            "torch engine decode step p99 (ms)": engine["engine_decode_p99_ms"],
+            "memory-bound decode step: weight bytes / read bandwidth (ms)": engine["decode_bound_ms"],
+            "decode step / memory bound": engine["engine_decode_ratio_to_bound"],
+            "read bandwidth (GB/s)": engine["read_bandwidth_gb_s"],
+            "Hugging Face eager decode step p50 (ms)": engine["hf_eager_decode_median_ms"],
+            "prefill throughput, 40-token extension (tokens/s)": engine["engine_prefill_tok_s"]["40"],
+            "prefill throughput, 512-token extension (tokens/s)": engine["engine_prefill_tok_s"]["512"],
+        })
+    lines += ["", "| figure | value |", "|---|---|"]
+    for name, value in derived.items():
+        lines.append(f"| {name} | {value:.2f} |" if isinstance(value, float) else f"| {name} | {value} |")
+    figures["derived"] = derived
+    return "\n".join(lines), figures
+
+
+def paired_ratio(samples: list[Sample]) -> float:
+    """Median over the same (session, step) of prepaid TTFT / prefix-baseline TTFT."""
+    prefix = {(s.session, s.step): s.ttft_ms for s in samples if s.mode == "prepos_prefix" and s.workload == "bfcl"}
+    ratios = [s.ttft_ms / prefix[(s.session, s.step)] for s in samples
+              if s.mode == "prepos" and s.path == "prepaid" and (s.session, s.step) in prefix]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=3, help="BFCL sessions replayed per mode")
+    parser.add_argument("--turns", type=int, default=4, help="user turns per BFCL session at most")
+    parser.add_argument("--monitor-sessions", type=int, default=2)
+    parser.add_argument("--think-time", type=float, default=2.0, help="seconds between a session's requests")
+    parser.add_argument("--floor-samples", type=int, default=20)
+    parser.add_argument("--interference-samples", type=int, default=12)
+    parser.add_argument("--engine-dir", type=Path, default=ROOT / "engines" / "smollm2-135m-instruct")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
+    parser.add_argument("--grpc-port", type=int, default=8101)
+    args = parser.parse_args(argv)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_dir = ROOT / ".run" / "bench"
+    repo = build_repository(run_dir)
+    options = ServerOptions(model_repositories=(repo,), grpc_port=args.grpc_port, http_port=args.grpc_port + 1,
+                            metrics_port=args.grpc_port + 2, run_dir=run_dir)
+    bfcl = bfcl_sessions(args.sessions, think_time_s=args.think_time, max_turns=args.turns)
+    monitor = monitor_sessions(args.monitor_sessions, think_time_s=args.think_time / 2)
+    samples: list[Sample] = []
+    with TritonServer(options, env={"PREPOS_ENGINE_DIR": str(args.engine_dir.resolve())}) as server:
+        url = server.grpc_url
+        for mode in ("prepos_stateless", "prepos_prefix", "prepos"):
+            samples += replay(url, mode, bfcl, "bfcl")
+            samples += replay(url, mode, monitor, "monitor")
+        samples += measure_floor(url, args.floor_samples, args.think_time / 2)
+        samples += measure_interference(server, "prepos", args.interference_samples, think_s=0.3)
+    engine = engine_figures(args.engine_dir)
+    import platform
+    machine = f"{platform.machine()}, {__import__('os').cpu_count()} cores, {platform.platform()}"
+    table, figures = summarize(samples, engine, machine)
+    (args.out / "bench.md").write_text(table + "\n")
+    (args.out / "samples.json").write_text(json.dumps([asdict(s) for s in samples], indent=1))
+    (args.out / "figures.json").write_text(json.dumps({**figures, "engine": engine}, indent=1, default=str))
+    print(table)
+    print(f"\nwritten: {args.out / 'bench.md'}, samples.json, figures.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Decode/prefill microbenchmark of the torch engine against the memory-bandwidth floor.
+
+A decode step reads every weight once, so ``weight_bytes / read_bandwidth`` is the
+fastest a step can be; the engine's decode step is reported as a ratio to that bound,
+next to plain transformers eager decoding (DynamicCache) at the same context.
+
+    python loadtest/engine_microbench.py --model-dir /path/to/hf-llama --threads 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "backend"))
+
+from prepos.engines.torch_llama import TorchLlamaEngine  # noqa: E402
+
+log = logging.getLogger("engine_microbench")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t
+
+
+def _p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def read_bandwidth(device: str, gib: float = 1.0, runs: int = 7) -> float:
+    """Read bandwidth in bytes/s: median time of a sum over a buffer far bigger than any cache."""
+    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
+    buf.sum()  # warm: page faults, thread pool
+    times = [_timed(buf.sum, device) for _ in range(runs)]
+    n = buf.numel() * buf.element_size()
+    del buf
+    return n / statistics.median(times)
+
+
+def engine_decode(engine: TorchLlamaEngine, ids: list[int], steps: int, device: str) -> list[float]:
+    """Step times of ``steps`` decodes, each at position ``len(ids)`` (KV truncated back between)."""
+    engine.prefill("bench", ids)
+    times = []
+    for i in range(steps + 3):
+        dt = _timed(lambda: engine.decode("bench", 17), device)
+        engine.truncate("bench", len(ids))
+        if i >= 3:
+            times.append(dt)
+    engine.release("bench")
+    return times
+
+
+def engine_prefill(engine: TorchLlamaEngine, ids: list[int], ext: list[int], device: str, runs: int) -> float:
+    """Median seconds to extend a session holding ``ids`` by ``ext`` (only ``ext`` is computed)."""
+    engine.prefill("bench", ids)
+    times = []
+    for _ in range(runs):
+        before = engine.num_computed_tokens
+        times.append(_timed(lambda: engine.prefill("bench", ids + ext), device))
+        assert engine.num_computed_tokens - before == len(ext)
+        engine.truncate("bench", len(ids))
+    engine.release("bench")
+    return statistics.median(times)
+
+
+def _crop(cache, n: int) -> None:
+    """Cut a transformers cache back to ``n`` tokens (its crop takes how many to remove, negated)."""
+    extra = cache.get_seq_length() - n
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def hf_eager(model_dir: str, ids: list[int], steps: int, exts: dict[int, list[int]], device: str, dtype: str):
+    """Plain transformers: decode step times with DynamicCache at a fixed context, and prefill seconds."""
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    prompt = torch.tensor([ids], device=device)
+    token = torch.tensor([[17]], device=device)
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(prompt, past_key_values=cache, use_cache=True)
+        times = []
+        for i in range(steps + 3):
+            dt = _timed(lambda: model(token, past_key_values=cache, use_cache=True), device)
+            _crop(cache, len(ids))
+            if i >= 3:
+                times.append(dt)
+        prefill = {}
+        for n, ext in exts.items():
+            new = torch.tensor([ext], device=device)
+            runs = []
+            for _ in range(2):
+                runs.append(_timed(lambda: model(new, past_key_values=cache, use_cache=True, logits_to_keep=1), device))
+                _crop(cache, len(ids))
+            prefill[n] = statistics.median(runs)
+    return times, prefill
+
+
+def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
+            context: int = 100, steps: int = 50, prefill_runs: int = 3, with_hf: bool = True) -> dict:
+    """Decode-step and prefill figures of the torch engine next to the memory-bandwidth bound (and HF eager)."""
+    engine = TorchLlamaEngine(model_dir, device=device, dtype=dtype, num_threads=threads)
+    info = engine.info
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, info.vocab_size, (context,), generator=gen).tolist()
+    exts = {n: torch.randint(0, info.vocab_size, (n,), generator=gen).tolist() for n in (40, 512)}
+
+    log.info("measuring read bandwidth ...")
+    bw_before = read_bandwidth(device)
+    log.info("engine decode ...")
+    dec = engine_decode(engine, ids, steps, device)
+    # Measured on both sides of the decode run: other load on the machine lowers it, and the
+    # higher figure gives the stricter bound.
+    bw_after = read_bandwidth(device)
+    bandwidth = max(bw_before, bw_after)
+    bound = info.weight_bytes / bandwidth
+    log.info("engine prefill ...")
+    pre = {n: engine_prefill(engine, ids, ext, device, prefill_runs) for n, ext in exts.items()}
+    hf_dec, hf_pre = (None, {})
+    if with_hf:
+        log.info("transformers eager ...")
+        del engine
+        hf_dec, hf_pre = hf_eager(model_dir, ids, steps, exts, device, dtype)
+
+    med = statistics.median(dec)
+    return {
+        "model": os.path.basename(os.path.normpath(model_dir)),
+        "device": device,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "context": context,
+        "steps": steps,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "read_bandwidth_runs_gb_s": [bw_before / 1e9, bw_after / 1e9],
+        "weight_bytes": info.weight_bytes,
+        "decode_bound_ms": bound * 1e3,
+        "engine_decode_median_ms": med * 1e3,
+        "engine_decode_p99_ms": _p99(dec) * 1e3,
+        "engine_decode_ratio_to_bound": med / bound,
+        "hf_eager_decode_median_ms": statistics.median(hf_dec) * 1e3 if hf_dec else None,
+        "engine_prefill_tok_s": {str(n): n / t for n, t in pre.items()},
+        "hf_eager_prefill_tok_s": {str(n): n / t for n, t in hf_pre.items()},
+    }
+
+
+def format_table(result: dict) -> str:
+    rows = [
+        ("read bandwidth (best of 2 medians)", f"{result['read_bandwidth_gb_s']:.2f} GB/s"),
+        ("weight bytes / decode step", f"{result['weight_bytes'] / 1e6:.1f} MB"),
+        ("memory-bound decode step", f"{result['decode_bound_ms']:.2f} ms"),
+        (f"engine decode median @ctx {result['context']}", f"{result['engine_decode_median_ms']:.2f} ms"),
+        (f"engine decode p99 @ctx {result['context']}", f"{result['engine_decode_p99_ms']:.2f} ms"),
+        ("engine decode / bound", f"{result['engine_decode_ratio_to_bound']:.2f}x"),
+    ]
+    if result["hf_eager_decode_median_ms"]:
+        rows.append((f"HF eager decode median @ctx {result['context']}", f"{result['hf_eager_decode_median_ms']:.2f} ms"))
+    for n, tok_s in result["engine_prefill_tok_s"].items():
+        rows.append((f"engine prefill +{n} tokens", f"{tok_s:.0f} tok/s"))
+        if n in result["hf_eager_prefill_tok_s"]:
+            rows.append((f"HF eager prefill +{n} tokens", f"{result['hf_eager_prefill_tok_s'][n]:.0f} tok/s"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{result['model']} {result['device']}/{result['dtype']} threads={result['threads']}", "-" * (width + 16)]
+    lines += [f"{k:<{width}}  {v:>12}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", required=True, help="Hugging Face Llama checkpoint directory")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--context", type=int, default=100, help="cached tokens when decoding")
+    ap.add_argument("--steps", type=int, default=50, help="timed decode steps")
+    ap.add_argument("--prefill-runs", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--json", metavar="PATH", help="also write the numbers here")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    result = measure(args.model_dir, device=args.device, dtype=args.dtype, threads=args.threads,
+                     context=args.context, steps=args.steps, prefill_runs=args.prefill_runs, with_hf=not args.no_hf)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

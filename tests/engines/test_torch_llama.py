@@ -1,0 +1,340 @@
+"""TorchLlamaEngine against transformers' LlamaForCausalLM on a tiny random checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from prepos.engines.torch_llama import TorchLlamaEngine
+
+ATOL = 1e-4
+BLOCK = 16
+
+
+def _make_checkpoint(path, *, tie: bool) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(config).eval()
+    # Default init gives near-uniform logits; widen them so mismatches cannot hide in noise.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-tied")
+    return str(path), _make_checkpoint(path, tie=True)
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-untied")
+    return str(path), _make_checkpoint(path, tie=False)
+
+
+def _hf_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """Logits ``[seq, vocab]`` of a full no-cache forward."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (n,), generator=g).tolist()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a - b).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_prefill_matches_hf(which, request):
+    path, model = request.getfixturevalue(which)
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    ids = _ids(37, seed=1)
+    logits = engine.prefill("s", ids)
+    assert logits.shape == (512,) and logits.dtype == torch.float32
+    assert _close(logits, _hf_logits(model, ids)[-1])
+    assert engine.num_computed_tokens == 37
+
+
+def test_info(tied):
+    path, _ = tied
+    engine = TorchLlamaEngine(path)
+    info = engine.info
+    assert info.name == "torch" and info.vocab_size == 512 and info.max_context == 256
+    assert info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers * k,v * kv_heads * head_dim * fp32
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 256 + 128 * 64  # qkv, o, gate+up, down
+    assert info.weight_bytes == 4 * (2 * per_layer + 64 + 512 * 64)  # + final norm, tied embedding once
+    assert info.device == "cpu"
+
+
+def test_prefix_reuse_computes_only_suffix(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    a, b = _ids(20, seed=2), _ids(9, seed=3)
+    engine.prefill("s", a)
+    before = engine.num_computed_tokens
+    logits = engine.prefill("s", a + b)
+    assert engine.num_computed_tokens - before == len(b)
+    assert _close(logits, engine.prefill("fresh", a + b))
+    assert _close(logits, _hf_logits(model, a + b)[-1])
+    assert list(engine.cached_token_ids("s")) == a + b
+
+
+def test_diverging_sequences(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    a, b, c = _ids(18, seed=4), _ids(30, seed=5), _ids(7, seed=6)
+    assert b[0] != c[0]
+    engine.prefill("s", a + b)
+    before = engine.num_computed_tokens
+    logits = engine.prefill("s", a + c)
+    assert engine.num_computed_tokens - before == len(c)
+    assert list(engine.cached_token_ids("s")) == a + c
+    assert _close(logits, engine.prefill("fresh", a + c))
+    assert _close(logits, _hf_logits(model, a + c)[-1])
+
+
+def test_fully_cached_prefill_recomputes_last_token(tied):
+    path, _ = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    ids = _ids(25, seed=7)
+    first = engine.prefill("s", ids).clone()
+    before = engine.num_computed_tokens
+    again = engine.prefill("s", ids)
+    assert engine.num_computed_tokens - before == 1
+    assert _close(first, again)
+    # A strict prefix of the cache is also "fully cached": KV shrinks to it.
+    shorter = engine.prefill("s", ids[:10])
+    assert list(engine.cached_token_ids("s")) == ids[:10]
+    assert _close(shorter, engine.prefill("fresh", ids[:10]))
+
+
+def test_greedy_decode_matches_hf(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    prompt = _ids(12, seed=8)
+    # Reference: argmax loop over full no-cache forwards.
+    ref = list(prompt)
+    for _ in range(20):
+        ref.append(int(_hf_logits(model, ref)[-1].argmax()))
+    out = list(prompt)
+    logits = engine.prefill("s", prompt)
+    for step in range(20):
+        token = int(logits.argmax())
+        out.append(token)
+        if step < 19:
+            logits = engine.decode("s", token)
+    assert out == ref
+    assert list(engine.cached_token_ids("s")) == out[:-1]
+    # Decode logits themselves match, across the KV growth at BLOCK tokens.
+    hf = _hf_logits(model, out)
+    assert _close(logits, hf[-2])
+
+
+def test_decode_logits_match_hf_each_step(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    ids = _ids(40, seed=9)
+    hf = _hf_logits(model, ids)
+    engine.prefill("s", ids[:5])
+    for i in range(5, 40):
+        assert _close(engine.decode("s", ids[i]), hf[i]), i
+
+
+def test_hf_generate_agrees(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path)
+    prompt = _ids(8, seed=10)
+    # An explicit attention mask: otherwise generate treats prompt tokens equal to pad_token_id as padding.
+    gen = model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None, pad_token_id=0,
+    )[0].tolist()
+    out = list(prompt)
+    logits = engine.prefill("s", prompt)
+    for _ in range(20):
+        out.append(int(logits.argmax()))
+        logits = engine.decode("s", out[-1])
+    assert out == gen
+
+
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_weight_chunking_and_generic_norm_path(tied, threads):
+    """Packed matrices have one block per thread (one block when that does not divide the outputs)."""
+    path, model = tied
+    saved = torch.get_num_threads()
+    try:
+        engine = TorchLlamaEngine(path, num_threads=threads, kv_block_tokens=BLOCK)
+    finally:
+        torch.set_num_threads(saved)
+    blocks = 4 if threads == 4 else 1  # outputs are 128, 64, 256, 64 and 512 wide: 3 divides none
+    assert [w.shape[0] for w in (engine.wqkv[0], engine.wo[0], engine.wgu[0], engine.wdown[0], engine.lm_head)] == [blocks] * 5
+    ids = _ids(24, seed=13)
+    hf = _hf_logits(model, ids)
+    assert _close(engine.prefill("s", ids[:20]), hf[19])
+    assert _close(engine.decode("s", ids[20]), hf[20])
+    engine._cpu = False  # the device-agnostic norm used off CPU
+    assert _close(engine.decode("s", ids[21]), hf[21])
+
+
+def _drain(steps):
+    """Run a prefill_steps generator to the end: (number of yields, returned logits)."""
+    n = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return n, done.value
+        n += 1
+
+
+def test_prefill_steps_yield_per_layer_and_interleave(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    a, b = _ids(20, seed=14), _ids(10, seed=15)
+    engine.prefill("s", a)
+    engine.prefill("other", b)
+    steps = engine.prefill_steps("s", a + b)
+    next(steps)
+    # Between steps the engine serves other sessions.
+    other = engine.decode("other", 7)
+    assert _close(other, _hf_logits(model, b + [7])[-1])
+    n, logits = _drain(steps)
+    assert n == 1  # 2 layers: one yield after each, the first taken above
+    assert _close(logits, _hf_logits(model, a + b)[-1])
+    assert list(engine.cached_token_ids("s")) == a + b
+
+
+def test_prefill_steps_closed_early_keeps_a_prefix(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    a, b, c = _ids(12, seed=16), _ids(9, seed=17), _ids(5, seed=18)
+    engine.prefill("s", a + b)
+    steps = engine.prefill_steps("s", a + c)
+    next(steps)
+    steps.close()
+    cached = list(engine.cached_token_ids("s"))
+    assert cached == (a + b)[: len(cached)]
+    assert _close(engine.prefill("s", a + c), _hf_logits(model, a + c)[-1])
+
+
+def test_prefill_steps_session_released_or_changed_meanwhile(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    ids = _ids(15, seed=19)
+    steps = engine.prefill_steps("s", ids)
+    next(steps)
+    engine.release("s")
+    _, logits = _drain(steps)
+    assert _close(logits, _hf_logits(model, ids)[-1])
+    assert engine.kv_bytes("s") == 0 and tuple(engine.cached_token_ids("s")) == ()
+    engine.prefill("s", ids[:3])
+    steps = engine.prefill_steps("s", ids)
+    next(steps)
+    engine.truncate("s", 1)
+    with pytest.raises(RuntimeError, match="changed"):
+        _drain(steps)
+
+
+def test_kv_bookkeeping(tied):
+    path, _ = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    per_token = engine.info.kv_bytes_per_token
+    assert engine.kv_bytes("s") == 0
+    assert tuple(engine.cached_token_ids("s")) == ()
+    ids = _ids(BLOCK + 3, seed=11)
+    engine.prefill("s", ids[:BLOCK])
+    assert engine.kv_bytes("s") == BLOCK * per_token
+    engine.decode("s", ids[BLOCK])
+    assert engine.kv_bytes("s") == 2 * BLOCK * per_token
+    cached = engine.cached_token_ids("s")
+    assert list(cached) == ids[: BLOCK + 1]
+    if isinstance(cached, list):
+        cached.append(0)
+        assert list(engine.cached_token_ids("s")) == ids[: BLOCK + 1]
+    engine.truncate("s", 5)
+    assert list(engine.cached_token_ids("s")) == ids[:5]
+    assert engine.kv_bytes("s") == BLOCK * per_token
+    engine.truncate("s", 100)  # past the end: keeps everything
+    assert list(engine.cached_token_ids("s")) == ids[:5]
+    with pytest.raises(ValueError):
+        engine.truncate("s", -1)
+    # Decoding after a truncate continues from the kept prefix.
+    fresh = engine.prefill("fresh", ids[:6])
+    assert _close(engine.decode("s", ids[5]), fresh)
+    # Truncating to nothing frees the KV; decoding then equals prefilling the one token.
+    engine.truncate("s", 0)
+    assert engine.kv_bytes("s") == 0 and tuple(engine.cached_token_ids("s")) == ()
+    assert _close(engine.decode("s", ids[0]), engine.prefill("fresh", ids[:1]))
+    assert engine.kv_bytes("s") == BLOCK * per_token
+    engine.release("s")
+    assert engine.kv_bytes("s") == 0 and tuple(engine.cached_token_ids("s")) == ()
+    engine.release("s")  # no-op
+    engine.truncate("nobody", 3)  # no-op
+
+
+def test_input_validation(tied):
+    path, _ = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    with pytest.raises(ValueError, match="empty"):
+        engine.prefill("s", [])
+    with pytest.raises(ValueError, match="max_context"):
+        engine.prefill("s", [1] * 257)
+    with pytest.raises(ValueError):
+        engine.prefill("s", [1, 512])
+    with pytest.raises(ValueError):
+        engine.prefill("s", [-1, 3])
+    with pytest.raises(ValueError):
+        engine.decode("s", 3)  # no KV yet
+    engine.prefill("s", [1] * 256)
+    with pytest.raises(ValueError, match="max_context"):
+        engine.decode("s", 3)
+    engine.truncate("s", 2)
+    with pytest.raises(ValueError):
+        engine.decode("s", 512)
+    assert list(engine.cached_token_ids("s")) == [1, 1]
+
+
+def test_refuses_rope_scaling(tmp_path, tied):
+    path, _ = tied
+    for name in ("config.json", "model.safetensors"):
+        with open(os.path.join(path, name), "rb") as src, open(tmp_path / name, "wb") as dst:
+            dst.write(src.read())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope"):
+        TorchLlamaEngine(str(tmp_path))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_prefill_and_decode_match_hf_on_cuda(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, device="cuda", kv_block_tokens=BLOCK)
+    ids = _ids(30, seed=12)
+    hf = _hf_logits(model, ids)
+    logits = engine.prefill("s", ids[:20])
+    assert logits.device.type == "cuda"
+    assert _close(logits.cpu(), hf[19])
+    for i in range(20, 30):
+        assert _close(engine.decode("s", ids[i]).cpu(), hf[i]), i
