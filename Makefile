@@ -41,3 +41,10 @@ bench: $(ENGINE)
 
 clean:
 	rm -rf .run out
+
+# Load test against a running server (`make serve` in another terminal), e.g.
+#   make loadtest LOADTEST_ARGS="--workload chat --users 8 --spawn-rate 2 --run-time 2m --max-error-rate 0.01"
+LOADTEST_ARGS ?=
+.PHONY: loadtest
+loadtest: $(VENV)/.installed
+	PYTHONPATH=loadtest $(PY) -m prepos_loadtest.run $(LOADTEST_ARGS)

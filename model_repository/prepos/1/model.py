@@ -18,7 +18,7 @@ except ImportError:  # running from a source checkout: model_repository/prepos/1
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
 
 from prepos.core import Core
-from prepos.protocol import CONTROL_NAMES, INPUT_NAMES, ProtocolError, Rejection, ResponseChunk, Status, control_flags
+from prepos.protocol import ProtocolError, Rejection, ResponseChunk, Status, control_flags
 from triton_metrics import TritonMetricsSink
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -77,11 +77,7 @@ class TritonPythonModel:
         for request in requests:
             arrival_s = time.perf_counter()
             sink = TritonSink(request.get_response_sender())
-            inputs = {}
-            for name in INPUT_NAMES + CONTROL_NAMES:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    inputs[name] = tensor.as_numpy()
+            inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
             try:
                 parsed = self.core.parse(
                     inputs, session_id=request.correlation_id(), request_id=request.request_id(), arrival_s=arrival_s

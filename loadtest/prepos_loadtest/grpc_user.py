@@ -1,0 +1,166 @@
+"""A Locust user that replays prepos session traces over the gRPC streaming API.
+
+Task files subclass `PreposUser` and say which traces to replay:
+
+    class ChatUser(PreposUser):
+        workload = "chat"
+
+Each user owns its own `prepos_client.Client` and fires ``events.request``
+itself (Locust's gRPC pattern). One task call sends one step of a trace; the
+wait between tasks is the trace's think time, scaled by ``--think-scale`` and
+jittered by ``--think-jitter``. A session opens with the first step of its
+trace (START), ends after the last (END), and the user then takes the next
+trace of the pool its class shares; a user that stops closes its open
+session. A user's very first step goes out as it spawns (the spawn rate
+spreads sessions out), every later one after its think time. Every request is reported under its served path as ``name``
+(`exact`, `gated`, `prepaid`, `prefix`, `rebuild`, `append`, `close`), with
+request types ``TTFT`` and ``TOTAL`` measured by the client and ``SRVTTFT``
+reported by the server; a rejected request is one ``TOTAL`` failure carrying
+the server's message, which names the field. ``--host`` is the gRPC
+``host:port`` of Triton.
+
+Importing this module patches gRPC for gevent, as Locust's users need; import
+it only in Locust processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import random
+import sys
+from collections.abc import Iterator
+
+import gevent
+import grpc.experimental.gevent as grpc_gevent
+import locust.stats
+from locust import User, events, task
+from locust.exception import LocustError
+
+from prepos_client import Client
+
+from .options import OPTION_CLASSES, WorkloadOptions, add_arguments, from_namespace
+from .replay import Measurement, ReplayOptions, TraceReplayer, trace_pool
+from .workloads import SessionTrace, build_workload
+
+# gRPC must cooperate with gevent before any channel exists.
+grpc_gevent.init_gevent()
+
+_GRPC_SCHEMES = ("grpc://", "http://")
+
+
+@events.init_command_line_parser.add_listener
+def _add_prepos_arguments(parser, **_kwargs) -> None:
+    group = parser.add_argument_group("prepos", "options of the prepos session users")
+    for options_class in OPTION_CLASSES:
+        add_arguments(group, options_class)
+
+
+@events.init.add_listener
+def _check_prepos_arguments(environment, **_kwargs) -> None:
+    # Fail at start with the field's name, rather than in every user that spawns.
+    parsed = environment.parsed_options
+    if parsed is None:
+        return
+    try:
+        for options_class in OPTION_CLASSES:
+            from_namespace(options_class, parsed)
+        if parsed.headless:
+            grpc_address(environment.host)
+    except (ValueError, LocustError) as error:
+        sys.exit(f"prepos: {error}")
+
+
+@events.quitting.add_listener
+def _before_exit(environment, **_kwargs) -> None:
+    # Locust's CSV writer rewrites the files every CSV_STATS_INTERVAL_SEC and
+    # closes them at exit without a last pass, so requests that finished while
+    # users stopped (their END included) would be missing from the CSVs; give
+    # it one more pass.
+    if getattr(environment.parsed_options, "csv_prefix", None):
+        gevent.sleep(locust.stats.CSV_STATS_INTERVAL_SEC + 0.5)
+    # A tritonclient client finalized during interpreter shutdown closes its
+    # gRPC channel after gevent's hub is gone, and that close can hang the
+    # exit: finalize unreachable ones while the hub still runs.
+    gc.collect()
+
+
+def grpc_address(host: str | None) -> str:
+    """`host:port` from Locust's --host (a grpc:// or http:// prefix is dropped).
+
+    Raises:
+        LocustError: no host was given.
+    """
+    if not host:
+        raise LocustError("--host: give the server's gRPC address, e.g. --host 127.0.0.1:8001")
+    for scheme in _GRPC_SCHEMES:
+        if host.startswith(scheme):
+            host = host[len(scheme):]
+    return host.rstrip("/")
+
+
+class PreposUser(User):
+    """Replays session traces against prepos; subclasses set `workload` or override `load_traces`."""
+
+    abstract = True
+    workload: str | None = None
+    """Name of a built-in workload (`bfcl`, `monitor`, `chat`)."""
+
+    # Per user class: the trace pool its users share, and a counter that seeds each user's jitter.
+    _pools: dict[type, Iterator[SessionTrace]] = {}
+    _user_counter = itertools.count()
+
+    @classmethod
+    def load_traces(cls, options: WorkloadOptions) -> list[SessionTrace]:
+        """The session traces this class's users replay (built once per process)."""
+        if cls.workload is None:
+            raise LocustError(f"{cls.__name__}: set `workload` or override `load_traces`")
+        return build_workload(cls.workload, options.workload_sessions, seed=options.workload_seed)
+
+    def __init__(self, environment) -> None:
+        super().__init__(environment)
+        parsed = environment.parsed_options
+        try:
+            self.workload_options = from_namespace(WorkloadOptions, parsed)
+            self.replay_options = from_namespace(ReplayOptions, parsed)
+        except ValueError as error:
+            raise LocustError(str(error)) from None
+        self.client = Client(grpc_address(self.host), self.workload_options.model,
+                             timeout_s=self.replay_options.request_timeout_s)
+        user_index = next(PreposUser._user_counter)
+        self._replayer = TraceReplayer(
+            self.client.session,
+            self._pool(),
+            self.replay_options,
+            random.Random(f"{self.workload_options.workload_seed}:{user_index}"),
+        )
+
+    def _pool(self) -> Iterator[SessionTrace]:
+        cls = type(self)
+        if cls not in PreposUser._pools:
+            PreposUser._pools[cls] = trace_pool(cls.load_traces(self.workload_options))
+        return PreposUser._pools[cls]
+
+    def wait_time(self) -> float:
+        return self._replayer.next_delay_s()
+
+    @task
+    def replay_step(self) -> None:
+        self._report(self._replayer.run_step())
+
+    def on_stop(self) -> None:
+        try:
+            self._report(self._replayer.close())
+        finally:
+            self.client.close()
+
+    def _report(self, measurements: list[Measurement]) -> None:
+        for measurement in measurements:
+            self.environment.events.request.fire(
+                request_type=measurement.kind,
+                name=measurement.name,
+                response_time=measurement.elapsed_ms,
+                response_length=measurement.num_tokens,
+                exception=measurement.error,
+                context={"session_id": measurement.session_id, "trace": measurement.trace},
+            )

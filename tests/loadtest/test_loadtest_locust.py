@@ -1,0 +1,107 @@
+"""Locust, headless, against the real Triton server and model: stats by served path, END on stop, the error bound."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from integration.conftest import start_server
+
+pytestmark = pytest.mark.integration
+
+LOADTEST_DIR = Path(__file__).resolve().parents[2] / "loadtest"
+SERVED_PATHS = {"exact", "gated", "prepaid", "prefix", "rebuild"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("triton"))
+    yield srv
+    srv.stop()
+
+
+def run_loadtest(server, out: Path, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "prepos_loadtest.run", "--host", server.grpc_url, "--out", str(out),
+               "--stop-timeout", "20", *args]
+    return subprocess.run(command, cwd=LOADTEST_DIR, capture_output=True, text=True, timeout=timeout_s)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def server_metric(server, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_headless_run_reports_latency_by_served_path(server, tmp_path):
+    closes_before = server_metric(server, "prepos_requests_total", path="close")
+    done = run_loadtest(server, tmp_path, "--workload", "monitor", "--users", "2", "--spawn-rate", "2",
+                        "--run-time", "10s", "--think-scale", "0.1", "--workload-sessions", "4")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    rows = read_csv(tmp_path / "loadtest_stats.csv")
+    ttft_paths = {row["Name"] for row in rows if row["Type"] == "TTFT"}
+    assert ttft_paths and ttft_paths <= SERVED_PATHS
+    assert {row["Type"] for row in rows if row["Name"] != "Aggregated"} == {"TTFT", "SRVTTFT", "TOTAL"}
+    assert any(row["Type"] == "TOTAL" and row["Name"] == "append" for row in rows)
+    aggregated = next(row for row in rows if row["Name"] == "Aggregated")
+    assert int(aggregated["Request Count"]) > 0 and int(aggregated["Failure Count"]) == 0
+    assert read_csv(tmp_path / "loadtest_failures.csv") == []
+    assert read_csv(tmp_path / "loadtest_exceptions.csv") == []
+    report = tmp_path / "report.html"
+    assert report.is_file() and "TTFT" in report.read_text()
+    assert "error rate 0.00%" in done.stdout
+    assert all(f"\n{path} " in done.stdout for path in ttft_paths)  # the printed table, by path
+
+    # Every session a user opened was ended (END), each END measured once, and none is left open.
+    closes = sum(int(row["Request Count"]) for row in rows if row["Type"] == "TOTAL" and row["Name"] == "close")
+    assert closes >= 2
+    assert wait_for(lambda: server_metric(server, "prepos_requests_total", path="close") - closes_before == closes)
+    assert wait_for(lambda: server_metric(server, "prepos_sessions") == 0)
+
+
+def test_error_rate_above_the_bound_fails_the_run(server, tmp_path):
+    trace = tmp_path / "bad.jsonl"
+    steps = [
+        {"session": "bad", "delay_s": 0.0, "role": "system", "delta": "Answer yes or no.", "max_tokens": 0,
+         "choices": None},
+        {"session": "bad", "delay_s": 0.1, "role": "user", "delta": "Is water wet?", "max_tokens": -1,
+         "choices": None},
+        {"session": "bad", "delay_s": 0.1, "role": "user", "delta": "Is fire hot?", "max_tokens": 1,
+         "choices": ["yes", "no"]},
+    ]
+    trace.write_text("".join(json.dumps(step) + "\n" for step in steps))
+    out = tmp_path / "out"
+    done = run_loadtest(server, out, "--trace", str(trace), "--users", "1", "--spawn-rate", "1",
+                        "--run-time", "3s", "--max-error-rate", "0.01")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAIL" in done.stdout
+
+    failures = read_csv(out / "loadtest_failures.csv")
+    assert [(f["Method"], f["Name"]) for f in failures] == [("TOTAL", "generate")]
+    assert "max_tokens" in failures[0]["Error"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["locust_exit_status"] == 0 and summary["passed"] is False
+    # One bad request in three per session, so about a quarter of all requests (END included) fail.
+    assert 0.1 < summary["error_rate"] < 0.5
+    assert wait_for(lambda: server_metric(server, "prepos_sessions") == 0)
