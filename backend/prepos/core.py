@@ -17,7 +17,7 @@ from prepos.config import ConfigError, EngineConfig, PreposConfig, read_config
 from prepos.engines.base import Engine
 from prepos.gate import Gate
 from prepos.metrics import Metrics, MetricsSink
-from prepos.protocol import Request, ResponseSink, parse_request
+from prepos.protocol import Rejection, Request, ResponseSink, parse_request
 from prepos.scan import get_scan
 from prepos.scheduler import Scheduler
 from prepos.template import EngineManifest, Tokenizer
@@ -79,8 +79,8 @@ class Core:
             arrival_s=arrival_s,
         )
 
-    def submit(self, request: Request, sink: ResponseSink) -> None:
-        self.scheduler.submit(request, sink)
+    def submit(self, request: Request | Rejection, sink: ResponseSink, *, inline: bool = False) -> None:
+        self.scheduler.submit(request, sink, inline=inline)
 
     def start(self) -> None:
         self.scheduler.start()

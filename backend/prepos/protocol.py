@@ -22,6 +22,7 @@ INPUT_NAMES = (
     "top_k", "seed", "stop", "speculate", "gate_threshold",
 )
 CONTROL_NAMES = ("START", "END")
+_KNOWN_NAMES = frozenset(INPUT_NAMES + CONTROL_NAMES)
 
 
 class Status(enum.Enum):
@@ -196,7 +197,7 @@ def parse_request(
     that need the model (token id range, context length, role framing) happen
     where the session is served, with the same error type.
     """
-    unknown = set(inputs) - set(INPUT_NAMES) - set(CONTROL_NAMES)
+    unknown = inputs.keys() - _KNOWN_NAMES
     if unknown:
         name = sorted(unknown)[0]
         raise ProtocolError(name, "unknown input")

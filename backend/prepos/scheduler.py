@@ -1,13 +1,17 @@
 """The engine loop: foreground requests first, pre-positioning in idle windows.
 
-Other threads only call :meth:`Scheduler.submit`. One loop thread owns the
-engine, the session store and every session's state. Work is cooperative: a
-foreground request is a generator that yields after each engine call (so
-sessions interleave token by token), and pre-positioning is a generator that
-yields after each chunk of at most ``chunk_tokens`` prefilled tokens. Before
-every step the loop admits new requests, and a foreground step always goes
-before a pre-positioning chunk: a new request waits at most one chunk (or one
-foreground step of another session).
+Other threads only call :meth:`Scheduler.submit`. The loop owns the engine,
+the session store and every session's state; its steps run under one lock, on
+the loop thread, except that a submitting thread that finds the loop idle may
+run the new request's first step up to its first engine call (an ``exact`` or
+``gated`` answer is a scan: no thread hand-off on the fastest paths).
+
+Work is cooperative: a foreground request is a generator that yields after
+each engine call (so sessions interleave token by token), and pre-positioning
+is a generator that yields after each layer of each chunk of at most
+``chunk_tokens`` tokens. Before every step the loop admits new requests, and a
+foreground step always goes before background work: a new request waits at
+most one layer of one chunk (or one foreground step of another session).
 """
 
 from __future__ import annotations
@@ -113,7 +117,10 @@ class Scheduler:
         self._terminator_id = (framing.answer_terminator_ids or tuple(sorted(framing.stop_token_ids)))[0]
         self._idle_policy = IDLE_POLICIES[config.idle_policy]()
         self.store = SessionStore(max_sessions)
-        self._inbox: queue.SimpleQueue[tuple[Request, ResponseSink] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Request | Rejection, ResponseSink]] = queue.SimpleQueue()
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one token per submit: wakes the loop
+        self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
+        self._inline = False  # the current step runs on a submitting thread: no engine work
         self._tasks: dict[str | int, Iterator[None]] = {}
         self._ready: deque[Session] = deque()
         self._idle: dict[str | int, Session] = {}  # idle sessions that are not positioned
@@ -127,10 +134,27 @@ class Scheduler:
 
     # --- other threads -------------------------------------------------
 
-    def submit(self, request: Request | Rejection, sink: ResponseSink) -> None:
+    def submit(self, request: Request | Rejection, sink: ResponseSink, *, inline: bool = False) -> None:
         """Queue a validated request (or a rejection, which keeps its place in the session's order); its
-        responses go to ``sink``. Thread-safe, never blocks."""
+        responses go to ``sink``. Thread-safe, never blocks.
+
+        With ``inline`` and the loop idle, the calling thread admits the request
+        and runs its first step itself, under the loop lock, up to the first
+        engine call: an ``exact`` or ``gated`` answer (a scan) or an update's
+        acknowledgement then costs no thread hand-off. Engine work is always
+        left to the loop thread.
+        """
         self._inbox.put((request, sink))
+        if inline and self._loop_lock.acquire(blocking=False):
+            try:
+                self._inline = True
+                self._admit_queued()
+                if len(self._ready) == 1 and self._ready[0].session_id == request.session_id:
+                    self._step_foreground()
+            finally:
+                self._inline = False
+                self._loop_lock.release()
+        self._wake.put(None)
 
     def start(self) -> None:
         self._running = True
@@ -140,33 +164,38 @@ class Scheduler:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the loop and join it; requests still queued get an UNAVAILABLE error."""
         self._running = False
-        self._inbox.put(None)
+        self._wake.put(None)
         if self._thread is not None:
             self._thread.join(timeout_s)
         while True:
             try:
-                item = self._inbox.get_nowait()
+                _, sink = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
-                item[1].send_error(ProtocolError("model", "server is shutting down", Status.UNAVAILABLE))
+            sink.send_error(ProtocolError("model", "server is shutting down", Status.UNAVAILABLE))
 
     def _run(self) -> None:
         while self._running:
             try:
-                self.run_once(block=True)
+                with self._loop_lock:
+                    busy = self.run_once()
             except Exception:  # the loop must survive anything one request does
                 log.exception("engine loop step failed")
+                continue
+            if not busy:
+                try:  # sleep until a submit (or the next housekeeping)
+                    self._wake.get(timeout=HOUSEKEEPING_INTERVAL_S)
+                except queue.Empty:
+                    pass
 
     # --- the loop ------------------------------------------------------
 
-    def run_once(self, block: bool = False) -> bool:
-        """Admit queued requests, then run one step: a foreground step, else a pre-positioning chunk.
+    def run_once(self) -> bool:
+        """Admit queued requests, then run one step: a foreground step, else a pre-positioning step.
 
-        Returns whether any work was done. With ``block``, waits for a request
-        when there is nothing to do.
+        Returns whether any work was done. Callers hold the loop lock (or are the only thread).
         """
-        self._admit_queued(block=False)
+        self._admit_queued()
         if self._ready:
             self._step_foreground()
             return True
@@ -175,20 +204,15 @@ class Scheduler:
         now = self._clock()
         if now >= self._next_housekeeping:
             self._housekeeping(now)
-        if block:
-            self._admit_queued(block=True)
         return False
 
-    def _admit_queued(self, block: bool) -> None:
+    def _admit_queued(self) -> None:
         while True:
             try:
-                item = self._inbox.get(timeout=HOUSEKEEPING_INTERVAL_S) if block else self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item is None:
-                return
             self._admit(*item)
-            block = False
 
     def _admit(self, request: Request | Rejection, sink: ResponseSink) -> None:
         if isinstance(request, Rejection):
@@ -386,6 +410,10 @@ class Scheduler:
         else:
             path = ServedPath.REBUILD if session.evicted else ServedPath.PREFIX
         if path not in (ServedPath.EXACT, ServedPath.GATED):
+            if self._inline:  # engine work belongs to the loop thread
+                clock.pause()
+                yield
+                clock.resume()
             logits = self._prefill(session, [*prompt, *forced])
             kv_len = len(prompt) + len(forced)
             first = self._scan_at(logits, trie, forced, request, rng)

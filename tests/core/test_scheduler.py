@@ -379,3 +379,33 @@ def test_abandoned_layered_prefill_leaves_a_consistent_kv(tmp_path):
     assert sink.path == "prefix" and sink.ids == want
     assert h.metrics.sink.get("prepos_prepositionings_total", result="preempted") == 1
     assert before == [] or h.log("s1")[:len(before)] == before
+
+
+def test_inline_submit_answers_scans_at_once_and_leaves_engine_work_to_the_loop(h):
+    open_session(h)
+    h.idle()
+    calls = len(h.engine.calls)
+    exact = CollectSink()
+    h.sched.submit(h.request("s1", "", max_tokens=1), exact, inline=True)
+    assert exact.done and exact.path == "exact"  # served on the submitting thread
+    assert len(h.engine.calls) == calls
+
+    pending = CollectSink()
+    h.sched.submit(h.request("s1", "a real question", max_tokens=1), pending, inline=True)
+    assert not pending.done and len(h.engine.calls) == calls  # the prefill waits for the loop
+    while not pending.done:
+        h.sched.run_once()
+    assert pending.path == "prefix"
+
+
+def test_inline_submit_does_not_step_while_other_work_is_ready(h):
+    open_session(h, "a")
+    open_session(h, "b")
+    long_answer = h.submit(h.request("a", "tell me a story", max_tokens=6))
+    h.sched.run_once()  # a's first token; a stays ready for its next decode step
+    calls = len(h.engine.calls)
+    update = CollectSink()
+    h.sched.submit(h.request("b", "data", max_tokens=0), update, inline=True)
+    assert not update.done and len(h.engine.calls) == calls  # nothing ran inline beside a's task
+    while not (update.done and long_answer.done):
+        h.sched.run_once()

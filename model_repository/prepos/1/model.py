@@ -85,7 +85,7 @@ class TritonPythonModel:
             except ProtocolError as err:
                 start, end = control_flags(inputs)
                 parsed = Rejection(request.correlation_id(), start, end, err)
-            self.core.submit(parsed, sink)
+            self.core.submit(parsed, sink, inline=True)
         return None
 
     def finalize(self):
