@@ -121,7 +121,6 @@ class Scheduler:
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one token per submit: wakes the loop
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
         self._inline = False  # the current step runs on a submitting thread: no engine work
-        self._tasks: dict[str | int, Iterator[None]] = {}
         self._ready: deque[Session] = deque()
         self._idle: dict[str | int, Session] = {}  # idle sessions that are not positioned
         self._prep: tuple[Session, Iterator[None]] | None = None
@@ -221,8 +220,10 @@ class Scheduler:
                 self._reject(sink, request.error)
                 return
         try:
-            if request.start:
-                existing = self.store.get(request.session_id)
+            existing = self.store.get(request.session_id)
+            if request.start and existing is not None and any(r.end for r, _ in existing.pending):
+                session = existing  # the id is reused right after an END: it opens once that END is served
+            elif request.start:
                 if existing is not None and self._expired(existing, self._clock()):
                     self._close(existing, "idle timeout")
                 session = self.store.open(request.session_id, self._clock())
@@ -237,17 +238,16 @@ class Scheduler:
             self._prep[1].close()
             self._prep = None
             self._metrics.prepositioning_ended("preempted")
-        if session.session_id not in self._tasks:
-            self._tasks[session.session_id] = self._serve_session(session)
+        if session.task is None:
+            session.task = self._serve_session(session)
             self._ready.append(session)
 
     def _step_foreground(self) -> None:
         session = self._ready.popleft()
-        task = self._tasks[session.session_id]
         try:
-            next(task)
+            next(session.task)
         except StopIteration:
-            del self._tasks[session.session_id]
+            session.task = None
             return
         self._ready.append(session)
 
@@ -286,6 +286,17 @@ class Scheduler:
         while session.pending:
             request, sink = session.pending.popleft()
             if self.store.get(session.session_id) is not session:
+                if request.start and not isinstance(request, Rejection):  # a new session under the same id
+                    try:
+                        successor = self.store.open(session.session_id, self._clock())
+                    except ProtocolError as err:
+                        self._reject(sink, err)
+                        continue
+                    successor.pending = deque([(request, sink), *session.pending])
+                    session.pending.clear()
+                    successor.task = self._serve_session(successor)
+                    self._ready.append(successor)
+                    return
                 self._reject(sink, ProtocolError("START", f"session {session.session_id!r} is closed", Status.NOT_FOUND))
                 continue
             if isinstance(request, Rejection):

@@ -54,6 +54,7 @@ class Session:
     last_choices: tuple[str, ...] | None = None
     last_active_s: float = 0.0
     pending: deque = field(default_factory=deque)  # (Request, ResponseSink) in arrival order
+    task: Iterator[None] | None = None  # the engine loop's foreground task serving ``pending``
 
     @property
     def state(self) -> SessionState:

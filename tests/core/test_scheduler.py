@@ -409,3 +409,14 @@ def test_inline_submit_does_not_step_while_other_work_is_ready(h):
     assert not update.done and len(h.engine.calls) == calls  # nothing ran inline beside a's task
     while not (update.done and long_answer.done):
         h.sched.run_once()
+
+
+def test_a_session_id_reused_right_after_end_gets_a_fresh_session(h):
+    open_session(h)
+    h.submit(h.request("s1", "bye", max_tokens=2, end=True))
+    h.submit(h.request("s1", "stray", max_tokens=0))  # queued behind END: the session is gone by then
+    again = h.submit(h.request("s1", "hello again", start=True, max_tokens=2))
+    for _ in range(100):
+        h.sched.run_once()
+    assert again.done and again.error is None and again.path == "prefix"
+    assert h.tok.decode(h.log("s1")).count("bye") == 0  # a new log
