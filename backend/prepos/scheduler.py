@@ -40,6 +40,7 @@ from prepos.template import ChoiceTrie, Framing, IncrementalDetokenizer, Tokeniz
 log = logging.getLogger("prepos.scheduler")
 
 HOUSEKEEPING_INTERVAL_S = 0.5
+_CHUNK_BOUNDARY = object()  # what a pre-positioning task yields between chunks (engine steps yield None)
 
 
 class ServedPath(str, enum.Enum):
@@ -125,6 +126,7 @@ class Scheduler:
         self._idle: dict[str | int, Session] = {}  # idle sessions that are not positioned
         self._prep: tuple[Session, Iterator[None]] | None = None
         self._stepping_prep = False
+        self._prep_at_chunk_boundary = False
         self._kv_bytes: dict[str | int, int] = {}
         self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
         self._next_housekeeping = 0.0
@@ -255,18 +257,31 @@ class Scheduler:
         if self._prep is None:
             if not (self._config.preposition and self._config.retain_kv and self._idle):
                 return False
-            session = self._idle_policy.pick(list(self._idle.values()))
-            del self._idle[session.session_id]
-            self._prep = (session, self._preposition(session))
+            self._start_prepositioning(self._idle_policy.pick(list(self._idle.values())))
+        elif self._prep_at_chunk_boundary and self._idle:
+            # Between chunks the policy may prefer a session that went idle meanwhile (the one just
+            # served, say): the current one goes back to the candidates and resumes from its KV later.
+            current, task = self._prep
+            preferred = self._idle_policy.pick([*self._idle.values(), current])
+            if preferred is not current:
+                task.close()
+                self._metrics.prepositioning_ended("preempted")
+                self._idle[current.session_id] = current
+                self._start_prepositioning(preferred)
         session, task = self._prep
         self._stepping_prep = True
         try:
-            next(task)
+            self._prep_at_chunk_boundary = next(task) is _CHUNK_BOUNDARY
         except StopIteration:
             self._prep = None
         finally:
             self._stepping_prep = False
         return True
+
+    def _start_prepositioning(self, session: Session) -> None:
+        del self._idle[session.session_id]
+        self._prep = (session, self._preposition(session))
+        self._prep_at_chunk_boundary = False
 
     def _housekeeping(self, now: float) -> None:
         self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
@@ -318,11 +333,11 @@ class Scheduler:
         clock.start()
         served = False
         try:
-            delta_ids = self._delta_ids(request)
+            self._check_delta(request)
             if request.is_append:
-                self._append(session, request, delta_ids, clock, sink)
+                self._append(session, request, self._delta_ids(request), clock, sink)
             else:
-                yield from self._generate(session, request, delta_ids, clock, sink)
+                yield from self._generate(session, request, clock, sink)
             served = True
         except ProtocolError as err:
             self._reject(sink, err)
@@ -335,13 +350,16 @@ class Scheduler:
         elif not served and request.start and not session.token_log:
             self._close(session, "its START request was rejected")
 
-    def _delta_ids(self, request: Request) -> list[int]:
+    def _check_delta(self, request: Request) -> None:
         if request.role not in self._framing.entry_ids:
             raise ProtocolError("role", f"unknown role {request.role!r}; expected one of {', '.join(self._framing.roles)}")
         if request.delta_ids is not None:
             bad = [i for i in request.delta_ids if i >= self._vocab_size]
             if bad:
                 raise ProtocolError("input_ids", f"token id {bad[0]} out of range [0, {self._vocab_size})")
+
+    def _delta_ids(self, request: Request) -> list[int]:
+        if request.delta_ids is not None:
             return list(request.delta_ids)
         return self._tokenizer.encode(request.delta_text) if request.delta_text else []
 
@@ -391,15 +409,20 @@ class Scheduler:
             uniform=None if sampling.greedy else float(rng.random()),
         )
 
-    def _generate(
-        self, session: Session, request: Request, delta_ids: list[int], clock: _Clock, sink: ResponseSink
-    ) -> Iterator[None]:
+    def _generate(self, session: Session, request: Request, clock: _Clock, sink: ResponseSink) -> Iterator[None]:
         sid = session.session_id
-        turn = self._turn_ids(session, request.role, delta_ids, self._framing.cue_ids)
         trie = self._trie(request.choices)
         forced = tuple(trie.forced_ids()) if trie else ()
-        self._check_fits(session, request, len(turn) + len(forced))
-        prompt = [*session.token_log, *turn]
+        framing_length = len(self._turn_ids(session, request.role, (), self._framing.cue_ids)) + len(forced)
+        # A text delta is tokenized only where its tokens are needed: a gated answer reads none of them.
+        # Byte-level tokenizers give at most one token per byte (+1 for a prefix space), so short texts
+        # provably fit without counting.
+        delta_ids = list(request.delta_ids) if request.delta_ids is not None else None
+        if delta_ids is None and len(request.delta_text or "") * 4 + 1 + framing_length + len(session.token_log) >= self._max_context:
+            delta_ids = self._delta_ids(request)
+        if delta_ids is not None:
+            self._check_fits(session, request, framing_length + len(delta_ids))
+        has_delta = request.has_delta
         rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
 
         # Choose the path that serves the first token.
@@ -408,12 +431,13 @@ class Scheduler:
             self._metrics.prepositioning_ended("invalidated")
             pos = None
         first: ScanResult | None = None
+        prompt: list[int] | None = None  # log + turn, built once the delta's tokens are known
         kv_len = -1  # tokens of prompt + answer the KV is known to hold exactly
         if pos is not None:
             greedy_match = request.sampling.greedy and pos.choices == request.choices and pos.greedy_scan is not None
             first = pos.greedy_scan if greedy_match else self._scan_at(pos.logits, trie, forced, request, rng)
-            if not delta_ids:
-                path, logits, kv_len = ServedPath.EXACT, pos.logits, len(prompt) + len(forced)
+            if not has_delta:
+                path, logits, kv_len = ServedPath.EXACT, pos.logits, len(session.token_log) + len(pos.spec_ids)
             else:
                 decision = self._gate.decide(first, speculate=request.speculate, threshold=request.gate_threshold)
                 self._metrics.gate_decided(decision.outcome)
@@ -425,6 +449,8 @@ class Scheduler:
                 clock.pause()
                 yield
                 clock.resume()
+            delta_ids = self._delta_ids(request) if delta_ids is None else delta_ids
+            prompt = [*session.token_log, *self._turn_ids(session, request.role, delta_ids, self._framing.cue_ids)]
             logits = self._prefill(session, [*prompt, *forced])
             kv_len = len(prompt) + len(forced)
             first = self._scan_at(logits, trie, forced, request, rng)
@@ -433,7 +459,7 @@ class Scheduler:
         answer: list[int] = list(forced)
         unsent: list[int] = list(forced)  # forced leading choice tokens go out with the first decision
         detok = IncrementalDetokenizer(self._tokenizer, request.stop)
-        max_new = min(request.max_tokens, self._max_context - len(prompt))
+        max_new = min(request.max_tokens, self._max_context - len(session.token_log) - framing_length)
         scan = first
         while True:
             token = scan.token_id
@@ -460,6 +486,10 @@ class Scheduler:
             clock.pause()
             yield
             clock.resume()
+            if prompt is None:
+                delta_ids = self._delta_ids(request) if delta_ids is None else delta_ids
+                prompt = [*session.token_log, *self._turn_ids(session, request.role, delta_ids, self._framing.cue_ids)]
+                max_new = min(request.max_tokens, self._max_context - len(prompt))
             sequence = [*prompt, *answer]
             if kv_len == len(sequence) - 1:
                 logits = self._engine.decode(sid, sequence[-1])
@@ -470,6 +500,8 @@ class Scheduler:
             scan = self._scan_at(logits, trie, answer, request, rng)
 
         self._metrics.request_served(path.value, clock.first_token_ms)
+        delta_ids = self._delta_ids(request) if delta_ids is None else delta_ids
+        turn = self._turn_ids(session, request.role, delta_ids, self._framing.cue_ids)
         session.append([*turn, *answer, *self._framing.closing_ids(answer)])
         session.last_role, session.last_choices = request.role, request.choices
         if not self._config.retain_kv:
@@ -486,7 +518,7 @@ class Scheduler:
 
     # --- pre-positioning -----------------------------------------------
 
-    def _preposition(self, session: Session) -> Iterator[None]:
+    def _preposition(self, session: Session) -> Iterator[object]:
         """Make the KV hold log + entry + speculative delta (empty) + cue + forced choice tokens; cache the distribution."""
         log_length = len(session.token_log)
         role = session.last_role
@@ -509,7 +541,7 @@ class Scheduler:
             done = end
             if done == len(target):
                 break
-            yield
+            yield _CHUNK_BOUNDARY
             if self.store.get(session.session_id) is not session or len(session.token_log) != log_length:
                 self._metrics.prepositioning_ended("invalidated")
                 return

@@ -420,3 +420,41 @@ def test_a_session_id_reused_right_after_end_gets_a_fresh_session(h):
         h.sched.run_once()
     assert again.done and again.error is None and again.path == "prefix"
     assert h.tok.decode(h.log("s1")).count("bye") == 0  # a new log
+
+
+def test_a_session_that_goes_idle_takes_over_the_background_between_chunks(tmp_path):
+    h = Harness(tmp_path, chunk_tokens=16, num_layers=2)
+    open_session(h, "long", "z" * 300)  # many chunks of background work
+    open_session(h, "short")
+    h.idle()
+    h.serve(h.request("long", "w" * 300, max_tokens=0))  # long's log grows: a long pre-positioning
+    for _ in range(5):
+        h.sched.run_once()
+    h.clock.t += 1
+    h.serve(h.request("short", "hi", max_tokens=1))  # short is now the most recently active
+    for _ in range(30):  # a couple of chunks, far fewer than long still needs
+        h.sched.run_once()
+    assert h.sched.store.lookup("short").state is SessionState.POSITIONED
+    assert h.sched.store.lookup("long").state is not SessionState.POSITIONED
+    h.idle()
+    assert h.sched.store.lookup("long").state is SessionState.POSITIONED
+
+
+def test_gated_answer_is_sent_before_the_delta_is_tokenized(tmp_path):
+    h = Harness(tmp_path, threshold=0.0)
+    open_session(h)
+    h.idle()
+    encoded = []
+    real_encode = h.tok.encode
+    h.tok.encode = lambda text: encoded.append(text) or real_encode(text)
+
+    class Spy(CollectSink):
+        def send(self, chunk, final):
+            self.encoded_before_first = getattr(self, "encoded_before_first", list(encoded))
+            super().send(chunk, final)
+
+    sink = Spy()
+    h.sched.submit(h.request("s1", "a brand new question", max_tokens=1), sink)
+    h.sched.run_once()
+    assert sink.path == "gated" and "a brand new question" not in sink.encoded_before_first
+    assert "a brand new question" in h.tok.decode(h.log("s1"))  # but it is in the log afterwards
