@@ -82,7 +82,8 @@ def pct(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def replay(url: str, model: str, traces: list[SessionTrace], workload: str) -> list[Sample]:
+def replay(url: str, model: str, traces: list[SessionTrace], workload: str,
+           gate_threshold: float | None = None) -> list[Sample]:
     samples = []
     with Client(url, model=model) as client:
         for trace in traces:
@@ -93,7 +94,8 @@ def replay(url: str, model: str, traces: list[SessionTrace], workload: str) -> l
                         session.append(step.delta, role=step.role)
                         continue
                     answer = session.ask(step.delta, role=step.role, max_tokens=step.max_tokens,
-                                         choices=list(step.choices) if step.choices else None)
+                                         choices=list(step.choices) if step.choices else None,
+                                         gate_threshold=gate_threshold)
                     samples.append(Sample(model, workload, trace.name, index, answer.path, len(step.delta),
                                           answer.ttft_ms, answer.first_token_ms, answer.total_ms, answer.text,
                                           step.expected))
@@ -101,13 +103,15 @@ def replay(url: str, model: str, traces: list[SessionTrace], workload: str) -> l
     return samples
 
 
-def measure_floor(url: str, num: int, gap_s: float) -> list[Sample]:
+def measure_floor(url: str, payloads: list[Step], gap_s: float, label: str) -> list[Sample]:
+    """The no-op model answering the same request payloads after the same idle gap: the transport floor."""
     samples = []
     with Client(url, model="floor") as client, client.session() as session:
-        for index in range(num):
+        for index, step in enumerate(payloads):
             time.sleep(gap_s)
-            answer = session.ask("", max_tokens=1)
-            samples.append(Sample("floor", "floor", "floor", index, "floor", 0, answer.ttft_ms,
+            answer = session.ask(step.delta, role=step.role, max_tokens=1,
+                                 choices=list(step.choices) if step.choices else None)
+            samples.append(Sample("floor", label, "floor", index, "floor", len(step.delta), answer.ttft_ms,
                                   answer.first_token_ms, answer.total_ms, "", None))
     return samples
 
@@ -193,7 +197,9 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
         row(f"{workload}: prefix-cache baseline", group(mode="prepos_prefix", workload=workload))
         for path in ("exact", "gated", "prepaid", "prefix", "rebuild"):
             row(f"{workload}: {path}", group(mode="prepos", workload=workload, path=path))
-    row("transport floor (no-op model)", group(mode="floor"))
+    row("bfcl, gate forced (threshold 0): gated", group(mode="prepos", workload="bfcl-forced-gate", path="gated"))
+    row("transport floor, monitor payloads", group(workload="floor-monitor"))
+    row("transport floor, BFCL payloads", group(workload="floor-bfcl"))
     row("interference: another session pre-positioning", group(workload="interference-on"))
     row("interference: nothing in the background", group(workload="interference-off"))
 
@@ -201,6 +207,7 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
         return figures.get(label, {}).get(key, float("nan"))
 
     base = "bfcl: prefix-cache baseline"
+    forced = "bfcl, gate forced (threshold 0): gated"
     lines = [
         f"Machine: {machine}. Sessions replayed one at a time; client TTFT includes gRPC; "
         "server first token is arrival in `execute` to the first response.",
@@ -210,7 +217,7 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
     ]
     for label, chosen in rows:
         f = figures[label]
-        workload = label.split(":")[0]
+        workload = label.split(":")[0].split(",")[0]
         baseline = fig(f"{workload}: prefix-cache baseline", "ttft_p50")
         ratio = baseline / f["ttft_p50"] if f["ttft_p50"] and baseline == baseline else float("nan")
         lines.append(f"| {label} | {f['n']} | {f['ttft_p50']:.2f} | {f['ttft_p99']:.2f} | {f['server_p50']:.3f} | "
@@ -218,21 +225,25 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
                      f"| {label} | {f['n']} | {f['ttft_p50']:.2f} | {f['ttft_p99']:.2f} | {f['server_p50']:.3f} | "
                      f"{f['server_p99']:.3f} | |")
 
-    delta_requests = [s for s in samples if s.mode == "prepos" and s.delta_tokens_hint > 0]
+    delta_requests = [s for s in samples if s.mode == "prepos" and s.workload == "bfcl" and s.delta_tokens_hint > 0]
     gated = [s for s in delta_requests if s.path == "gated"]
     positioned = [s for s in delta_requests if s.path in ("gated", "prepaid")]
     agree = [s for s in gated if s.expected is not None and s.answer == s.expected]
     derived = {
         "gate coverage (gated / positioned requests with a delta)": f"{len(gated)}/{len(positioned)}",
         "gated answers equal to the workload's expected answer": f"{len(agree)}/{len(gated)}",
-        "prefix / gated first-token ratio, BFCL (client p50)": fig(base, "ttft_p50") / fig("bfcl: gated", "ttft_p50"),
-        "prefix / gated first-token ratio, BFCL (server p50)": fig(base, "server_p50") / fig("bfcl: gated", "server_p50"),
+        "prefix / gated first-token ratio, BFCL, gate forced (client p50)":
+            fig(base, "ttft_p50") / fig(forced, "ttft_p50"),
+        "prefix / gated first-token ratio, BFCL, gate forced (server p50)":
+            fig(base, "server_p50") / fig(forced, "server_p50"),
         "prefix / exact first-token ratio, monitor (client p50)":
             fig("monitor: prefix-cache baseline", "ttft_p50") / fig("monitor: exact", "ttft_p50"),
-        "exact / floor client p50": fig("monitor: exact", "ttft_p50") / fig("transport floor (no-op model)", "ttft_p50"),
-        "gated / floor client p50": fig("bfcl: gated", "ttft_p50") / fig("transport floor (no-op model)", "ttft_p50"),
+        "exact / floor client p50 (same payloads)":
+            fig("monitor: exact", "ttft_p50") / fig("transport floor, monitor payloads", "ttft_p50"),
+        "gated / floor client p50 (same payloads, gate forced)":
+            fig(forced, "ttft_p50") / fig("transport floor, BFCL payloads", "ttft_p50"),
         "exact server first token p50 (ms)": fig("monitor: exact", "server_p50"),
-        "gated server first token p50 (ms)": fig("bfcl: gated", "server_p50"),
+        "gated server first token p50 (ms, gate forced)": fig(forced, "server_p50"),
         "prepaid / prefix at the same delta (BFCL, paired p50)": paired_ratio(samples),
         "interference p99 ratio (another session pre-positioning / nothing in the background)":
             fig("interference: another session pre-positioning", "ttft_p99")
@@ -271,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4, help="user turns per BFCL session at most")
     parser.add_argument("--monitor-sessions", type=int, default=2)
     parser.add_argument("--think-time", type=float, default=2.0, help="seconds between a session's requests")
-    parser.add_argument("--floor-samples", type=int, default=20)
+    parser.add_argument("--floor-samples", type=int, default=16, help="floor requests per payload kind")
     parser.add_argument("--interference-samples", type=int, default=12)
     parser.add_argument("--engine-dir", type=Path, default=ROOT / "engines" / "smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
@@ -291,7 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("prepos_stateless", "prepos_prefix", "prepos"):
             samples += replay(url, mode, bfcl, "bfcl")
             samples += replay(url, mode, monitor, "monitor")
-        samples += measure_floor(url, args.floor_samples, args.think_time / 2)
+        # The gate fires rarely with a small model; forcing it (threshold 0) measures the gated path's cost.
+        samples += replay(url, "prepos", bfcl, "bfcl-forced-gate", gate_threshold=0.0)
+        asks = lambda traces: [st for t in traces for st in t.steps if st.max_tokens > 0]  # noqa: E731
+        samples += measure_floor(url, asks(monitor)[:args.floor_samples], args.think_time / 2, "floor-monitor")
+        samples += measure_floor(url, asks(bfcl)[:args.floor_samples], args.think_time / 2, "floor-bfcl")
         samples += measure_interference(server, "prepos", args.interference_samples, think_s=0.3)
     engine = engine_figures(args.engine_dir)
     import platform
