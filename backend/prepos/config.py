@@ -89,9 +89,12 @@ class MemoryConfig:
     """KV bytes all sessions may hold; over it, idle sessions' KV is evicted (LRU). 0 = a quarter of physical memory."""
     max_sessions: int = 4096
     """Open sessions at most; a START beyond it is rejected."""
+    eviction_policy: str = "lru"
+    """Which idle session's KV goes first over the budget: ``lru`` (least recently active)."""
 
     def __post_init__(self) -> None:
         _check(self.kv_budget_bytes >= 0, "memory.kv_budget_bytes", "must be >= 0")
+        _check(self.eviction_policy in ("lru",), "memory.eviction_policy", f"unknown policy {self.eviction_policy!r}; use lru")
         _check(self.max_sessions >= 1, "memory.max_sessions", "must be >= 1")
 
     def resolved_budget(self) -> int:

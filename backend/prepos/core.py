@@ -58,6 +58,7 @@ class Core:
             metrics=self.metrics,
             max_sessions=config.memory.max_sessions,
             kv_budget_bytes=config.memory.resolved_budget(),
+            eviction_policy=config.memory.eviction_policy,
         )
         log.info("prepos core ready: model %s, engine %s on %s, %d-token context",
                  manifest.model_name, self.engine.info.name, self.engine.info.device, self.engine.info.max_context)

@@ -22,7 +22,6 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -30,12 +29,14 @@ import numpy as np
 from prepos.config import SchedulerConfig
 from prepos.engines.base import Engine, common_prefix_length
 from prepos.gate import Gate
+from prepos.memory import KvLedger
 from prepos.metrics import Metrics
 from prepos.policies import IDLE_POLICIES
-from prepos.protocol import ProtocolError, Rejection, Request, ResponseChunk, ResponseSink, Status
+from prepos.protocol import ProtocolError, Rejection, Request, ResponseSink, Status
 from prepos.scan import ScanFn, ScanResult
 from prepos.session import Positioned, Session, SessionStore
 from prepos.template import ChoiceTrie, Framing, IncrementalDetokenizer, Tokenizer
+from prepos.timing import RequestClock
 
 log = logging.getLogger("prepos.scheduler")
 
@@ -55,38 +56,6 @@ class ServedPath(str, enum.Enum):
     CLOSE = "close"
 
 
-@dataclass
-class _Clock:
-    """Per-request timings: queue time, compute time (engine-loop time spent on it), first token."""
-
-    now: Callable[[], float]
-    arrival_s: float
-    picked_s: float = 0.0
-    compute_s: float = 0.0
-    resumed_s: float = 0.0
-    first_token_ms: float | None = None
-
-    def start(self) -> None:
-        self.picked_s = self.resumed_s = self.now()
-
-    def pause(self) -> None:
-        self.compute_s += self.now() - self.resumed_s
-
-    def resume(self) -> None:
-        self.resumed_s = self.now()
-
-    def chunk(self, text: str, ids: Sequence[int], path: str, confidence: float, finish: str) -> ResponseChunk:
-        now = self.now()
-        if self.first_token_ms is None:
-            self.first_token_ms = (now - self.arrival_s) * 1e3
-        return ResponseChunk(
-            text=text, token_ids=tuple(ids), path=path, confidence=confidence, finish_reason=finish,
-            queue_ms=(self.picked_s - self.arrival_s) * 1e3,
-            compute_ms=(self.compute_s + now - self.resumed_s) * 1e3,
-            first_token_ms=self.first_token_ms,
-        )
-
-
 class Scheduler:
     """Owns sessions and the engine; serves requests and pre-positions idle sessions."""
 
@@ -102,6 +71,7 @@ class Scheduler:
         metrics: Metrics,
         max_sessions: int,
         kv_budget_bytes: int,
+        eviction_policy: str = "lru",
         clock: Callable[[], float] = time.perf_counter,
     ):
         self._engine = engine
@@ -112,7 +82,6 @@ class Scheduler:
         self._scan = scan
         self._metrics = metrics
         self._clock = clock
-        self._kv_budget = kv_budget_bytes
         self._vocab_size = engine.info.vocab_size
         self._max_context = engine.info.max_context
         self._terminator_id = (framing.answer_terminator_ids or tuple(sorted(framing.stop_token_ids)))[0]
@@ -127,7 +96,7 @@ class Scheduler:
         self._prep: tuple[Session, Iterator[None]] | None = None
         self._stepping_prep = False
         self._prep_at_chunk_boundary = False
-        self._kv_bytes: dict[str | int, int] = {}
+        self._kv = KvLedger(kv_budget_bytes, eviction_policy)
         self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
         self._next_housekeeping = 0.0
         self._thread: threading.Thread | None = None
@@ -289,7 +258,7 @@ class Scheduler:
             if self._expired(session, now):
                 self._close(session, "idle timeout")
         self._metrics.sessions({state.value: n for state, n in self.store.count_by_state().items()})
-        self._metrics.kv(sum(self._kv_bytes.values()), self._kv_budget)
+        self._metrics.kv(self._kv.used_bytes, self._kv.budget_bytes)
 
     def _expired(self, session: Session, now: float) -> bool:
         idle = not session.serving and not session.pending
@@ -329,7 +298,7 @@ class Scheduler:
             self._idle[session.session_id] = session
 
     def _serve_request(self, session: Session, request: Request, sink: ResponseSink) -> Iterator[None]:
-        clock = _Clock(self._clock, request.arrival_s or self._clock())
+        clock = RequestClock(self._clock, request.arrival_s or self._clock())
         clock.start()
         served = False
         try:
@@ -376,7 +345,7 @@ class Scheduler:
                 f"of a {self._max_context}-token context",
             )
 
-    def _append(self, session: Session, request: Request, delta_ids: list[int], clock: _Clock, sink: ResponseSink) -> None:
+    def _append(self, session: Session, request: Request, delta_ids: list[int], clock: RequestClock, sink: ResponseSink) -> None:
         path = ServedPath.CLOSE if request.end and not delta_ids else ServedPath.APPEND
         if delta_ids:  # an empty update changes nothing (a bare START or END)
             turn = self._turn_ids(session, request.role, delta_ids, self._framing.close_ids)
@@ -409,7 +378,7 @@ class Scheduler:
             uniform=None if sampling.greedy else float(rng.random()),
         )
 
-    def _generate(self, session: Session, request: Request, clock: _Clock, sink: ResponseSink) -> Iterator[None]:
+    def _generate(self, session: Session, request: Request, clock: RequestClock, sink: ResponseSink) -> Iterator[None]:
         sid = session.session_id
         trie = self._trie(request.choices)
         forced = tuple(trie.forced_ids()) if trie else ()
@@ -556,25 +525,17 @@ class Scheduler:
 
     def _note_kv(self, session: Session, background: bool = False) -> None:
         session.has_kv, session.evicted = True, False
-        self._kv_bytes[session.session_id] = self._engine.kv_bytes(session.session_id)
-        if sum(self._kv_bytes.values()) > self._kv_budget:
+        self._kv.record(session.session_id, self._engine.kv_bytes(session.session_id))
+        if self._kv.over_budget:
             # Background work may only displace sessions less recently active than its own;
             # when that is not enough, the speculative work itself gives way.
-            self._evict(protect=session, older_than=session.last_active_s if background else None)
-            if background and sum(self._kv_bytes.values()) > self._kv_budget:
+            older_than = session.last_active_s if background else None
+            for victim in self._kv.victims(self.store, protect=session, older_than=older_than):
+                if not self._kv.over_budget:
+                    break
+                self._evict_one(victim)
+            if background and self._kv.over_budget:
                 self._evict_one(session)
-
-    def _evict(self, protect: Session, older_than: float | None = None) -> None:
-        """Drop idle sessions' KV, least recently active first, until usage fits the budget."""
-        victims = sorted(
-            (s for s in self.store if s.has_kv and s is not protect and not s.serving and not s.pending
-             and (older_than is None or s.last_active_s < older_than)),
-            key=lambda s: s.last_active_s,
-        )
-        for victim in victims:
-            if sum(self._kv_bytes.values()) <= self._kv_budget:
-                break
-            self._evict_one(victim)
 
     def _evict_one(self, victim: Session) -> None:
         """Drop one session's KV; its next request rebuilds it from the token log."""
@@ -588,11 +549,11 @@ class Scheduler:
         victim.mark_evicted()
         self._idle.pop(victim.session_id, None)
         self._metrics.evicted()
-        log.info("session %r KV evicted (over the %d-byte budget)", victim.session_id, self._kv_budget)
+        log.info("session %r KV evicted (over the %d-byte budget)", victim.session_id, self._kv.budget_bytes)
 
     def _release_kv(self, session: Session) -> None:
         self._engine.release(session.session_id)
-        self._kv_bytes.pop(session.session_id, None)
+        self._kv.forget(session.session_id)
         session.mark_kv(False)
 
     def _close(self, session: Session, reason: str) -> None:

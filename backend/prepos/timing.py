@@ -1,0 +1,40 @@
+"""Per-request server-side timings, as reported in every response."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from prepos.protocol import ResponseChunk
+
+
+@dataclass
+class RequestClock:
+    """Per-request timings: queue time, compute time (engine-loop time spent on it), first token."""
+
+    now: Callable[[], float]
+    arrival_s: float
+    picked_s: float = 0.0
+    compute_s: float = 0.0
+    resumed_s: float = 0.0
+    first_token_ms: float | None = None
+
+    def start(self) -> None:
+        self.picked_s = self.resumed_s = self.now()
+
+    def pause(self) -> None:
+        self.compute_s += self.now() - self.resumed_s
+
+    def resume(self) -> None:
+        self.resumed_s = self.now()
+
+    def chunk(self, text: str, ids: Sequence[int], path: str, confidence: float, finish: str) -> ResponseChunk:
+        now = self.now()
+        if self.first_token_ms is None:
+            self.first_token_ms = (now - self.arrival_s) * 1e3
+        return ResponseChunk(
+            text=text, token_ids=tuple(ids), path=path, confidence=confidence, finish_reason=finish,
+            queue_ms=(self.picked_s - self.arrival_s) * 1e3,
+            compute_ms=(self.compute_s + now - self.resumed_s) * 1e3,
+            first_token_ms=self.first_token_ms,
+        )
