@@ -55,6 +55,8 @@ class Sample:
     total_ms: float
     answer: str
     expected: str | None
+    queue_ms: float | None = None  # server: arrival to the engine loop picking it up
+    compute_ms: float | None = None  # server: engine-loop time spent on it
 
 
 def build_repository(run_dir: Path) -> Path:
@@ -159,7 +161,8 @@ def measure_interference(server: TritonServer, model: str, num: int, think_s: fl
                 time.sleep(think_s)
                 answer = b.ask(f"Question {index}: pick a color.", max_tokens=1, speculate=False)
                 samples.append(Sample(model, f"interference-{condition}", "b", index, answer.path, 0, answer.ttft_ms,
-                                      answer.first_token_ms, answer.total_ms, answer.text, None))
+                                      answer.first_token_ms, answer.total_ms, answer.text, None,
+                                      answer.queue_ms, answer.compute_ms))
     return samples
 
 
@@ -245,6 +248,10 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
         "exact server first token p50 (ms)": fig("monitor: exact", "server_p50"),
         "gated server first token p50 (ms, gate forced)": fig(forced, "server_p50"),
         "prepaid / prefix at the same delta (BFCL, paired p50)": paired_ratio(samples),
+        "interference: queue wait p50 / p99 while another session is pre-positioned (ms)":
+            "{:.1f} / {:.1f}".format(*_queue_pcts(samples, "interference-on")),
+        "interference: queue wait p50 / p99 with nothing in the background (ms)":
+            "{:.1f} / {:.1f}".format(*_queue_pcts(samples, "interference-off")),
         "interference p99 ratio (another session pre-positioning / nothing in the background)":
             fig("interference: another session pre-positioning", "ttft_p99")
             / fig("interference: nothing in the background", "ttft_p99"),
@@ -267,6 +274,11 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
     return "\n".join(lines), figures
 
 
+def _queue_pcts(samples: list[Sample], workload: str) -> tuple[float, float]:
+    waits = [s.queue_ms for s in samples if s.workload == workload and s.queue_ms is not None]
+    return pct(waits, 50), pct(waits, 99)
+
+
 def paired_ratio(samples: list[Sample]) -> float:
     """Median over the same (session, step) of prepaid TTFT / prefix-baseline TTFT."""
     prefix = {(s.session, s.step): s.ttft_ms for s in samples if s.mode == "prepos_prefix" and s.workload == "bfcl"}
@@ -283,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--monitor-sessions", type=int, default=2)
     parser.add_argument("--think-time", type=float, default=2.0, help="seconds between a session's requests")
     parser.add_argument("--floor-samples", type=int, default=16, help="floor requests per payload kind")
-    parser.add_argument("--interference-samples", type=int, default=12)
+    parser.add_argument("--interference-samples", type=int, default=16)
     parser.add_argument("--engine-dir", type=Path, default=ROOT / "engines" / "smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
     parser.add_argument("--grpc-port", type=int, default=8101)
