@@ -535,3 +535,18 @@ def test_auth_wiring_only_when_enabled(chart):
     assert env_of(c)[token_env]["secretKeyRef"] == {"name": "prepos-token", "key": "value"}
     expected = f"=inference,model-repository:prepos-access-token=$({token_env})"
     assert restricted == [f"--grpc-restricted-protocol{expected}", f"--http-restricted-protocol{expected}"]
+
+
+def test_readme_gpu_node_pool_example_renders_and_validates(chart):
+    """The values example in README "Deploy on Kubernetes" stays a working one."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Deploy on Kubernetes", 1)[1]
+    example = section.split("```yaml", 1)[1].split("```", 1)[0]
+    values = yaml.safe_load(example)
+    objects = render(chart, values)
+    pod_spec = one(objects, "StatefulSet")["spec"]["template"]["spec"]
+    assert pod_spec["nodeSelector"] == values["nodeSelector"]
+    assert triton(objects)["resources"]["limits"]["nvidia.com/gpu"] in (1, "1")
+    for obj in objects:
+        if obj["kind"] != "ServiceMonitor":
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
