@@ -56,6 +56,8 @@ class SchedulerConfig:
     """Keep a session's KV between requests. Off gives the stateless baseline (every request prefills the log)."""
     chunk_tokens: int = 32
     """Most tokens one pre-positioning chunk prefills; a foreground request waits at most one chunk."""
+    background_delay_ms: float = 10.0
+    """Background work waits this long after each foreground step, so a response just sent is not slowed by it."""
     idle_policy: str = "most_recent"
     """Which idle session to pre-position first: ``most_recent`` or ``least_recent``."""
     session_idle_timeout_s: float = 600.0
@@ -65,6 +67,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check(self.chunk_tokens >= 1, "scheduler.chunk_tokens", "must be >= 1")
+        _check(0 <= self.background_delay_ms <= 10_000, "scheduler.background_delay_ms", "must be in [0, 10000]")
         _check(self.session_idle_timeout_s > 0, "scheduler.session_idle_timeout_s", "must be > 0")
         _check(self.default_max_tokens >= 0, "scheduler.default_max_tokens", "must be >= 0")
 

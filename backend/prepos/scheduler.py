@@ -96,6 +96,7 @@ class Scheduler:
         self._prep: tuple[Session, Iterator[None]] | None = None
         self._stepping_prep = False
         self._prep_at_chunk_boundary = False
+        self._background_after_s = 0.0  # no background work before this time (see background_delay_ms)
         self._kv = KvLedger(kv_budget_bytes, eviction_policy)
         self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
         self._next_housekeeping = 0.0
@@ -153,8 +154,12 @@ class Scheduler:
                 log.exception("engine loop step failed")
                 continue
             if not busy:
-                try:  # sleep until a submit (or the next housekeeping)
-                    self._wake.get(timeout=HOUSEKEEPING_INTERVAL_S)
+                # Sleep until a submit, the end of the background grace, or the next housekeeping.
+                pause = HOUSEKEEPING_INTERVAL_S
+                if self._idle or self._prep is not None:
+                    pause = min(pause, max(1e-4, self._background_after_s - self._clock()))
+                try:
+                    self._wake.get(timeout=pause)
                 except queue.Empty:
                     pass
 
@@ -220,9 +225,14 @@ class Scheduler:
         except StopIteration:
             session.task = None
             return
+        finally:
+            # Background compute holds both cores: let the response just sent leave the process first.
+            self._background_after_s = self._clock() + self._config.background_delay_ms / 1e3
         self._ready.append(session)
 
     def _step_prepositioning(self) -> bool:
+        if self._clock() < self._background_after_s:
+            return False
         if self._prep is None:
             if not (self._config.preposition and self._config.retain_kv and self._idle):
                 return False

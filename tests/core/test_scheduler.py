@@ -20,7 +20,8 @@ _ids = itertools.count()
 
 
 class Harness:
-    def __init__(self, tmp_path, *, threshold=2.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True, **engine_kw):
+    def __init__(self, tmp_path, *, threshold=2.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True,
+                 background_delay_ms=0.0, **engine_kw):
         self.clock = FakeClock()
         self.engine = FakeEngine(clock=self.clock, **engine_kw)
         self.tok = char_tokenizer(tmp_path)
@@ -28,7 +29,7 @@ class Harness:
         self.metrics = Metrics()
         self.sched = Scheduler(
             engine=self.engine, tokenizer=self.tok, framing=self.framing,
-            config=SchedulerConfig(chunk_tokens=chunk_tokens, retain_kv=retain_kv),
+            config=SchedulerConfig(chunk_tokens=chunk_tokens, retain_kv=retain_kv, background_delay_ms=background_delay_ms),
             gate=Gate(GateConfig(threshold=threshold)), scan=scan_numpy, metrics=self.metrics,
             max_sessions=100, kv_budget_bytes=kv_budget, clock=self.clock,
         )
@@ -458,3 +459,13 @@ def test_gated_answer_is_sent_before_the_delta_is_tokenized(tmp_path):
     h.sched.run_once()
     assert sink.path == "gated" and "a brand new question" not in sink.encoded_before_first
     assert "a brand new question" in h.tok.decode(h.log("s1"))  # but it is in the log afterwards
+
+
+def test_background_work_waits_for_the_grace_after_a_foreground_step(tmp_path):
+    h = Harness(tmp_path, background_delay_ms=10.0)
+    open_session(h)
+    calls = len(h.engine.calls)
+    assert h.sched.run_once() is False  # within 10 ms of the update's acknowledgement: nothing starts
+    assert len(h.engine.calls) == calls
+    h.clock.t += 0.011
+    assert h.sched.run_once() is True and len(h.engine.calls) > calls
