@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import platform
 import re
 import shutil
 import statistics
@@ -223,10 +225,9 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
         workload = label.split(":")[0].split(",")[0]
         baseline = fig(f"{workload}: prefix-cache baseline", "ttft_p50")
         ratio = baseline / f["ttft_p50"] if f["ttft_p50"] and baseline == baseline else float("nan")
+        versus = f"{ratio:.1f}x faster" if ratio == ratio else ""
         lines.append(f"| {label} | {f['n']} | {f['ttft_p50']:.2f} | {f['ttft_p99']:.2f} | {f['server_p50']:.3f} | "
-                     f"{f['server_p99']:.3f} | {ratio:.1f}x faster |" if ratio == ratio else
-                     f"| {label} | {f['n']} | {f['ttft_p50']:.2f} | {f['ttft_p99']:.2f} | {f['server_p50']:.3f} | "
-                     f"{f['server_p99']:.3f} | |")
+                     f"{f['server_p99']:.3f} | {versus} |")
 
     delta_requests = [s for s in samples if s.mode == "prepos" and s.workload == "bfcl" and s.delta_tokens_hint > 0]
     gated = [s for s in delta_requests if s.path == "gated"]
@@ -321,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         samples += measure_floor(url, asks(bfcl)[:args.floor_samples], args.think_time / 2, "floor-bfcl")
         samples += measure_interference(server, "prepos", args.interference_samples, think_s=0.3)
     engine = engine_figures(args.engine_dir)
-    import platform
-    machine = f"{platform.machine()}, {__import__('os').cpu_count()} cores, {platform.platform()}"
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
     table, figures = summarize(samples, engine, machine)
     (args.out / "bench.md").write_text(table + "\n")
     (args.out / "samples.json").write_text(json.dumps([asdict(s) for s in samples], indent=1))

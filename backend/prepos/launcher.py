@@ -208,10 +208,14 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(**values)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl-C does
+
+
 def serve(options: ServerOptions) -> int:
     """Start the server, print its addresses, and run until Ctrl-C/SIGTERM."""
     server = TritonServer(options)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         with server:
             print(f"prepos is ready\n  gRPC     {server.grpc_url}\n  HTTP     {server.http_url}\n"

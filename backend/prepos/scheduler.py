@@ -402,6 +402,13 @@ class Scheduler:
         if delta_ids is not None:
             self._check_fits(session, request, framing_length + len(delta_ids))
         has_delta = request.has_delta
+
+        def turn_ids() -> list[int]:  # opening + entry + delta + cue, tokenizing the delta on first use
+            nonlocal delta_ids
+            if delta_ids is None:
+                delta_ids = self._delta_ids(request)
+            return self._turn_ids(session, request.role, delta_ids, self._framing.cue_ids)
+
         rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
 
         # Choose the path that serves the first token.
@@ -428,8 +435,7 @@ class Scheduler:
                 clock.pause()
                 yield
                 clock.resume()
-            delta_ids = self._delta_ids(request) if delta_ids is None else delta_ids
-            prompt = [*session.token_log, *self._turn_ids(session, request.role, delta_ids, self._framing.cue_ids)]
+            prompt = [*session.token_log, *turn_ids()]
             logits = self._prefill(session, [*prompt, *forced])
             kv_len = len(prompt) + len(forced)
             first = self._scan_at(logits, trie, forced, request, rng)
@@ -466,8 +472,7 @@ class Scheduler:
             yield
             clock.resume()
             if prompt is None:
-                delta_ids = self._delta_ids(request) if delta_ids is None else delta_ids
-                prompt = [*session.token_log, *self._turn_ids(session, request.role, delta_ids, self._framing.cue_ids)]
+                prompt = [*session.token_log, *turn_ids()]
                 max_new = min(request.max_tokens, self._max_context - len(prompt))
             sequence = [*prompt, *answer]
             if kv_len == len(sequence) - 1:
@@ -479,9 +484,7 @@ class Scheduler:
             scan = self._scan_at(logits, trie, answer, request, rng)
 
         self._metrics.request_served(path.value, clock.first_token_ms)
-        delta_ids = self._delta_ids(request) if delta_ids is None else delta_ids
-        turn = self._turn_ids(session, request.role, delta_ids, self._framing.cue_ids)
-        session.append([*turn, *answer, *self._framing.closing_ids(answer)])
+        session.append([*turn_ids(), *answer, *self._framing.closing_ids(answer)])
         session.last_role, session.last_choices = request.role, request.choices
         if not self._config.retain_kv:
             self._release_kv(session)

