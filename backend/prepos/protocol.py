@@ -98,6 +98,9 @@ class ResponseChunk:
     queue_ms: float
     compute_ms: float
     first_token_ms: float
+    prefill_ms: float = 0.0  # engine prefill time spent on this request so far
+    decode_ms: float = 0.0  # engine decode time
+    scan_ms: float = 0.0  # vocabulary scan time
 
 
 @dataclass(frozen=True)

@@ -421,7 +421,8 @@ class Scheduler:
         kv_len = -1  # tokens of prompt + answer the KV is known to hold exactly
         if pos is not None:
             greedy_match = request.sampling.greedy and pos.choices == request.choices and pos.greedy_scan is not None
-            first = pos.greedy_scan if greedy_match else self._scan_at(pos.logits, trie, forced, request, rng)
+            with clock.measure("scan"):
+                first = pos.greedy_scan if greedy_match else self._scan_at(pos.logits, trie, forced, request, rng)
             if not has_delta:
                 path, logits, kv_len = ServedPath.EXACT, pos.logits, len(session.token_log) + len(pos.spec_ids)
             else:
@@ -436,9 +437,11 @@ class Scheduler:
                 yield
                 clock.resume()
             prompt = [*session.token_log, *turn_ids()]
-            logits = self._prefill(session, [*prompt, *forced])
+            with clock.measure("prefill"):
+                logits = self._prefill(session, [*prompt, *forced])
             kv_len = len(prompt) + len(forced)
-            first = self._scan_at(logits, trie, forced, request, rng)
+            with clock.measure("scan"):
+                first = self._scan_at(logits, trie, forced, request, rng)
         confidence = self._gate.score(first)
 
         answer: list[int] = list(forced)
@@ -476,12 +479,15 @@ class Scheduler:
                 max_new = min(request.max_tokens, self._max_context - len(prompt))
             sequence = [*prompt, *answer]
             if kv_len == len(sequence) - 1:
-                logits = self._engine.decode(sid, sequence[-1])
+                with clock.measure("decode"):
+                    logits = self._engine.decode(sid, sequence[-1])
                 self._note_kv(session)
             else:
-                logits = self._prefill(session, sequence)
+                with clock.measure("prefill"):
+                    logits = self._prefill(session, sequence)
             kv_len = len(sequence)
-            scan = self._scan_at(logits, trie, answer, request, rng)
+            with clock.measure("scan"):
+                scan = self._scan_at(logits, trie, answer, request, rng)
 
         self._metrics.request_served(path.value, clock.first_token_ms)
         session.append([*turn_ids(), *answer, *self._framing.closing_ids(answer)])

@@ -40,6 +40,9 @@ OUTPUT_NAMES = (
     "queue_ms",
     "compute_ms",
     "first_token_ms",
+    "prefill_ms",
+    "decode_ms",
+    "scan_ms",
 )
 
 # Set by Triton on every streamed response of a decoupled model: true on the
@@ -177,6 +180,9 @@ class Chunk:
             response), None when absent.
         elapsed_ms: client-measured time from sending the request to
             receiving this response.
+        prefill_ms, decode_ms, scan_ms: server-side engine time of this
+            request so far in prefill, decode and vocabulary scans; None when
+            absent.
     """
 
     text: str
@@ -189,6 +195,9 @@ class Chunk:
     compute_ms: float | None
     first_token_ms: float | None
     elapsed_ms: float
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    scan_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,8 @@ class Answer:
         ttft_ms, total_ms: client-measured, from sending the request to the
             first and to the last response.
         num_chunks: how many responses the answer arrived in.
+        prefill_ms, decode_ms, scan_ms: server-side engine time up to the
+            first token (from the first response), None when absent.
     """
 
     text: str
@@ -217,6 +228,9 @@ class Answer:
     ttft_ms: float
     total_ms: float
     num_chunks: int
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    scan_ms: float | None = None
 
     @classmethod
     def from_chunks(cls, chunks: Sequence[Chunk]) -> Answer:
@@ -235,6 +249,9 @@ class Answer:
             ttft_ms=chunks[0].elapsed_ms,
             total_ms=chunks[-1].elapsed_ms,
             num_chunks=len(chunks),
+            prefill_ms=chunks[0].prefill_ms,
+            decode_ms=chunks[0].decode_ms,
+            scan_ms=chunks[0].scan_ms,
         )
 
     def to_dict(self) -> dict:
@@ -327,6 +344,9 @@ def parse_chunk(
         compute_ms=_read_float(result, "compute_ms"),
         first_token_ms=_read_float(result, "first_token_ms"),
         elapsed_ms=elapsed_ms,
+        prefill_ms=_read_float(result, "prefill_ms"),
+        decode_ms=_read_float(result, "decode_ms"),
+        scan_ms=_read_float(result, "scan_ms"),
     )
 
 

@@ -469,3 +469,20 @@ def test_background_work_waits_for_the_grace_after_a_foreground_step(tmp_path):
     assert len(h.engine.calls) == calls
     h.clock.t += 0.011
     assert h.sched.run_once() is True and len(h.engine.calls) > calls
+
+
+def test_first_token_timings_split_engine_time_by_phase(tmp_path):
+    h = Harness(tmp_path, threshold=0.0)
+    open_session(h)
+    prefix = h.serve(h.request("s1", "cold start", max_tokens=3))
+    first = prefix.chunks[0]
+    assert prefix.path == "prefix"
+    # the fake engine advances the clock only while it computes: prefill is all the first token's compute
+    assert first.prefill_ms > 0 and first.decode_ms == 0
+    assert first.prefill_ms == pytest.approx(first.compute_ms)
+    last = prefix.chunks[-1]
+    assert last.decode_ms > 0 and last.prefill_ms == first.prefill_ms
+    h.idle()
+    gated = h.serve(h.request("s1", "what now", max_tokens=1))
+    assert gated.path == "gated"
+    assert gated.chunks[0].prefill_ms == 0 and gated.chunks[0].decode_ms == 0

@@ -115,6 +115,9 @@ def test_multi_turn_session_paths_match_stateless_prefill(server, engine_manifes
         completed = metric(server, "prepos_prepositionings_total", result="completed")
         gated = session.ask("Which tool tells me if I need an umbrella?", choices=TOOLS, gate_threshold=0.0)
         assert gated.path == "gated" and gated.text in TOOLS
+        # Server-side anatomy of the first token: a scan and no engine work on the gated path; prefill on prepaid.
+        assert gated.prefill_ms == 0 and gated.decode_ms == 0 and 0 < gated.scan_ms <= gated.compute_ms
+        assert prepaid.prefill_ms > 0 and prepaid.decode_ms == 0 and prepaid.scan_ms > 0
         assert list(gated.token_ids) == tokenizer.encode(gated.text)
         conv.answered(conv.prompt("user", "Which tool tells me if I need an umbrella?"), gated.token_ids, "stop",
                       choice=True)

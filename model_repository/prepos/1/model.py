@@ -53,6 +53,9 @@ class TritonSink:
             pb_utils.Tensor("queue_ms", np.array([chunk.queue_ms], dtype=np.float32)),
             pb_utils.Tensor("compute_ms", np.array([chunk.compute_ms], dtype=np.float32)),
             pb_utils.Tensor("first_token_ms", np.array([chunk.first_token_ms], dtype=np.float32)),
+            pb_utils.Tensor("prefill_ms", np.array([chunk.prefill_ms], dtype=np.float32)),
+            pb_utils.Tensor("decode_ms", np.array([chunk.decode_ms], dtype=np.float32)),
+            pb_utils.Tensor("scan_ms", np.array([chunk.scan_ms], dtype=np.float32)),
         ]
         self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
 
