@@ -158,6 +158,7 @@ class CollectSink:
         self.chunks: list[ResponseChunk] = []
         self.error: ProtocolError | None = None
         self.finals = 0
+        self.client_gone = False  # tests set it to act as a client that cancelled
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
         assert self.finals == 0, "response after the final one"
@@ -168,6 +169,9 @@ class CollectSink:
         assert self.finals == 0, "error after the final response"
         self.error = error
         self.finals += 1
+
+    def cancelled(self) -> bool:
+        return self.client_gone
 
     @property
     def done(self) -> bool:

@@ -64,9 +64,14 @@ class SchedulerConfig:
     """Sessions idle longer are closed; set from the model's ``max_sequence_idle_microseconds``."""
     default_max_tokens: int = 64
     """``max_tokens`` when a request does not send it."""
+    context_overflow: str = "reject"
+    """When a turn would not fit the session's log: ``reject`` (error naming the input, nothing changes) or
+    ``drop_oldest`` (drop the oldest turns after the first, the system turn, until the turn and its answer fit)."""
 
     def __post_init__(self) -> None:
         _check(self.chunk_tokens >= 1, "scheduler.chunk_tokens", "must be >= 1")
+        _check(self.context_overflow in ("reject", "drop_oldest"), "scheduler.context_overflow",
+               f"unknown policy {self.context_overflow!r}; use reject or drop_oldest")
         _check(0 <= self.background_delay_ms <= 10_000, "scheduler.background_delay_ms", "must be in [0, 10000]")
         _check(self.session_idle_timeout_s > 0, "scheduler.session_idle_timeout_s", "must be > 0")
         _check(self.default_max_tokens >= 0, "scheduler.default_max_tokens", "must be >= 0")
@@ -80,10 +85,21 @@ class GateConfig:
     """Gate fires when the score of the speculative distribution is at least this."""
     score: str = "p_max"
     """Gate score: ``p_max``, ``margin`` or ``certainty`` (1 - entropy / log(number of allowed tokens)); all in [0, 1]."""
+    speculative_delta: str = ""
+    """Text pre-positioning puts where the delta will go: empty (the default) or a neutral placeholder."""
+    epsilon: float = 0.0
+    """False-accept rate ``prepos calibrate`` certified for ``threshold`` (0 = threshold not calibrated); a record."""
+    confidence: float = 0.0
+    """Confidence (1 - delta) of that certificate; 0 when not calibrated. A record."""
+    calibrated_coverage: float = 0.0
+    """Share of calibration decision points the threshold accepted; a record."""
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.threshold), "gate.threshold", "must be finite")
         _check(self.score in ("p_max", "margin", "certainty"), "gate.score", f"unknown score {self.score!r}")
+        _check(0.0 <= self.epsilon < 1.0, "gate.epsilon", "must lie in [0, 1); 0 = not calibrated")
+        _check(0.0 <= self.confidence < 1.0, "gate.confidence", "must lie in [0, 1); 0 = not calibrated")
+        _check(0.0 <= self.calibrated_coverage <= 1.0, "gate.calibrated_coverage", "must lie in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -94,9 +110,12 @@ class MemoryConfig:
     """Open sessions at most; a START beyond it is rejected."""
     eviction_policy: str = "lru"
     """Which idle session's KV goes first over the budget: ``lru`` (least recently active)."""
+    max_log_tokens: int = 0
+    """Most tokens one session's log may hold; 0 = the model's context length (a larger value is capped to it)."""
 
     def __post_init__(self) -> None:
         _check(self.kv_budget_bytes >= 0, "memory.kv_budget_bytes", "must be >= 0")
+        _check(self.max_log_tokens >= 0, "memory.max_log_tokens", "must be >= 0")
         _check(self.eviction_policy in ("lru",), "memory.eviction_policy", f"unknown policy {self.eviction_policy!r}; use lru")
         _check(self.max_sessions >= 1, "memory.max_sessions", "must be >= 1")
 
@@ -124,15 +143,32 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class JournalConfig:
+    dir: str = ""
+    """Directory of the session journals (every accepted turn is written there before it is acknowledged; a
+    restarted server or another replica reopens a session from it). Empty = no journal. Relative = to the model's
+    directory. Replicas taking over each other's sessions share it (a volume)."""
+    fsync: bool = False
+    """fsync each journal write: survives a machine crash, not only a server crash, at a cost per turn."""
+
+
+@dataclass(frozen=True)
 class PreposConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
 
     def engine_dir(self, model_dir: str | Path) -> Path:
         path = Path(self.engine.dir)
+        return path if path.is_absolute() else (Path(model_dir) / path).resolve()
+
+    def journal_dir(self, model_dir: str | Path) -> Path | None:
+        if not self.journal.dir:
+            return None
+        path = Path(self.journal.dir)
         return path if path.is_absolute() else (Path(model_dir) / path).resolve()
 
 

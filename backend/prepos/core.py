@@ -48,6 +48,14 @@ class Core:
         self.engine = engine if engine is not None else create_engine(config.engine, engine_dir)
         self.metrics = Metrics(metrics_sink)
         self.framing = manifest.framing
+        journal = None
+        journal_dir = config.journal_dir(model_dir)
+        if journal_dir is not None:
+            from prepos.journal import SessionJournal
+
+            journal = SessionJournal(journal_dir, fsync=config.journal.fsync)
+            log.info("session journals in %s (%d sessions to reopen on their next request)",
+                     journal_dir, len(journal.session_ids()))
         self.scheduler = Scheduler(
             engine=self.engine,
             tokenizer=self.tokenizer,
@@ -59,6 +67,8 @@ class Core:
             max_sessions=config.memory.max_sessions,
             kv_budget_bytes=config.memory.resolved_budget(),
             eviction_policy=config.memory.eviction_policy,
+            max_log_tokens=config.memory.max_log_tokens,
+            journal=journal,
         )
         log.info("prepos core ready: model %s, engine %s on %s, %d-token context",
                  manifest.model_name, self.engine.info.name, self.engine.info.device, self.engine.info.max_context)
@@ -69,8 +79,9 @@ class Core:
         return cls(read_config(parameters), model_dir, metrics_sink)
 
     def parse(self, inputs: Mapping[str, np.ndarray], *, session_id: str | int, request_id: str | None,
-              arrival_s: float) -> Request:
-        """Validate one request's input arrays (raises ProtocolError)."""
+              arrival_s: float, timeout_s: float | None = None) -> Request:
+        """Validate one request's input arrays (raises ProtocolError); ``timeout_s`` (the client's request
+        timeout) sets the request's deadline."""
         return parse_request(
             inputs,
             session_id=session_id,
@@ -78,6 +89,7 @@ class Core:
             limits=self.config.limits,
             default_max_tokens=self.config.scheduler.default_max_tokens,
             arrival_s=arrival_s,
+            timeout_s=timeout_s,
         )
 
     def submit(self, request: Request | Rejection, sink: ResponseSink, *, inline: bool = False) -> None:

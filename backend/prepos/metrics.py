@@ -34,6 +34,13 @@ SPECS = (
     MetricSpec("prepos_kv_budget_bytes", "gauge", "KV cache budget in bytes"),
     MetricSpec("prepos_kv_evictions_total", "counter", "Sessions whose KV was evicted under the memory budget"),
     MetricSpec("prepos_prefill_tokens_total", "counter", "Tokens prefilled, by where the work ran", ("where",)),
+    MetricSpec("prepos_engine_seconds_total", "counter",
+               "Engine-loop seconds spent on requests (foreground) and on pre-positioning (background)", ("where",)),
+    MetricSpec("prepos_requests_abandoned_total", "counter",
+               "Requests stopped before their end, by reason (cancelled, deadline); their turn is not accepted",
+               ("reason",)),
+    MetricSpec("prepos_sessions_recovered_total", "counter", "Sessions reopened from their journal"),
+    MetricSpec("prepos_turns_dropped_total", "counter", "Turns dropped from session logs by the context overflow policy"),
 )
 
 
@@ -105,3 +112,15 @@ class Metrics:
 
     def evicted(self) -> None:
         self.sink.inc("prepos_kv_evictions_total", {}, 1)
+
+    def engine_time(self, where: str, seconds: float) -> None:
+        self.sink.inc("prepos_engine_seconds_total", {"where": where}, seconds)
+
+    def request_abandoned(self, reason: str) -> None:
+        self.sink.inc("prepos_requests_abandoned_total", {"reason": reason}, 1)
+
+    def session_recovered(self) -> None:
+        self.sink.inc("prepos_sessions_recovered_total", {}, 1)
+
+    def turns_dropped(self, num_turns: int) -> None:
+        self.sink.inc("prepos_turns_dropped_total", {}, num_turns)

@@ -34,6 +34,8 @@ class Status(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
+    CANCELLED = "CANCELLED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 
 
 class ProtocolError(Exception):
@@ -76,6 +78,7 @@ class Request:
     speculate: bool | None = None
     gate_threshold: float | None = None
     arrival_s: float = 0.0  # perf_counter() when the request reached the server
+    deadline_s: float | None = None  # perf_counter() by which it must finish (the client's request timeout)
 
     @property
     def is_append(self) -> bool:
@@ -131,6 +134,10 @@ class ResponseSink(Protocol):
     def send(self, chunk: ResponseChunk, final: bool) -> None: ...
 
     def send_error(self, error: ProtocolError) -> None: ...
+
+    def cancelled(self) -> bool:
+        """Whether the client has gone (cancelled the request or closed the stream); may cost an IPC."""
+        ...
 
 
 def _scalar(inputs: Mapping[str, np.ndarray], name: str, kinds: str) -> np.generic | None:
@@ -192,6 +199,7 @@ def parse_request(
     limits: LimitsConfig,
     default_max_tokens: int,
     arrival_s: float = 0.0,
+    timeout_s: float | None = None,
 ) -> Request:
     """Validate one request's inputs and build a :class:`Request`.
 
@@ -274,4 +282,5 @@ def parse_request(
         speculate=None if speculate is None else bool(speculate),
         gate_threshold=None if gate_threshold is None else _finite("gate_threshold", gate_threshold, 0.0, 1.0, 0.0),
         arrival_s=arrival_s,
+        deadline_s=arrival_s + timeout_s if timeout_s else None,
     )

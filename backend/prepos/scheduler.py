@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -37,11 +37,24 @@ from prepos.scan import ScanFn, ScanResult
 from prepos.session import Positioned, Session, SessionStore
 from prepos.template import ChoiceTrie, Framing, IncrementalDetokenizer, Tokenizer
 from prepos.timing import RequestClock
+from prepos.turns import TurnBuilder
+
+if TYPE_CHECKING:
+    from prepos.journal import SessionJournal
 
 log = logging.getLogger("prepos.scheduler")
 
 HOUSEKEEPING_INTERVAL_S = 0.5
 _CHUNK_BOUNDARY = object()  # what a pre-positioning task yields between chunks (engine steps yield None)
+
+
+class _Abandoned(Exception):
+    """A request stopped before its end: the client went away or its deadline passed."""
+
+    def __init__(self, reason: str, error: ProtocolError):
+        super().__init__(str(error))
+        self.reason = reason
+        self.error = error
 
 
 class ServedPath(str, enum.Enum):
@@ -72,6 +85,8 @@ class Scheduler:
         max_sessions: int,
         kv_budget_bytes: int,
         eviction_policy: str = "lru",
+        max_log_tokens: int = 0,
+        journal: SessionJournal | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self._engine = engine
@@ -82,9 +97,12 @@ class Scheduler:
         self._scan = scan
         self._metrics = metrics
         self._clock = clock
-        self._vocab_size = engine.info.vocab_size
         self._max_context = engine.info.max_context
-        self._terminator_id = (framing.answer_terminator_ids or tuple(sorted(framing.stop_token_ids)))[0]
+        self._turns = TurnBuilder(
+            tokenizer, framing, vocab_size=engine.info.vocab_size, overflow=config.context_overflow,
+            max_log_tokens=min(self._max_context, max_log_tokens or self._max_context),
+        )
+        self._journal = journal
         self._idle_policy = IDLE_POLICIES[config.idle_policy]()
         self.store = SessionStore(max_sessions)
         self._inbox: queue.SimpleQueue[tuple[Request | Rejection, ResponseSink]] = queue.SimpleQueue()
@@ -98,7 +116,6 @@ class Scheduler:
         self._prep_at_chunk_boundary = False
         self._background_after_s = 0.0  # no background work before this time (see background_delay_ms)
         self._kv = KvLedger(kv_budget_bytes, eviction_policy)
-        self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
         self._next_housekeeping = 0.0
         self._thread: threading.Thread | None = None
         self._running = False
@@ -202,9 +219,9 @@ class Scheduler:
             elif request.start:
                 if existing is not None and self._expired(existing, self._clock()):
                     self._close(existing, "idle timeout")
-                session = self.store.open(request.session_id, self._clock())
+                session = self._open(request.session_id)
             else:
-                session = self.store.lookup(request.session_id)
+                session = existing or self._recover(request.session_id) or self.store.lookup(request.session_id)
         except ProtocolError as err:
             self._reject(sink, err)
             return
@@ -220,14 +237,17 @@ class Scheduler:
 
     def _step_foreground(self) -> None:
         session = self._ready.popleft()
+        began = self._clock()
         try:
             next(session.task)
         except StopIteration:
             session.task = None
             return
         finally:
+            now = self._clock()
+            self._metrics.engine_time("foreground", now - began)
             # Background compute holds both cores: let the response just sent leave the process first.
-            self._background_after_s = self._clock() + self._config.background_delay_ms / 1e3
+            self._background_after_s = now + self._config.background_delay_ms / 1e3
         self._ready.append(session)
 
     def _step_prepositioning(self) -> bool:
@@ -249,12 +269,14 @@ class Scheduler:
                 self._start_prepositioning(preferred)
         session, task = self._prep
         self._stepping_prep = True
+        began = self._clock()
         try:
             self._prep_at_chunk_boundary = next(task) is _CHUNK_BOUNDARY
         except StopIteration:
             self._prep = None
         finally:
             self._stepping_prep = False
+            self._metrics.engine_time("background", self._clock() - began)
         return True
 
     def _start_prepositioning(self, session: Session) -> None:
@@ -282,7 +304,7 @@ class Scheduler:
             if self.store.get(session.session_id) is not session:
                 if request.start and not isinstance(request, Rejection):  # a new session under the same id
                     try:
-                        successor = self.store.open(session.session_id, self._clock())
+                        successor = self._open(session.session_id)
                     except ProtocolError as err:
                         self._reject(sink, err)
                         continue
@@ -312,14 +334,19 @@ class Scheduler:
         clock.start()
         served = False
         try:
-            self._check_delta(request)
+            self._check_alive(request, sink, cancel_check=False)
+            self._turns.check(request)
             if request.is_append:
-                self._append(session, request, self._delta_ids(request), clock, sink)
+                self._append(session, request, self._turns.delta_ids(request), clock, sink)
             else:
                 yield from self._generate(session, request, clock, sink)
             served = True
         except ProtocolError as err:
             self._reject(sink, err)
+        except _Abandoned as abandoned:
+            self._metrics.request_abandoned(abandoned.reason)
+            log.info("session %r request %r stopped: %s", session.session_id, request.request_id, abandoned)
+            sink.send_error(abandoned.error)
         except Exception:
             log.exception("session %r request %r failed", session.session_id, request.request_id)
             self._reject(sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
@@ -329,53 +356,51 @@ class Scheduler:
         elif not served and request.start and not session.token_log:
             self._close(session, "its START request was rejected")
 
-    def _check_delta(self, request: Request) -> None:
-        if request.role not in self._framing.entry_ids:
-            raise ProtocolError("role", f"unknown role {request.role!r}; expected one of {', '.join(self._framing.roles)}")
-        if request.delta_ids is not None:
-            bad = [i for i in request.delta_ids if i >= self._vocab_size]
-            if bad:
-                raise ProtocolError("input_ids", f"token id {bad[0]} out of range [0, {self._vocab_size})")
+    def _check_alive(self, request: Request, sink: ResponseSink, cancel_check: bool = True) -> None:
+        """Raise _Abandoned when the request's deadline has passed or (``cancel_check``) its client went away."""
+        if request.deadline_s is not None and self._clock() > request.deadline_s:
+            raise _Abandoned("deadline", ProtocolError(
+                "timeout", "the request's deadline passed before it finished; its turn was not accepted",
+                Status.DEADLINE_EXCEEDED))
+        if cancel_check and sink.cancelled():
+            raise _Abandoned("cancelled", ProtocolError(
+                "request", "cancelled by the client; its turn was not accepted", Status.CANCELLED))
 
-    def _delta_ids(self, request: Request) -> list[int]:
-        if request.delta_ids is not None:
-            return list(request.delta_ids)
-        return self._tokenizer.encode(request.delta_text) if request.delta_text else []
+    def _make_room(self, session: Session, request: Request, num_new: int) -> None:
+        dropped = self._turns.make_room(session, request, num_new)
+        if dropped:
+            self._metrics.turns_dropped(dropped)
+            log.info("session %r: dropped its %d oldest turns to fit the context", session.session_id, dropped)
+            if self._journal is not None:
+                self._write_journal(lambda: self._journal.replace(session.session_id, [
+                    JournalEntry(tuple(turn), session.last_role, session.last_choices) for turn in session.turns()]))
 
-    def _turn_ids(self, session: Session, role: str, delta_ids: Sequence[int], closing: Sequence[int]) -> list[int]:
-        """Opening (default system turn, first turn only) + entry + delta + closing."""
-        return [*self._framing.opening_ids(not session.token_log, role), *self._framing.entry_ids[role], *delta_ids, *closing]
+    def _accept(self, session: Session, turn_ids: Sequence[int], role: str, choices: tuple[str, ...] | None) -> None:
+        """Accept a turn: journal it (durable before it is acknowledged), then append it to the log."""
+        if self._journal is not None and turn_ids:
+            self._write_journal(lambda: self._journal.append(session.session_id, JournalEntry(tuple(turn_ids), role, choices)))
+        session.append(turn_ids)
+        session.last_role, session.last_choices = role, choices
 
-    def _check_fits(self, session: Session, request: Request, num_new: int) -> None:
-        if len(session.token_log) + num_new + 1 > self._max_context:
-            field = "input_ids" if request.delta_ids is not None else "text_input"
-            raise ProtocolError(
-                field,
-                f"the turn needs {num_new} tokens but the session holds {len(session.token_log)} "
-                f"of a {self._max_context}-token context",
-            )
+    def _write_journal(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except OSError as err:
+            log.error("session journal write failed: %s", err)
+            raise ProtocolError("journal", f"could not write the session journal ({err.strerror or err}); "
+                                "the turn was not accepted", Status.UNAVAILABLE) from None
 
     def _append(self, session: Session, request: Request, delta_ids: list[int], clock: RequestClock, sink: ResponseSink) -> None:
         path = ServedPath.CLOSE if request.end and not delta_ids else ServedPath.APPEND
         if delta_ids:  # an empty update changes nothing (a bare START or END)
-            turn = self._turn_ids(session, request.role, delta_ids, self._framing.close_ids)
-            self._check_fits(session, request, len(turn))
+            turn = self._turns.turn_ids(session, request.role, delta_ids, self._framing.close_ids)
+            self._make_room(session, request, len(turn))  # drops turns after the first: the opening stays as is
             if session.positioned_valid():
                 self._metrics.prepositioning_ended("invalidated")
-            session.append(turn)
+            self._accept(session, turn, session.last_role, session.last_choices)
         chunk = clock.chunk("", (), path.value, float("nan"), "closed" if path is ServedPath.CLOSE else "appended")
         sink.send(chunk, final=True)
         self._metrics.request_served(path.value, None)
-
-    def _trie(self, choices: tuple[str, ...] | None) -> ChoiceTrie | None:
-        if choices is None:
-            return None
-        trie = self._tries.get(choices)
-        if trie is None:
-            if len(self._tries) > 64:
-                self._tries.clear()
-            trie = self._tries[choices] = ChoiceTrie(choices, self._tokenizer, self._terminator_id)
-        return trie
 
     def _scan_at(self, logits, trie: ChoiceTrie | None, answer: Sequence[int], request: Request, rng) -> ScanResult:
         sampling = request.sampling
@@ -390,24 +415,25 @@ class Scheduler:
 
     def _generate(self, session: Session, request: Request, clock: RequestClock, sink: ResponseSink) -> Iterator[None]:
         sid = session.session_id
-        trie = self._trie(request.choices)
+        trie = self._turns.trie(request.choices)
         forced = tuple(trie.forced_ids()) if trie else ()
-        framing_length = len(self._turn_ids(session, request.role, (), self._framing.cue_ids)) + len(forced)
+        framing_length = len(self._turns.turn_ids(session, request.role, (), self._framing.cue_ids)) + len(forced)
         # A text delta is tokenized only where its tokens are needed: a gated answer reads none of them.
-        # Byte-level tokenizers give at most one token per byte (+1 for a prefix space), so short texts
-        # provably fit without counting.
         delta_ids = list(request.delta_ids) if request.delta_ids is not None else None
-        if delta_ids is None and len(request.delta_text or "") * 4 + 1 + framing_length + len(session.token_log) >= self._max_context:
-            delta_ids = self._delta_ids(request)
+        if delta_ids is None and self._turns.may_overflow(session, request, framing_length):
+            delta_ids = self._turns.delta_ids(request)
         if delta_ids is not None:
-            self._check_fits(session, request, framing_length + len(delta_ids))
+            self._make_room(session, request, framing_length + len(delta_ids))
         has_delta = request.has_delta
 
         def turn_ids() -> list[int]:  # opening + entry + delta + cue, tokenizing the delta on first use
             nonlocal delta_ids
             if delta_ids is None:
-                delta_ids = self._delta_ids(request)
-            return self._turn_ids(session, request.role, delta_ids, self._framing.cue_ids)
+                delta_ids = self._turns.delta_ids(request)
+            return self._turns.turn_ids(session, request.role, delta_ids, self._framing.cue_ids)
+
+        def accept() -> None:
+            self._accept(session, [*turn_ids(), *answer, *self._framing.closing_ids(answer)], request.role, request.choices)
 
         rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
 
@@ -436,6 +462,7 @@ class Scheduler:
                 clock.pause()
                 yield
                 clock.resume()
+            self._check_alive(request, sink)
             prompt = [*session.token_log, *turn_ids()]
             with clock.measure("prefill"):
                 logits = self._prefill(session, [*prompt, *forced])
@@ -452,7 +479,7 @@ class Scheduler:
         while True:
             token = scan.token_id
             answer.append(token)
-            if trie and token == self._terminator_id:  # a choice ends where a longer one goes on
+            if trie and token == self._turns.terminator_id:  # a choice ends where a longer one goes on
                 emit, done, finish = [], True, "stop"
             elif trie:
                 tail = trie.forced_ids(answer)
@@ -468,12 +495,15 @@ class Scheduler:
                 done, finish = True, "stop"
             if done:
                 text += detok.flush()
+                if self._journal is not None:  # durable before the final response acknowledges the turn
+                    accept()
             sink.send(clock.chunk(text, emit, path.value, confidence, finish if done else ""), final=done)
             if done:
                 break
             clock.pause()
             yield
             clock.resume()
+            self._check_alive(request, sink)
             if prompt is None:
                 prompt = [*session.token_log, *turn_ids()]
                 max_new = min(request.max_tokens, self._max_context - len(prompt))
@@ -490,8 +520,8 @@ class Scheduler:
                 scan = self._scan_at(logits, trie, answer, request, rng)
 
         self._metrics.request_served(path.value, clock.first_token_ms)
-        session.append([*turn_ids(), *answer, *self._framing.closing_ids(answer)])
-        session.last_role, session.last_choices = request.role, request.choices
+        if self._journal is None:  # without a journal the answer leaves first (a gated delta is tokenized after it)
+            accept()
         if not self._config.retain_kv:
             self._release_kv(session)
             session.evicted = True
@@ -510,9 +540,9 @@ class Scheduler:
         """Make the KV hold log + entry + speculative delta (empty) + cue + forced choice tokens; cache the distribution."""
         log_length = len(session.token_log)
         role = session.last_role
-        trie = self._trie(session.last_choices)
+        trie = self._turns.trie(session.last_choices)
         forced = tuple(trie.forced_ids()) if trie else ()
-        spec = (*self._turn_ids(session, role, (), self._framing.cue_ids), *forced)
+        spec = (*self._turns.turn_ids(session, role, (), self._framing.cue_ids), *forced)
         target = [*session.token_log, *spec]
         if len(target) + 1 > self._max_context:
             return
@@ -575,6 +605,37 @@ class Scheduler:
         self._kv.forget(session.session_id)
         session.mark_kv(False)
 
+    def _open(self, session_id: str | int) -> Session:
+        """A new session (START): its journal starts empty, replacing any left under the same id."""
+        session = self.store.open(session_id, self._clock())
+        if self._journal is not None:
+            try:
+                self._journal.create(session_id)
+            except OSError as err:
+                self.store.close(session_id)
+                log.error("session %r: could not create its journal: %s", session_id, err)
+                raise ProtocolError("journal", f"could not create the session journal ({err.strerror or err})",
+                                    Status.UNAVAILABLE) from None
+        return session
+
+    def _recover(self, session_id: str | int) -> Session | None:
+        """Reopen a session this server does not hold from its journal (a restart, or a replica taking
+        over); its KV is rebuilt from the log on its next request (path ``rebuild``)."""
+        if self._journal is None:
+            return None
+        recovered = self._journal.recover(session_id)
+        if recovered is None:
+            return None
+        session = self.store.open(session_id, self._clock())
+        for turn in recovered.turns:
+            session.append(turn)
+        session.last_role, session.last_choices = recovered.last_role, recovered.last_choices
+        session.evicted = True
+        self._metrics.session_recovered()
+        log.info("session %r reopened from its journal: %d turns, %d tokens", session_id, len(recovered.turns),
+                 len(session.token_log))
+        return session
+
     def _close(self, session: Session, reason: str) -> None:
         if self._prep is not None and self._prep[0] is session:
             self._prep[1].close()
@@ -582,6 +643,11 @@ class Scheduler:
         self._release_kv(session)
         self.store.close(session.session_id)
         self._idle.pop(session.session_id, None)
+        if self._journal is not None:
+            try:
+                self._journal.delete(session.session_id)
+            except OSError as err:
+                log.error("session %r: could not delete its journal: %s", session.session_id, err)
         log.info("session %r closed (%s), %d tokens in its log", session.session_id, reason, len(session.token_log))
 
     def _reject(self, sink: ResponseSink, err: ProtocolError) -> None:

@@ -46,6 +46,7 @@ class Positioned:
 class Session:
     session_id: str | int
     token_log: list[int] = field(default_factory=list)
+    turn_starts: list[int] = field(default_factory=list)  # where each accepted turn begins in the token log
     positioned: Positioned | None = None
     has_kv: bool = False
     evicted: bool = False  # KV was dropped under memory pressure; the next request rebuilds it
@@ -68,10 +69,34 @@ class Session:
         return self.positioned is not None and self.positioned.log_length == len(self.token_log)
 
     def append(self, token_ids: Sequence[int]) -> None:
-        """Accept tokens into the log; the cached distribution no longer matches it."""
+        """Accept one turn into the log; the cached distribution no longer matches it."""
         if token_ids:
+            self.turn_starts.append(len(self.token_log))
             self.token_log.extend(token_ids)
             self.positioned = None
+
+    def turns(self) -> list[list[int]]:
+        """The accepted turns, in order (their concatenation is the token log)."""
+        bounds = [*self.turn_starts, len(self.token_log)]
+        return [self.token_log[a:b] for a, b in zip(bounds, bounds[1:])]
+
+    def drop_oldest_turns(self, max_log_tokens: int) -> int | None:
+        """Drop the oldest turns after the first (the system turn) until the log holds at most
+        ``max_log_tokens`` tokens; returns how many turns were dropped, or None (changing nothing)
+        when even the first turn alone is longer.
+        """
+        turns = self.turns()
+        kept, total = list(turns), len(self.token_log)
+        while total > max_log_tokens and len(kept) > 1:
+            total -= len(kept.pop(1))
+        if total > max_log_tokens:
+            return None
+        dropped = len(turns) - len(kept)
+        if dropped:
+            self.token_log, self.turn_starts = [], []
+            for turn in kept:
+                self.append(turn)
+        return dropped
 
     def mark_kv(self, resident: bool) -> None:
         self.has_kv = resident

@@ -34,6 +34,8 @@ def _error_code(status: Status):
         Status.RESOURCE_EXHAUSTED: codes.UNAVAILABLE,
         Status.UNAVAILABLE: codes.UNAVAILABLE,
         Status.INTERNAL: codes.INTERNAL,
+        Status.CANCELLED: codes.CANCELLED,
+        Status.DEADLINE_EXCEEDED: codes.UNAVAILABLE,  # the Python backend has no deadline code
     }[status]
 
 
@@ -59,6 +61,9 @@ class TritonSink:
         ]
         self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
 
+    def cancelled(self) -> bool:
+        return self._sender.is_cancelled()
+
     def send_error(self, error: ProtocolError) -> None:
         triton_error = pb_utils.TritonError(str(error), _error_code(error.status))
         self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=triton_error), flags=FINAL)
@@ -82,9 +87,9 @@ class TritonPythonModel:
             sink = TritonSink(request.get_response_sender())
             inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
             try:
-                parsed = self.core.parse(
-                    inputs, session_id=request.correlation_id(), request_id=request.request_id(), arrival_s=arrival_s
-                )
+                timeout_us = request.timeout()  # the client's request timeout, 0 = none
+                parsed = self.core.parse(inputs, session_id=request.correlation_id(), request_id=request.request_id(),
+                                         arrival_s=arrival_s, timeout_s=timeout_us / 1e6 if timeout_us else None)
             except ProtocolError as err:
                 start, end = control_flags(inputs)
                 parsed = Rejection(request.correlation_id(), start, end, err)

@@ -1,0 +1,96 @@
+"""Building a request's turn: role and token checks, the delta's tokens, framing, and the context limit.
+
+A turn is opening (the default system turn, first turn only) + entry + delta +
+cue or close. Whether a turn fits is decided here, under the context overflow
+policy: ``reject`` answers with an error naming the input; ``drop_oldest``
+drops the session's oldest turns after the first (the system turn) until the
+new turn and its answer fit.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from prepos.protocol import ProtocolError, Request
+from prepos.session import Session
+from prepos.template import ChoiceTrie, Framing, Tokenizer
+
+OVERFLOW_POLICIES = ("reject", "drop_oldest")
+_MAX_CACHED_TRIES = 64
+
+
+class TurnBuilder:
+    """Turns and choice tries for one model (its tokenizer, framing, vocabulary and context)."""
+
+    def __init__(self, tokenizer: Tokenizer, framing: Framing, *, vocab_size: int, max_log_tokens: int,
+                 overflow: str = "reject"):
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"unknown context overflow policy {overflow!r}")
+        self._tokenizer = tokenizer
+        self._framing = framing
+        self._vocab_size = vocab_size
+        self.max_log_tokens = max_log_tokens
+        self.overflow = overflow
+        self.terminator_id = (framing.answer_terminator_ids or tuple(sorted(framing.stop_token_ids)))[0]
+        self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
+
+    def check(self, request: Request) -> None:
+        """Checks that need the model: the role has framing, token ids are in the vocabulary."""
+        if request.role not in self._framing.entry_ids:
+            raise ProtocolError("role", f"unknown role {request.role!r}; expected one of {', '.join(self._framing.roles)}")
+        if request.delta_ids is not None:
+            bad = [i for i in request.delta_ids if i >= self._vocab_size]
+            if bad:
+                raise ProtocolError("input_ids", f"token id {bad[0]} out of range [0, {self._vocab_size})")
+
+    def delta_ids(self, request: Request) -> list[int]:
+        if request.delta_ids is not None:
+            return list(request.delta_ids)
+        return self._tokenizer.encode(request.delta_text) if request.delta_text else []
+
+    def turn_ids(self, session: Session, role: str, delta_ids: Sequence[int], closing: Sequence[int]) -> list[int]:
+        """Opening (default system turn, first turn only) + entry + delta + closing."""
+        return [*self._framing.opening_ids(not session.token_log, role), *self._framing.entry_ids[role],
+                *delta_ids, *closing]
+
+    def may_overflow(self, session: Session, request: Request, framing_length: int) -> bool:
+        """Whether the request might not fit; False is a proof (byte-level tokenizers give at most one
+        token per byte, +1 for a prefix space), so short texts need no tokenizing to be checked."""
+        answer_room = request.max_tokens if self.overflow == "drop_oldest" else 1
+        return len(request.delta_text or "") * 4 + 1 + framing_length + len(session.token_log) + answer_room \
+            > self.max_log_tokens
+
+    def make_room(self, session: Session, request: Request, num_new: int) -> int:
+        """Make sure ``num_new`` more tokens (and an answer) fit; returns how many turns were dropped.
+
+        ``reject``: raises ProtocolError naming the input when they do not fit
+        with room for one answer token. ``drop_oldest``: drops the oldest
+        turns after the first until they fit with room for the whole answer
+        (``max_tokens``), or raises when even that cannot make room.
+        """
+        field = "input_ids" if request.delta_ids is not None else "text_input"
+        answer_room = 0 if request.is_append else 1
+        if self.overflow == "drop_oldest" and not request.is_append:
+            answer_room = request.max_tokens + len(self._framing.answer_terminator_ids)
+        if len(session.token_log) + num_new + answer_room <= self.max_log_tokens:
+            return 0
+        if self.overflow == "drop_oldest":
+            dropped = session.drop_oldest_turns(self.max_log_tokens - num_new - answer_room)
+            if dropped is not None:
+                return dropped
+        raise ProtocolError(
+            field,
+            f"the turn needs {num_new} tokens (+{answer_room} for the answer) but the session holds "
+            f"{len(session.token_log)} of at most {self.max_log_tokens} tokens "
+            f"(context overflow policy {self.overflow!r})",
+        )
+
+    def trie(self, choices: tuple[str, ...] | None) -> ChoiceTrie | None:
+        if choices is None:
+            return None
+        trie = self._tries.get(choices)
+        if trie is None:
+            if len(self._tries) > _MAX_CACHED_TRIES:
+                self._tries.clear()
+            trie = self._tries[choices] = ChoiceTrie(choices, self._tokenizer, self.terminator_id)
+        return trie

@@ -1,0 +1,111 @@
+"""The scheduler's lifecycle guarantees: cancellation, deadlines, context overflow, engine-time accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from fakes import IM_END, hashed_logits
+from prepos.protocol import Status
+from test_scheduler import Harness, open_session
+
+
+def endless_logits(seq, vocab):
+    logits = hashed_logits(seq, vocab)
+    logits[IM_END] = -1e9  # never stops by itself
+    return logits
+
+
+def run_until(h, sink, steps=10_000):
+    for _ in range(steps):
+        if sink.done:
+            return sink
+        h.sched.run_once()
+    raise AssertionError("request never finished")
+
+
+def test_a_cancelled_request_stops_engine_work_and_leaves_the_log_unchanged(tmp_path):
+    h = Harness(tmp_path, logits_fn=endless_logits)
+    open_session(h)
+    log_before = h.log("s1")
+    sink = h.submit(h.request("s1", "tell me a long story", max_tokens=50))
+    while not sink.chunks:
+        h.sched.run_once()
+    sink.client_gone = True  # the client closes its stream after the first token
+    calls = len(h.engine.calls)
+    run_until(h, sink)
+    assert sink.error.status is Status.CANCELLED and "not accepted" in str(sink.error)
+    assert len(h.engine.calls) == calls  # no decode after the client went away
+    assert h.log("s1") == log_before
+    assert h.metrics.sink.get("prepos_requests_abandoned_total", reason="cancelled") == 1
+    # the session goes on as if the cancelled turn had never been sent: like a twin that never sent it
+    open_session(h, sid="twin")
+    want = h.serve(h.request("twin", "short one", max_tokens=3)).ids
+    assert h.serve(h.request("s1", "short one", max_tokens=3)).ids == want
+
+
+def test_a_request_past_its_deadline_stops_with_a_deadline_error(tmp_path):
+    h = Harness(tmp_path, token_time_s=0.001, step_time_s=0.005, logits_fn=endless_logits)
+    open_session(h)
+    log_before = h.log("s1")
+    request = h.request("s1", "count to fifty", max_tokens=50)
+    request = type(request)(**{**request.__dict__, "deadline_s": h.clock() + 0.05})
+    sink = run_until(h, h.submit(request))
+    assert sink.error.status is Status.DEADLINE_EXCEEDED and sink.error.field == "timeout"
+    assert 0 < len(sink.chunks) < 50  # it streamed until the deadline, then stopped
+    assert h.log("s1") == log_before
+    late = h.request("s1", "too late", max_tokens=5)
+    late = type(late)(**{**late.__dict__, "deadline_s": h.clock() - 1})
+    calls = len(h.engine.calls)
+    assert h.serve(late).error.status is Status.DEADLINE_EXCEEDED
+    assert len(h.engine.calls) == calls  # expired before it started: no engine work
+
+
+def test_context_overflow_reject_names_the_input_and_changes_nothing(tmp_path):
+    h = Harness(tmp_path, max_log_tokens=80)
+    open_session(h, text="sys")
+    h.serve(h.request("s1", "first question", max_tokens=4))
+    log_before = h.log("s1")
+    sink = h.serve(h.request("s1", "x" * 60, max_tokens=4))
+    assert sink.error.field == "text_input" and "'reject'" in str(sink.error)
+    assert h.log("s1") == log_before
+
+
+def test_context_overflow_drop_oldest_keeps_the_system_turn_and_answers_like_a_fresh_prompt(tmp_path):
+    h = Harness(tmp_path, max_log_tokens=90, context_overflow="drop_oldest")
+    open_session(h, text="sys")
+    for text in ("first question", "second question", "third question"):
+        assert h.serve(h.request("s1", text, max_tokens=4)).error is None
+    session = h.sched.store.lookup("s1")
+    system_turn, num_turns = session.turns()[0], len(session.turns())
+    sink = h.submit(h.request("s1", "y" * 40, max_tokens=6))
+    run_until(h, sink)
+    assert sink.error is None and h.metrics.sink.get("prepos_turns_dropped_total") >= 1
+    session = h.sched.store.lookup("s1")
+    assert session.turns()[0] == system_turn and len(session.token_log) <= 90
+    # greedy answer identical to a stateless prefill of the kept log + the new turn
+    kept = session.token_log[: session.turn_starts[-1]]
+    prompt = [*kept, *h.framing.entry_ids["user"], *h.tok.encode("y" * 40), *h.framing.cue_ids]
+    want = [t for t in h.reference(prompt, 6) if t != IM_END]
+    assert sink.ids == want[: len(sink.ids)] and sink.ids
+    assert len(session.turns()) - 1 < num_turns  # older turns went, the new one came in
+
+
+def test_a_turn_longer_than_the_whole_limit_is_rejected_under_either_policy(tmp_path):
+    for policy in ("reject", "drop_oldest"):
+        h = Harness(tmp_path, max_log_tokens=50, context_overflow=policy)
+        open_session(h, text="sys")
+        before = h.log("s1")
+        sink = h.serve(h.request("s1", "z" * 80, max_tokens=0))
+        assert sink.error.field == "text_input" and h.log("s1") == before
+
+
+def test_engine_time_is_split_between_foreground_and_background(tmp_path):
+    h = Harness(tmp_path)
+    open_session(h)
+    h.serve(h.request("s1", "hello there", max_tokens=3))
+    foreground = h.metrics.sink.get("prepos_engine_seconds_total", where="foreground")
+    assert foreground > 0
+    h.idle()  # pre-positioning
+    background = h.metrics.sink.get("prepos_engine_seconds_total", where="background")
+    assert background > 0
+    assert h.metrics.sink.get("prepos_engine_seconds_total", where="foreground") == pytest.approx(foreground)
