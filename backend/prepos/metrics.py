@@ -32,7 +32,8 @@ SPECS = (
     MetricSpec("prepos_sessions", "gauge", "Open sessions, by state", ("state",)),
     MetricSpec("prepos_kv_bytes", "gauge", "KV cache bytes held by all sessions"),
     MetricSpec("prepos_kv_budget_bytes", "gauge", "KV cache budget in bytes"),
-    MetricSpec("prepos_kv_evictions_total", "counter", "Sessions whose KV was evicted under the memory budget"),
+    MetricSpec("prepos_kv_evictions_total", "counter",
+               "Evictions under the memory budget, by what went: speculative state or a session's whole KV", ("what",)),
     MetricSpec("prepos_prefill_tokens_total", "counter", "Tokens prefilled, by where the work ran", ("where",)),
     MetricSpec("prepos_engine_seconds_total", "counter",
                "Engine-loop seconds spent on requests (foreground) and on pre-positioning (background)", ("where",)),
@@ -110,8 +111,8 @@ class Metrics:
         self.sink.set("prepos_kv_bytes", {}, used_bytes)
         self.sink.set("prepos_kv_budget_bytes", {}, budget_bytes)
 
-    def evicted(self) -> None:
-        self.sink.inc("prepos_kv_evictions_total", {}, 1)
+    def evicted(self, what: str) -> None:
+        self.sink.inc("prepos_kv_evictions_total", {"what": what}, 1)
 
     def engine_time(self, where: str, seconds: float) -> None:
         self.sink.inc("prepos_engine_seconds_total", {"where": where}, seconds)

@@ -29,12 +29,12 @@ import numpy as np
 from prepos.config import SchedulerConfig
 from prepos.engines.base import Engine, common_prefix_length
 from prepos.gate import Gate
-from prepos.memory import KvLedger
 from prepos.metrics import Metrics
 from prepos.policies import IDLE_POLICIES
 from prepos.protocol import ProtocolError, Rejection, Request, ResponseSink, Status
 from prepos.scan import ScanFn, ScanResult
-from prepos.session import Positioned, Session, SessionStore
+from prepos.residency import Residency
+from prepos.session import Positioned, Session
 from prepos.template import ChoiceTrie, Framing, IncrementalDetokenizer, Tokenizer
 from prepos.timing import RequestClock
 from prepos.turns import TurnBuilder
@@ -102,9 +102,14 @@ class Scheduler:
             tokenizer, framing, vocab_size=engine.info.vocab_size, overflow=config.context_overflow,
             max_log_tokens=min(self._max_context, max_log_tokens or self._max_context),
         )
-        self._journal = journal
+        self._residency = Residency(
+            engine=engine, metrics=metrics, max_sessions=max_sessions, kv_budget_bytes=kv_budget_bytes,
+            eviction_policy=eviction_policy, journal=journal, clock=clock,
+        )
+        self._residency.on_evict = self._stop_work_for
+        self.store = self._residency.store
+        self._journaled = journal is not None
         self._idle_policy = IDLE_POLICIES[config.idle_policy]()
-        self.store = SessionStore(max_sessions)
         self._inbox: queue.SimpleQueue[tuple[Request | Rejection, ResponseSink]] = queue.SimpleQueue()
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one token per submit: wakes the loop
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
@@ -115,7 +120,6 @@ class Scheduler:
         self._stepping_prep = False
         self._prep_at_chunk_boundary = False
         self._background_after_s = 0.0  # no background work before this time (see background_delay_ms)
-        self._kv = KvLedger(kv_budget_bytes, eviction_policy)
         self._next_housekeeping = 0.0
         self._thread: threading.Thread | None = None
         self._running = False
@@ -219,9 +223,9 @@ class Scheduler:
             elif request.start:
                 if existing is not None and self._expired(existing, self._clock()):
                     self._close(existing, "idle timeout")
-                session = self._open(request.session_id)
+                session = self._residency.open(request.session_id)
             else:
-                session = existing or self._recover(request.session_id) or self.store.lookup(request.session_id)
+                session = existing or self._residency.recover(request.session_id) or self.store.lookup(request.session_id)
         except ProtocolError as err:
             self._reject(sink, err)
             return
@@ -290,7 +294,7 @@ class Scheduler:
             if self._expired(session, now):
                 self._close(session, "idle timeout")
         self._metrics.sessions({state.value: n for state, n in self.store.count_by_state().items()})
-        self._metrics.kv(self._kv.used_bytes, self._kv.budget_bytes)
+        self._metrics.kv(self._residency.kv.used_bytes, self._residency.kv.budget_bytes)
 
     def _expired(self, session: Session, now: float) -> bool:
         idle = not session.serving and not session.pending
@@ -304,7 +308,7 @@ class Scheduler:
             if self.store.get(session.session_id) is not session:
                 if request.start and not isinstance(request, Rejection):  # a new session under the same id
                     try:
-                        successor = self._open(session.session_id)
+                        successor = self._residency.open(session.session_id)
                     except ProtocolError as err:
                         self._reject(sink, err)
                         continue
@@ -371,24 +375,7 @@ class Scheduler:
         if dropped:
             self._metrics.turns_dropped(dropped)
             log.info("session %r: dropped its %d oldest turns to fit the context", session.session_id, dropped)
-            if self._journal is not None:
-                self._write_journal(lambda: self._journal.replace(session.session_id, [
-                    JournalEntry(tuple(turn), session.last_role, session.last_choices) for turn in session.turns()]))
-
-    def _accept(self, session: Session, turn_ids: Sequence[int], role: str, choices: tuple[str, ...] | None) -> None:
-        """Accept a turn: journal it (durable before it is acknowledged), then append it to the log."""
-        if self._journal is not None and turn_ids:
-            self._write_journal(lambda: self._journal.append(session.session_id, JournalEntry(tuple(turn_ids), role, choices)))
-        session.append(turn_ids)
-        session.last_role, session.last_choices = role, choices
-
-    def _write_journal(self, write: Callable[[], None]) -> None:
-        try:
-            write()
-        except OSError as err:
-            log.error("session journal write failed: %s", err)
-            raise ProtocolError("journal", f"could not write the session journal ({err.strerror or err}); "
-                                "the turn was not accepted", Status.UNAVAILABLE) from None
+            self._residency.rewrite_journal(session)
 
     def _append(self, session: Session, request: Request, delta_ids: list[int], clock: RequestClock, sink: ResponseSink) -> None:
         path = ServedPath.CLOSE if request.end and not delta_ids else ServedPath.APPEND
@@ -397,7 +384,7 @@ class Scheduler:
             self._make_room(session, request, len(turn))  # drops turns after the first: the opening stays as is
             if session.positioned_valid():
                 self._metrics.prepositioning_ended("invalidated")
-            self._accept(session, turn, session.last_role, session.last_choices)
+            self._residency.accept(session, turn, session.last_role, session.last_choices)
         chunk = clock.chunk("", (), path.value, float("nan"), "closed" if path is ServedPath.CLOSE else "appended")
         sink.send(chunk, final=True)
         self._metrics.request_served(path.value, None)
@@ -433,7 +420,8 @@ class Scheduler:
             return self._turns.turn_ids(session, request.role, delta_ids, self._framing.cue_ids)
 
         def accept() -> None:
-            self._accept(session, [*turn_ids(), *answer, *self._framing.closing_ids(answer)], request.role, request.choices)
+            self._residency.accept(session, [*turn_ids(), *answer, *self._framing.closing_ids(answer)], request.role,
+                                   request.choices)
 
         rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
 
@@ -495,7 +483,7 @@ class Scheduler:
                 done, finish = True, "stop"
             if done:
                 text += detok.flush()
-                if self._journal is not None:  # durable before the final response acknowledges the turn
+                if self._journaled:  # durable before the final response acknowledges the turn
                     accept()
             sink.send(clock.chunk(text, emit, path.value, confidence, finish if done else ""), final=done)
             if done:
@@ -511,7 +499,7 @@ class Scheduler:
             if kv_len == len(sequence) - 1:
                 with clock.measure("decode"):
                     logits = self._engine.decode(sid, sequence[-1])
-                self._note_kv(session)
+                self._residency.note_kv(session)
             else:
                 with clock.measure("prefill"):
                     logits = self._prefill(session, sequence)
@@ -520,10 +508,10 @@ class Scheduler:
                 scan = self._scan_at(logits, trie, answer, request, rng)
 
         self._metrics.request_served(path.value, clock.first_token_ms)
-        if self._journal is None:  # without a journal the answer leaves first (a gated delta is tokenized after it)
+        if not self._journaled:  # without a journal the answer leaves first (a gated delta is tokenized after it)
             accept()
         if not self._config.retain_kv:
-            self._release_kv(session)
+            self._residency.release_kv(session)
             session.evicted = True
 
     def _prefill(self, session: Session, token_ids: Sequence[int]):
@@ -531,7 +519,7 @@ class Scheduler:
         reused = common_prefix_length(cached, token_ids)
         logits = self._engine.prefill(session.session_id, token_ids)
         self._metrics.prefilled("foreground", max(1, len(token_ids) - reused))
-        self._note_kv(session)
+        self._residency.note_kv(session)
         return logits
 
     # --- pre-positioning -----------------------------------------------
@@ -552,7 +540,7 @@ class Scheduler:
             # Yields between layers too: a foreground request waits at most one layer of one chunk.
             logits = yield from self._engine.prefill_steps(session.session_id, target[:end])
             self._metrics.prefilled("background", max(1, end - done))
-            self._note_kv(session, background=True)
+            self._residency.note_kv(session, background=True)
             if not session.has_kv:  # the budget had no room for it
                 self._metrics.prepositioning_ended("abandoned")
                 return
@@ -568,87 +556,26 @@ class Scheduler:
             log_length=log_length, role=role, choices=session.last_choices, spec_ids=spec,
             forced_ids=forced, logits=logits.clone(), greedy_scan=greedy,
         )
+        self._residency.note_kv(session, background=True)  # the cached distribution counts against the budget
         self._metrics.prepositioning_ended("completed")
 
     # --- memory and lifecycle -----------------------------------------
 
-    def _note_kv(self, session: Session, background: bool = False) -> None:
-        session.has_kv, session.evicted = True, False
-        self._kv.record(session.session_id, self._engine.kv_bytes(session.session_id))
-        if self._kv.over_budget:
-            # Background work may only displace sessions less recently active than its own;
-            # when that is not enough, the speculative work itself gives way.
-            older_than = session.last_active_s if background else None
-            for victim in self._kv.victims(self.store, protect=session, older_than=older_than):
-                if not self._kv.over_budget:
-                    break
-                self._evict_one(victim)
-            if background and self._kv.over_budget:
-                self._evict_one(session)
-
-    def _evict_one(self, victim: Session) -> None:
-        """Drop one session's KV; its next request rebuilds it from the token log."""
-        # A running pre-positioning of the victim (not the one evicting itself) stops; the self-evicting
-        # one sees has_kv go False and stops on its own.
+    def _stop_work_for(self, victim: Session) -> None:
+        """Before a session's KV is evicted: a running pre-positioning of it stops (one evicting its own
+        KV sees ``has_kv`` go False and stops by itself), and it is no longer an idle candidate."""
         if self._prep is not None and self._prep[0] is victim and not self._stepping_prep:
             self._prep[1].close()
             self._prep = None
             self._metrics.prepositioning_ended("preempted")
-        self._release_kv(victim)
-        victim.mark_evicted()
         self._idle.pop(victim.session_id, None)
-        self._metrics.evicted()
-        log.info("session %r KV evicted (over the %d-byte budget)", victim.session_id, self._kv.budget_bytes)
-
-    def _release_kv(self, session: Session) -> None:
-        self._engine.release(session.session_id)
-        self._kv.forget(session.session_id)
-        session.mark_kv(False)
-
-    def _open(self, session_id: str | int) -> Session:
-        """A new session (START): its journal starts empty, replacing any left under the same id."""
-        session = self.store.open(session_id, self._clock())
-        if self._journal is not None:
-            try:
-                self._journal.create(session_id)
-            except OSError as err:
-                self.store.close(session_id)
-                log.error("session %r: could not create its journal: %s", session_id, err)
-                raise ProtocolError("journal", f"could not create the session journal ({err.strerror or err})",
-                                    Status.UNAVAILABLE) from None
-        return session
-
-    def _recover(self, session_id: str | int) -> Session | None:
-        """Reopen a session this server does not hold from its journal (a restart, or a replica taking
-        over); its KV is rebuilt from the log on its next request (path ``rebuild``)."""
-        if self._journal is None:
-            return None
-        recovered = self._journal.recover(session_id)
-        if recovered is None:
-            return None
-        session = self.store.open(session_id, self._clock())
-        for turn in recovered.turns:
-            session.append(turn)
-        session.last_role, session.last_choices = recovered.last_role, recovered.last_choices
-        session.evicted = True
-        self._metrics.session_recovered()
-        log.info("session %r reopened from its journal: %d turns, %d tokens", session_id, len(recovered.turns),
-                 len(session.token_log))
-        return session
 
     def _close(self, session: Session, reason: str) -> None:
         if self._prep is not None and self._prep[0] is session:
             self._prep[1].close()
             self._prep = None
-        self._release_kv(session)
-        self.store.close(session.session_id)
         self._idle.pop(session.session_id, None)
-        if self._journal is not None:
-            try:
-                self._journal.delete(session.session_id)
-            except OSError as err:
-                log.error("session %r: could not delete its journal: %s", session.session_id, err)
-        log.info("session %r closed (%s), %d tokens in its log", session.session_id, reason, len(session.token_log))
+        self._residency.close(session, reason)
 
     def _reject(self, sink: ResponseSink, err: ProtocolError) -> None:
         self._metrics.request_rejected(err.field)

@@ -126,7 +126,7 @@ def test_rebuild_after_eviction_is_token_identical(tmp_path):
     h.clock.t += 1
     open_session(h, "b")
     h.idle()
-    assert h.metrics.sink.get("prepos_kv_evictions_total") >= 1
+    assert h.metrics.sink.get("prepos_kv_evictions_total", what="kv") >= 1
     evicted = [s for s in ("a", "b") if h.sched.store.lookup(s).state is SessionState.EVICTED]
     assert evicted == ["a"]  # least recently active goes first
     want = expected(h, "a", "are you there")

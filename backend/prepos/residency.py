@@ -1,0 +1,168 @@
+"""Where session state lives: the open sessions, their KV under the memory budget, and their journals.
+
+Owned by the engine loop (not thread-safe). The token log is the source of
+truth and is never dropped while a session is open; over the KV budget the
+least valuable state goes first:
+
+1. speculative state (the positioned distribution and the KV of its
+   speculative tokens) of idle sessions, least recently active first;
+2. the whole KV of idle sessions, in the eviction policy's order; the session
+   is rebuilt from its log on its next request (path ``rebuild``);
+3. for background work, finally, the KV it was building.
+
+With a journal, every accepted turn is written before it is acknowledged, a
+session this server does not hold is reopened from its journal, and closing a
+session deletes its journal.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from prepos.engines.base import Engine
+from prepos.memory import KvLedger
+from prepos.metrics import Metrics
+from prepos.protocol import ProtocolError, Status
+from prepos.session import Session, SessionStore
+
+if TYPE_CHECKING:
+    from prepos.journal import SessionJournal
+
+log = logging.getLogger("prepos.residency")
+
+
+class Residency:
+    """Open sessions, their KV bytes against the budget, and their journals."""
+
+    def __init__(self, *, engine: Engine, metrics: Metrics, max_sessions: int, kv_budget_bytes: int,
+                 eviction_policy: str, journal: SessionJournal | None, clock: Callable[[], float]):
+        self.store = SessionStore(max_sessions)
+        self.kv = KvLedger(kv_budget_bytes, eviction_policy)
+        self._engine = engine
+        self._metrics = metrics
+        self._journal = journal
+        self._clock = clock
+        self.on_evict: Callable[[Session], None] = lambda session: None  # the scheduler stops work for it
+
+    # --- lifecycle -----------------------------------------------------
+
+    def open(self, session_id: str | int) -> Session:
+        """A new session (START); its journal starts empty, replacing any left under the same id."""
+        session = self.store.open(session_id, self._clock())
+        if self._journal is not None:
+            try:
+                self._journal.create(session_id)
+            except OSError as err:
+                self.store.close(session_id)
+                log.error("session %r: could not create its journal: %s", session_id, err)
+                raise ProtocolError("journal", f"could not create the session journal ({err.strerror or err})",
+                                    Status.UNAVAILABLE) from None
+        return session
+
+    def recover(self, session_id: str | int) -> Session | None:
+        """Reopen a session this server does not hold from its journal (a restart, or a replica taking
+        over); its KV is rebuilt from the log on its next request (path ``rebuild``). None: no journal."""
+        if self._journal is None:
+            return None
+        recovered = self._journal.recover(session_id)
+        if recovered is None:
+            return None
+        session = self.store.open(session_id, self._clock())
+        for turn in recovered.turns:
+            session.append(turn)
+        session.last_role, session.last_choices = recovered.last_role, recovered.last_choices
+        session.evicted = True
+        self._metrics.session_recovered()
+        log.info("session %r reopened from its journal: %d turns, %d tokens", session_id, len(recovered.turns),
+                 len(session.token_log))
+        return session
+
+    def close(self, session: Session, reason: str) -> None:
+        """Forget the session: its KV is released and its journal deleted."""
+        self.release_kv(session)
+        self.store.close(session.session_id)
+        if self._journal is not None:
+            try:
+                self._journal.delete(session.session_id)
+            except OSError as err:
+                log.error("session %r: could not delete its journal: %s", session.session_id, err)
+        log.info("session %r closed (%s), %d tokens in its log", session.session_id, reason, len(session.token_log))
+
+    # --- the token log -------------------------------------------------
+
+    def accept(self, session: Session, turn_ids: Sequence[int], role: str, choices: tuple[str, ...] | None) -> None:
+        """Accept a turn: journal it (durable before it is acknowledged), then append it to the log.
+
+        Raises ProtocolError (UNAVAILABLE) and changes nothing when the journal cannot be written.
+        """
+        if self._journal is not None and turn_ids:
+            from prepos.journal import JournalEntry
+
+            entry = JournalEntry(tuple(turn_ids), role, choices)
+            self._write_journal(lambda: self._journal.append(session.session_id, entry))
+        session.append(turn_ids)
+        session.last_role, session.last_choices = role, choices
+
+    def rewrite_journal(self, session: Session) -> None:
+        """Replace the session's journal by its current turns (after turns were dropped from its log)."""
+        if self._journal is not None:
+            from prepos.journal import JournalEntry
+
+            entries = [JournalEntry(tuple(turn), session.last_role, session.last_choices) for turn in session.turns()]
+            self._write_journal(lambda: self._journal.replace(session.session_id, entries))
+
+    def _write_journal(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except OSError as err:
+            log.error("session journal write failed: %s", err)
+            raise ProtocolError("journal", f"could not write the session journal ({err.strerror or err}); "
+                                "the turn was not accepted", Status.UNAVAILABLE) from None
+
+    # --- memory --------------------------------------------------------
+
+    def note_kv(self, session: Session, background: bool = False) -> None:
+        """Record the session's KV (and positioned distribution) bytes; over the budget, free state in the
+        order of the module docstring. Background work may only displace sessions less recently active
+        than its own; when that is not enough, it gives way itself."""
+        session.has_kv, session.evicted = True, False
+        self._record(session)
+        if not self.kv.over_budget:
+            return
+        older_than = session.last_active_s if background else None
+        victims = self.kv.victims(self.store, protect=session, older_than=older_than)
+        for victim in victims:
+            if not self.kv.over_budget:
+                return
+            if victim.positioned is not None:
+                self._drop_speculative(victim)
+        for victim in victims:
+            if not self.kv.over_budget:
+                return
+            self.evict(victim)
+        if background and self.kv.over_budget:
+            self.evict(session)
+
+    def _record(self, session: Session) -> None:
+        positioned_bytes = session.positioned.logits.nbytes if session.positioned is not None else 0
+        self.kv.record(session.session_id, self._engine.kv_bytes(session.session_id) + positioned_bytes)
+
+    def _drop_speculative(self, victim: Session) -> None:
+        self._engine.truncate(victim.session_id, len(victim.token_log))
+        victim.positioned = None
+        self._record(victim)
+        self._metrics.evicted("speculative")
+
+    def evict(self, victim: Session) -> None:
+        """Drop one session's KV; its next request rebuilds it from the token log."""
+        self.on_evict(victim)
+        self.release_kv(victim)
+        victim.mark_evicted()
+        self._metrics.evicted("kv")
+        log.info("session %r KV evicted (over the %d-byte budget)", victim.session_id, self.kv.budget_bytes)
+
+    def release_kv(self, session: Session) -> None:
+        self._engine.release(session.session_id)
+        self.kv.forget(session.session_id)
+        session.mark_kv(False)
