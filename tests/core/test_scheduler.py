@@ -264,7 +264,7 @@ def test_choices_answer_matches_constrained_reference(h):
     prompt = h.prompt("s1", "answer")
     sink = h.serve(h.request("s1", "answer", choices=choices))
     # reference: walk the trie greedily over full prefills
-    seq, text = list(prompt), ""
+    seq = list(prompt)
     candidates = [h.tok.encode(c) for c in choices]
     out = []
     while True:

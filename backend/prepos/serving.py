@@ -1,0 +1,269 @@
+"""Serving one request of a session: choose the path of its first token, stream its answer, accept its turn.
+
+A request is served by a generator the engine loop steps: it yields after
+each engine call, so sessions interleave token by token. The path of the
+first token is ``exact`` or ``gated`` (a scan of the positioned distribution,
+no engine work), ``prepaid`` (positioned, then the delta is prefilled),
+``prefix`` (prefill from the longest cached prefix) or ``rebuild`` (the KV
+was evicted: prefill the whole log). A turn enters the session's log (and its
+journal, before the final response acknowledges it) only when the request
+finishes; a rejected, cancelled or expired request changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from prepos.config import SchedulerConfig
+from prepos.engines.base import Engine, common_prefix_length
+from prepos.gate import Gate
+from prepos.metrics import Metrics
+from prepos.protocol import ProtocolError, Request, ResponseSink, Status
+from prepos.residency import Residency
+from prepos.scan import ScanFn, ScanResult
+from prepos.session import Session
+from prepos.template import ChoiceTrie, Framing, IncrementalDetokenizer, Tokenizer
+from prepos.timing import RequestClock
+from prepos.turns import TurnBuilder
+
+log = logging.getLogger("prepos.serving")
+
+
+class _Abandoned(Exception):
+    """A request stopped before its end: the client went away or its deadline passed."""
+
+    def __init__(self, reason: str, error: ProtocolError):
+        super().__init__(str(error))
+        self.reason = reason
+        self.error = error
+
+
+class ServedPath(str, enum.Enum):
+    """Which path served a request's first token (``append``/``close`` for requests with no answer)."""
+
+    EXACT = "exact"
+    GATED = "gated"
+    PREPAID = "prepaid"
+    PREFIX = "prefix"
+    REBUILD = "rebuild"
+    APPEND = "append"
+    CLOSE = "close"
+
+
+class RequestServer:
+    """Serves requests of open sessions on the engine loop (see the module docstring)."""
+
+    def __init__(self, *, engine: Engine, tokenizer: Tokenizer, framing: Framing, turns: TurnBuilder, gate: Gate,
+                 scan: ScanFn, metrics: Metrics, residency: Residency, config: SchedulerConfig,
+                 clock: Callable[[], float], journaled: bool, is_inline: Callable[[], bool],
+                 close_session: Callable[[Session, str], None], reject: Callable[[ResponseSink, ProtocolError], None]):
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._framing = framing
+        self._turns = turns
+        self._gate = gate
+        self._scan = scan
+        self._metrics = metrics
+        self._residency = residency
+        self._config = config
+        self._clock = clock
+        self._journaled = journaled
+        self._is_inline = is_inline  # the step runs on a submitting thread: engine work must yield to the loop
+        self._close_session = close_session
+        self._reject = reject
+        self._max_context = engine.info.max_context
+
+    def serve(self, session: Session, request: Request, sink: ResponseSink) -> Iterator[None]:
+        """Serve one request: every request gets exactly one final response (or error) on ``sink``; an END
+        closes the session whatever happened, and a rejected START leaves no session behind."""
+        clock = RequestClock(self._clock, request.arrival_s or self._clock())
+        clock.start()
+        served = False
+        try:
+            self._check_alive(request, sink, cancel_check=False)
+            self._turns.check(request)
+            if request.is_append:
+                self._append(session, request, self._turns.delta_ids(request), clock, sink)
+            else:
+                yield from self._generate(session, request, clock, sink)
+            served = True
+        except ProtocolError as err:
+            self._reject(sink, err)
+        except _Abandoned as abandoned:
+            self._metrics.request_abandoned(abandoned.reason)
+            log.info("session %r request %r stopped: %s", session.session_id, request.request_id, abandoned)
+            sink.send_error(abandoned.error)
+        except Exception:
+            log.exception("session %r request %r failed", session.session_id, request.request_id)
+            self._reject(sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
+        # Triton ends the sequence on END whatever happened; a rejected START leaves no session behind.
+        if request.end:
+            self._close_session(session, "END")
+        elif not served and request.start and not session.token_log:
+            self._close_session(session, "its START request was rejected")
+
+    def _check_alive(self, request: Request, sink: ResponseSink, cancel_check: bool = True) -> None:
+        """Raise _Abandoned when the request's deadline has passed or (``cancel_check``) its client went away."""
+        if request.deadline_s is not None and self._clock() > request.deadline_s:
+            raise _Abandoned("deadline", ProtocolError(
+                "timeout", "the request's deadline passed before it finished; its turn was not accepted",
+                Status.DEADLINE_EXCEEDED))
+        if cancel_check and sink.cancelled():
+            raise _Abandoned("cancelled", ProtocolError(
+                "request", "cancelled by the client; its turn was not accepted", Status.CANCELLED))
+
+    def _make_room(self, session: Session, request: Request, num_new: int) -> None:
+        dropped = self._turns.make_room(session, request, num_new)
+        if dropped:
+            self._metrics.turns_dropped(dropped)
+            log.info("session %r: dropped its %d oldest turns to fit the context", session.session_id, dropped)
+            self._residency.rewrite_journal(session)
+
+    def _append(self, session: Session, request: Request, delta_ids: list[int], clock: RequestClock, sink: ResponseSink) -> None:
+        path = ServedPath.CLOSE if request.end and not delta_ids else ServedPath.APPEND
+        if delta_ids:  # an empty update changes nothing (a bare START or END)
+            turn = self._turns.turn_ids(session, request.role, delta_ids, self._framing.close_ids)
+            self._make_room(session, request, len(turn))  # drops turns after the first: the opening stays as is
+            if session.positioned_valid():
+                self._metrics.prepositioning_ended("invalidated")
+            self._residency.accept(session, turn, session.last_role, session.last_choices)
+        chunk = clock.chunk("", (), path.value, float("nan"), "closed" if path is ServedPath.CLOSE else "appended")
+        sink.send(chunk, final=True)
+        self._metrics.request_served(path.value, None)
+
+    def _scan_at(self, logits, trie: ChoiceTrie | None, answer: Sequence[int], request: Request, rng) -> ScanResult:
+        sampling = request.sampling
+        return self._scan(
+            logits,
+            allowed_ids=trie.allowed_ids(answer) if trie else None,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            uniform=None if sampling.greedy else float(rng.random()),
+        )
+
+    def _generate(self, session: Session, request: Request, clock: RequestClock, sink: ResponseSink) -> Iterator[None]:
+        sid = session.session_id
+        trie = self._turns.trie(request.choices)
+        forced = tuple(trie.forced_ids()) if trie else ()
+        framing_length = len(self._turns.turn_ids(session, request.role, (), self._framing.cue_ids)) + len(forced)
+        # A text delta is tokenized only where its tokens are needed: a gated answer reads none of them.
+        delta_ids = list(request.delta_ids) if request.delta_ids is not None else None
+        if delta_ids is None and self._turns.may_overflow(session, request, framing_length):
+            delta_ids = self._turns.delta_ids(request)
+        if delta_ids is not None:
+            self._make_room(session, request, framing_length + len(delta_ids))
+        has_delta = request.has_delta
+
+        def turn_ids() -> list[int]:  # opening + entry + delta + cue, tokenizing the delta on first use
+            nonlocal delta_ids
+            if delta_ids is None:
+                delta_ids = self._turns.delta_ids(request)
+            return self._turns.turn_ids(session, request.role, delta_ids, self._framing.cue_ids)
+
+        def accept() -> None:
+            self._residency.accept(session, [*turn_ids(), *answer, *self._framing.closing_ids(answer)], request.role,
+                                   request.choices)
+
+        rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
+
+        # Choose the path that serves the first token.
+        pos = session.positioned if session.positioned_valid() else None
+        if pos is not None and (pos.role != request.role or pos.forced_ids != forced):
+            self._metrics.prepositioning_ended("invalidated")
+            pos = None
+        first: ScanResult | None = None
+        prompt: list[int] | None = None  # log + turn, built once the delta's tokens are known
+        kv_len = -1  # tokens of prompt + answer the KV is known to hold exactly
+        if pos is not None:
+            greedy_match = request.sampling.greedy and pos.choices == request.choices and pos.greedy_scan is not None
+            with clock.measure("scan"):
+                first = pos.greedy_scan if greedy_match else self._scan_at(pos.logits, trie, forced, request, rng)
+            if not has_delta:
+                path, logits, kv_len = ServedPath.EXACT, pos.logits, len(session.token_log) + len(pos.spec_ids)
+            else:
+                decision = self._gate.decide(first, speculate=request.speculate, threshold=request.gate_threshold)
+                self._metrics.gate_decided(decision.outcome)
+                path = ServedPath.GATED if decision.fired else ServedPath.PREPAID
+        else:
+            path = ServedPath.REBUILD if session.evicted else ServedPath.PREFIX
+        if path not in (ServedPath.EXACT, ServedPath.GATED):
+            if self._is_inline():  # engine work belongs to the loop thread
+                clock.pause()
+                yield
+                clock.resume()
+            self._check_alive(request, sink)
+            prompt = [*session.token_log, *turn_ids()]
+            with clock.measure("prefill"):
+                logits = self._prefill(session, [*prompt, *forced])
+            kv_len = len(prompt) + len(forced)
+            with clock.measure("scan"):
+                first = self._scan_at(logits, trie, forced, request, rng)
+        confidence = self._gate.score(first)
+
+        answer: list[int] = list(forced)
+        unsent: list[int] = list(forced)  # forced leading choice tokens go out with the first decision
+        detok = IncrementalDetokenizer(self._tokenizer, request.stop)
+        max_new = min(request.max_tokens, self._max_context - len(session.token_log) - framing_length)
+        scan = first
+        while True:
+            token = scan.token_id
+            answer.append(token)
+            if trie and token == self._turns.terminator_id:  # a choice ends where a longer one goes on
+                emit, done, finish = [], True, "stop"
+            elif trie:
+                tail = trie.forced_ids(answer)
+                answer.extend(tail)
+                emit, done, finish = [token, *tail], trie.finished(answer) is not None, "stop"
+            else:
+                emit = [] if token in self._framing.stop_token_ids else [token]
+                done = not emit or len(answer) >= max_new
+                finish = "stop" if not emit else "length"
+            emit, unsent = unsent + emit, []
+            text = detok.push(emit)
+            if detok.stopped:
+                done, finish = True, "stop"
+            if done:
+                text += detok.flush()
+                if self._journaled:  # durable before the final response acknowledges the turn
+                    accept()
+            sink.send(clock.chunk(text, emit, path.value, confidence, finish if done else ""), final=done)
+            if done:
+                break
+            clock.pause()
+            yield
+            clock.resume()
+            self._check_alive(request, sink)
+            if prompt is None:
+                prompt = [*session.token_log, *turn_ids()]
+                max_new = min(request.max_tokens, self._max_context - len(prompt))
+            sequence = [*prompt, *answer]
+            if kv_len == len(sequence) - 1:
+                with clock.measure("decode"):
+                    logits = self._engine.decode(sid, sequence[-1])
+                self._residency.note_kv(session)
+            else:
+                with clock.measure("prefill"):
+                    logits = self._prefill(session, sequence)
+            kv_len = len(sequence)
+            with clock.measure("scan"):
+                scan = self._scan_at(logits, trie, answer, request, rng)
+
+        self._metrics.request_served(path.value, clock.first_token_ms)
+        if not self._journaled:  # without a journal the answer leaves first (a gated delta is tokenized after it)
+            accept()
+        if not self._config.retain_kv:
+            self._residency.release_kv(session)
+            session.evicted = True
+
+    def _prefill(self, session: Session, token_ids: Sequence[int]):
+        cached = self._engine.cached_token_ids(session.session_id)
+        reused = common_prefix_length(cached, token_ids)
+        logits = self._engine.prefill(session.session_id, token_ids)
+        self._metrics.prefilled("foreground", max(1, len(token_ids) - reused))
+        self._residency.note_kv(session)
+        return logits
