@@ -63,6 +63,7 @@ class Scheduler:
         eviction_policy: str = "lru",
         max_log_tokens: int = 0,
         journal: SessionJournal | None = None,
+        speculative_delta: str = "",
         clock: Callable[[], float] = time.perf_counter,
     ):
         self._engine = engine
@@ -88,6 +89,7 @@ class Scheduler:
             is_inline=lambda: self._inline, close_session=self._close, reject=self._reject,
         )
         self._idle_policy = IDLE_POLICIES[config.idle_policy]()
+        self._speculative_delta_ids = tuple(tokenizer.encode(speculative_delta)) if speculative_delta else ()
         self._inbox: queue.SimpleQueue[tuple[Request | Rejection, ResponseSink]] = queue.SimpleQueue()
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one token per submit: wakes the loop
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
@@ -314,12 +316,13 @@ class Scheduler:
     # --- pre-positioning -----------------------------------------------
 
     def _preposition(self, session: Session) -> Iterator[object]:
-        """Make the KV hold log + entry + speculative delta (empty) + cue + forced choice tokens; cache the distribution."""
+        """Make the KV hold log + entry + speculative delta (empty, or the configured placeholder) + cue +
+        forced choice tokens; cache the distribution."""
         log_length = len(session.token_log)
         role = session.last_role
         trie = self._turns.trie(session.last_choices)
         forced = tuple(trie.forced_ids()) if trie else ()
-        spec = (*self._turns.turn_ids(session, role, (), self._framing.cue_ids), *forced)
+        spec = (*self._turns.turn_ids(session, role, self._speculative_delta_ids, self._framing.cue_ids), *forced)
         target = [*session.token_log, *spec]
         if len(target) + 1 > self._max_context:
             return
@@ -343,7 +346,7 @@ class Scheduler:
         greedy = self._scan(logits, allowed_ids=trie.allowed_ids(forced) if trie else None)
         session.positioned = Positioned(
             log_length=log_length, role=role, choices=session.last_choices, spec_ids=spec,
-            forced_ids=forced, logits=logits.clone(), greedy_scan=greedy,
+            forced_ids=forced, logits=logits.clone(), greedy_scan=greedy, delta_ids=self._speculative_delta_ids,
         )
         self._residency.note_kv(session, background=True)  # the cached distribution counts against the budget
         self._metrics.prepositioning_ended("completed")

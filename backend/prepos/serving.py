@@ -183,7 +183,7 @@ class RequestServer:
             greedy_match = request.sampling.greedy and pos.choices == request.choices and pos.greedy_scan is not None
             with clock.measure("scan"):
                 first = pos.greedy_scan if greedy_match else self._scan_at(pos.logits, trie, forced, request, rng)
-            if not has_delta:
+            if not has_delta and not pos.delta_ids:  # the request's turn is exactly the positioned one
                 path, logits, kv_len = ServedPath.EXACT, pos.logits, len(session.token_log) + len(pos.spec_ids)
             else:
                 decision = self._gate.decide(first, speculate=request.speculate, threshold=request.gate_threshold)

@@ -40,6 +40,7 @@ class Positioned:
     forced_ids: tuple[int, ...]  # the trailing forced choice tokens of spec_ids
     logits: torch.Tensor  # [vocab], owned copy
     greedy_scan: ScanResult | None = None  # precomputed scan at temperature 0 under ``choices``
+    delta_ids: tuple[int, ...] = ()  # the speculative delta in spec_ids (a placeholder, or none)
 
 
 @dataclass
