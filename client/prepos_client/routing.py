@@ -1,0 +1,302 @@
+"""Session-affine routing in the client: each session on the replica Envoy's ring hash picks for it.
+
+    from prepos_client.routing import RoutedClient
+
+    replicas = ["10.0.0.5:8001", "10.0.0.6:8001"]
+    with RoutedClient(replicas, shared_journal=True) as client, client.session() as session:
+        answer = session.ask("Is water wet?", choices=["yes", "no"])
+        print(answer.text, answer.path, session.replica)
+
+The chart's router hashes the `prepos-session-id` header onto the replicas
+with Envoy's ring hash; `RoutedClient` applies the same rule (`HashRing`)
+itself, for a deployment without the router tier and for the loopback test
+of routing. A session is placed when it is opened and stays on its replica,
+as a session's gRPC stream stays on the upstream Envoy routed it to.
+
+When a session's replica cannot be reached, the replica leaves the ring (for
+every session of this client) and the session moves to its owner on the
+smaller ring. Its first request there carries START: Triton's sequence
+batcher refuses any other first request of a sequence it does not know. The
+new owner holds no KV for the session:
+- `shared_journal=True` (the replicas share a session journal, `journal.dir`):
+  the request is sent again to the new owner, which reopens the session from
+  its journal and rebuilds the KV from the token log (path `rebuild`).
+- `shared_journal=False`: the session's state is gone with its replica; the
+  call raises `SessionLost` and the session's next request opens it afresh
+  on the new owner.
+
+A request that was in flight when its replica died may have been accepted
+there before the connection broke; with `shared_journal=True` it is sent
+again to the new owner, so across a failover a request is delivered at least
+once, not exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from .client import DEFAULT_MODEL
+from .errors import PreposError, PreposUnavailable
+from .protocol import Answer, Chunk, Update
+from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
+from .session import Session, check_session_id, new_session_id
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class SessionLost(PreposUnavailable):
+    """The session's replica was lost and no shared journal holds its state.
+
+    The session has moved to its new owner; its next request opens it there
+    afresh (START, an empty token log).
+    """
+
+
+@dataclass(frozen=True)
+class Failover:
+    """A session moved because its replica could not be reached."""
+
+    session_id: str | int
+    from_replica: str
+    to_replica: str
+    reason: str
+
+
+class RoutedClient:
+    """Opens sessions on the replica the ring hash assigns to each session id.
+
+    Args:
+        replicas: gRPC addresses (`ip:port`) of the replicas, each weight 1,
+            or a mapping of address to integer weight. Give the addresses
+            Envoy's endpoints have (resolved IPs) to route exactly as the router.
+        model, timeout_s, headers: as for `Client`.
+        shared_journal: the replicas share a session journal, so a session
+            moved off a lost replica is reopened from it (see the module docstring).
+        min_ring_size, max_ring_size: as the chart's `router.ringHash`.
+
+    Raises:
+        ValueError, TypeError: bad replicas or ring sizes (see `HashRing`).
+
+    Safe to share between threads; each `RoutedSession` is for one thread at a time.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[str] | Mapping[str, int],
+        model: str = DEFAULT_MODEL,
+        *,
+        timeout_s: float = 60.0,
+        headers: Mapping[str, str] | None = None,
+        shared_journal: bool = False,
+        min_ring_size: int = DEFAULT_MIN_RING_SIZE,
+        max_ring_size: int = DEFAULT_MAX_RING_SIZE,
+    ):
+        self.model = model
+        self.timeout_s = timeout_s
+        self.headers = dict(headers or {})
+        self.shared_journal = shared_journal
+        self._ring = HashRing(replicas, min_ring_size=min_ring_size, max_ring_size=max_ring_size)
+        if not self._ring.hosts:
+            raise ValueError("replicas: at least one replica is needed")
+        self._lock = threading.Lock()
+        self._sessions: weakref.WeakSet[RoutedSession] = weakref.WeakSet()
+
+    @property
+    def ring(self) -> HashRing:
+        """The current ring (replicas that failed are no longer on it)."""
+        return self._ring
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """The replicas sessions are routed to now."""
+        return self._ring.hosts
+
+    def replica_for(self, session_id: str | int) -> str:
+        """The replica a session opened now would be placed on.
+
+        Raises:
+            LookupError: no replica is left.
+        """
+        return self._ring.lookup(check_session_id(session_id))
+
+    def session(self, session_id: str | int | None = None, *, resume: bool = False) -> RoutedSession:
+        """Open a `RoutedSession` on its replica (on the server with its first request).
+
+        `session_id` None picks a fresh random id; `resume=True` continues a
+        session already open on the servers (no START is sent).
+        """
+        session = RoutedSession(self, new_session_id() if session_id is None else session_id, resume=resume)
+        with self._lock:
+            self._sessions.add(session)
+        return session
+
+    def remove_replica(self, replica: str) -> bool:
+        """Take `replica` out of the ring; True if it was on it.
+
+        Sessions already on it stay there until a request to it fails;
+        sessions opened later go to the smaller ring's owners.
+        """
+        with self._lock:
+            if replica not in self._ring.hosts:
+                return False
+            self._ring = self._ring.without(replica)
+        logger.warning("replica %s left the ring; %d left: %s", replica, len(self._ring.hosts),
+                       ", ".join(self._ring.hosts))
+        return True
+
+    def add_replica(self, replica: str, weight: int = 1) -> None:
+        """Put `replica` on the ring (last in host order) with `weight`, for sessions opened from now on."""
+        with self._lock:
+            self._ring = self._ring.with_host(replica, weight)
+
+    def close(self) -> None:
+        """Close every session of this client that is still open."""
+        with self._lock:
+            sessions = list(self._sessions)
+        for session in sessions:
+            try:
+                session.close()
+            except PreposError:
+                logger.warning("closing session %s failed", session.session_id, exc_info=True)
+
+    def __enter__(self) -> RoutedClient:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close()
+
+
+class RoutedSession:
+    """A `Session` that lives on its ring-hash replica and moves when that replica is lost.
+
+    Same calls as `Session` (`append`, `generate`, `ask`, `close`, `detach`).
+    A call whose replica cannot be reached (`PreposUnavailable`) removes that
+    replica from the client's ring and moves the session to its new owner,
+    where its next request carries START. With a shared journal the call is
+    sent again there, once per replica lost, and raises `PreposUnavailable`
+    only when no replica is left; without one it raises `SessionLost`. Every
+    other error is raised as `Session` raises it. `replica` is where the
+    session is now; `failovers` lists its moves.
+    """
+
+    def __init__(self, client: RoutedClient, session_id: str | int, *, resume: bool):
+        self.session_id = check_session_id(session_id)
+        self.failovers: list[Failover] = []
+        self._client = client
+        self._session = self._open(client.replica_for(self.session_id), resume=resume)
+
+    @property
+    def replica(self) -> str:
+        """The address of the replica the session is on."""
+        return self._session.url
+
+    @property
+    def closed(self) -> bool:
+        """True once the session was closed or detached."""
+        return self._session.closed
+
+    def append(self, text: str | None = None, **kwargs) -> Update:
+        """`Session.append` on the session's replica, moving it first if that replica is lost."""
+        return self._call(lambda session: session.append(text, **kwargs))
+
+    def ask(self, text: str | None = None, **kwargs) -> Answer:
+        """`Session.ask` on the session's replica, moving it first if that replica is lost."""
+        return Answer.from_chunks(list(self.generate(text, **kwargs)))
+
+    def generate(self, text: str | None = None, **kwargs) -> Iterator[Chunk]:
+        """`Session.generate`: the request is sent before this returns.
+
+        A failure before the first chunk moves the session and sends the
+        request again; once a chunk was yielded, errors are raised as they are.
+        """
+        session, chunks = self._call_with_session(lambda session: session.generate(text, **kwargs))
+        return self._stream(session, chunks, lambda session: session.generate(text, **kwargs))
+
+    def close(self, *, timeout_s: float | None = None) -> Update | None:
+        """`Session.close` (END) on the session's replica, its new owner if that replica is lost."""
+        if self._session.closed:
+            return None
+        return self._call(lambda session: session.close(timeout_s=timeout_s))
+
+    def detach(self) -> None:
+        """Release the connection and leave the session open on its replica."""
+        self._session.detach()
+
+    def __enter__(self) -> RoutedSession:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            self.close()
+        except PreposError:
+            if exc_type is None:
+                raise
+            logger.warning("closing session %s failed", self.session_id, exc_info=True)
+
+    def __repr__(self) -> str:
+        return f"RoutedSession({self.session_id!r}, replica={self.replica!r}, failovers={len(self.failovers)})"
+
+    def _open(self, replica: str, *, resume: bool) -> Session:
+        client = self._client
+        return Session(replica, client.model, self.session_id, timeout_s=client.timeout_s,
+                       headers=client.headers, resume=resume)
+
+    def _call(self, send: Callable[[Session], _T]) -> _T:
+        return self._call_with_session(send)[1]
+
+    def _call_with_session(self, send: Callable[[Session], _T]) -> tuple[Session, _T]:
+        while True:
+            session = self._session
+            try:
+                result = send(session)
+            except PreposUnavailable as error:
+                self._fail_over(session, error)
+                continue
+            return session, result
+
+    def _stream(self, session: Session, chunks: Iterator[Chunk],
+                send: Callable[[Session], Iterator[Chunk]]) -> Iterator[Chunk]:
+        while True:
+            try:
+                first = next(chunks)
+            except PreposUnavailable as error:
+                self._fail_over(session, error)
+                session, chunks = self._call_with_session(send)
+                continue
+            break
+        yield first
+        yield from chunks
+
+    def _fail_over(self, session: Session, error: PreposUnavailable) -> None:
+        """Move the session off `session`'s replica.
+
+        Raises `error` when no replica is left, `SessionLost` after moving
+        when the replicas share no journal.
+        """
+        lost = session.url
+        self._client.remove_replica(lost)
+        try:
+            session.detach()
+        except PreposError:
+            logger.debug("releasing the stream to %s failed", lost, exc_info=True)
+        try:
+            replica = self._client.replica_for(self.session_id)
+        except LookupError:
+            raise error from None
+        self.failovers.append(Failover(self.session_id, lost, replica, str(error)))
+        logger.warning("session %s: replica %s unreachable (%s); moved to %s",
+                       self.session_id, lost, error, replica)
+        self._session = self._open(replica, resume=False)
+        if not self._client.shared_journal:
+            raise SessionLost(
+                f"session {self.session_id}: its replica {lost} is unreachable and no shared journal holds its "
+                f"state; its next request opens it afresh on {replica}",
+                status=error.status,
+            ) from error

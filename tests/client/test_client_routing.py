@@ -1,0 +1,154 @@
+"""RoutedClient against fake replicas: placement by the ring, stickiness, failover, lost sessions."""
+
+from __future__ import annotations
+
+import pytest
+import tritonclient.grpc as grpcclient
+from client_fakes import FakeTriton, echo_responder, unavailable
+from prepos_client import PreposError, PreposUnavailable
+from prepos_client.ring import HashRing
+from prepos_client.routing import RoutedClient, SessionLost
+from tritonclient.utils import InferenceServerException
+
+REPLICAS = ["127.0.0.1:8001", "127.0.0.1:9001", "127.0.0.1:10001"]
+
+
+class Replicas:
+    """Fake gRPC clients by replica address; requests to a replica in `dead` fail as unreachable."""
+
+    def __init__(self) -> None:
+        self.dead: set[str] = set()
+        self.created: list[FakeTriton] = []
+
+    def factory(self, url, *args, **kwargs) -> FakeTriton:
+        fake = FakeTriton(url, responder=lambda request: [unavailable()] if url in self.dead else
+                          echo_responder(request))
+        self.created.append(fake)
+        return fake
+
+    def requests(self, url: str, session_id: str) -> list:
+        return [r for fake in self.created if fake.url == url for r in fake.requests if r.sequence_id == session_id]
+
+
+@pytest.fixture
+def replicas(monkeypatch) -> Replicas:
+    fakes = Replicas()
+    monkeypatch.setattr(grpcclient, "InferenceServerClient", fakes.factory)
+    return fakes
+
+
+def session_ids_on(replica: str, ring: HashRing, count: int) -> list[str]:
+    found = (f"s-{i}" for i in range(10_000))
+    return [sid for sid in found if ring.lookup(sid) == replica][:count]
+
+
+def test_each_session_lives_on_its_ring_owner(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=2)
+    ring = HashRing(REPLICAS)
+    for i in range(30):
+        session = client.session(f"s-{i}")
+        session.append("system", role="system")
+        session.ask("hi")
+        session.ask("again")
+        assert session.replica == ring.lookup(f"s-{i}") == client.replica_for(f"s-{i}")
+        assert [r.sequence_start for r in replicas.requests(session.replica, f"s-{i}")] == [True, False, False]
+    assert {fake.url for fake in replicas.created} == set(REPLICAS)
+
+
+def test_a_lost_replica_leaves_the_ring_and_its_session_continues_on_the_new_owner(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=2, shared_journal=True)
+    lost = REPLICAS[1]
+    (moving,) = session_ids_on(lost, client.ring, 1)
+    (staying,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    a, b = client.session(moving), client.session(staying)
+    a.ask("one")
+    b.ask("one")
+
+    replicas.dead.add(lost)
+    answer = a.ask("two")
+    owner = HashRing(REPLICAS).without(lost).lookup(moving)
+    assert answer.text == "two" and a.replica == owner
+    assert lost not in client.replicas and client.replica_for(moving) == owner
+    assert [(f.from_replica, f.to_replica) for f in a.failovers] == [(lost, owner)]
+    # The new owner does not know the session: its first request there carries START.
+    assert [(r.sequence_start, r.inputs["text_input"][0]) for r in replicas.requests(owner, moving)] == [
+        (True, b"two")]
+    a.ask("three")
+    assert [r.sequence_start for r in replicas.requests(owner, moving)] == [True, False]
+
+    b.ask("two")
+    assert b.replica == REPLICAS[0] and not b.failovers
+    assert [r.sequence_start for r in replicas.requests(REPLICAS[0], staying)] == [True, False]
+
+
+def test_without_a_shared_journal_a_lost_session_is_reported_and_then_opens_afresh(replicas):
+    client = RoutedClient(REPLICAS[:2], timeout_s=2)
+    (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    session = client.session(session_id)
+    session.ask("one")
+    replicas.dead.add(REPLICAS[0])
+    with pytest.raises(SessionLost, match="no shared journal") as lost:
+        session.ask("two")
+    assert isinstance(lost.value, PreposUnavailable)
+    assert session.replica == REPLICAS[1] and replicas.requests(REPLICAS[1], session_id) == []
+    session.ask("three")
+    assert [(r.sequence_start, r.inputs["text_input"][0]) for r in replicas.requests(REPLICAS[1], session_id)] == [
+        (True, b"three")]
+
+
+def test_the_first_chunk_of_a_generate_fails_over(replicas):
+    client = RoutedClient(REPLICAS[:2], timeout_s=2, shared_journal=True)
+    (session_id,) = session_ids_on(REPLICAS[1], client.ring, 1)
+    session = client.session(session_id)
+    session.append("system", role="system")
+    replicas.dead.add(REPLICAS[1])
+    chunks = list(session.generate("hello"))
+    assert [c.text for c in chunks] == ["hello"] and session.replica == REPLICAS[0]
+
+
+def test_every_replica_lost_raises_unavailable_after_one_try_each(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=2, shared_journal=True)
+    session = client.session("s-1")
+    replicas.dead.update(REPLICAS)
+    with pytest.raises(PreposUnavailable):
+        session.ask("hi")
+    assert client.replicas == () and len(session.failovers) == 2
+    assert sorted((fake.url, len(fake.requests)) for fake in replicas.created) == sorted((r, 1) for r in REPLICAS)
+
+
+def test_other_errors_do_not_move_the_session(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=2, shared_journal=True)
+    session = client.session("s-1")
+    home = session.replica
+    (fake,) = replicas.created
+    fake.responder = lambda request: [InferenceServerException(msg="max_tokens: must be >= 0")]
+    with pytest.raises(PreposError) as error:
+        session.ask("hi", max_tokens=3)
+    assert error.value.field == "max_tokens" and not isinstance(error.value, PreposUnavailable)
+    assert session.replica == home and client.replicas == tuple(REPLICAS) and not session.failovers
+
+
+def test_removed_and_added_replicas_change_where_new_sessions_go(replicas):
+    client = RoutedClient(REPLICAS[:2])
+    assert client.remove_replica(REPLICAS[0]) and not client.remove_replica(REPLICAS[0])
+    assert all(client.replica_for(f"s-{i}") == REPLICAS[1] for i in range(50))
+    client.add_replica(REPLICAS[2])
+    assert client.ring.hosts == (REPLICAS[1], REPLICAS[2])
+    assert client.session("s-7").replica == HashRing(REPLICAS[1:]).lookup("s-7")
+
+
+def test_close_ends_every_session_on_its_replica(replicas):
+    with RoutedClient(REPLICAS, timeout_s=2) as client:
+        sessions = [client.session(f"s-{i}") for i in range(5)]
+        for session in sessions:
+            session.ask("hi")
+    assert all(session.closed for session in sessions)
+    for session in sessions:
+        requests = replicas.requests(session.replica, session.session_id)
+        assert requests[-1].sequence_end and len(requests) == 2
+
+
+@pytest.mark.parametrize("bad", [[], ["127.0.0.1:1", "127.0.0.1:1"], {"127.0.0.1:1": 0}])
+def test_bad_replicas_are_refused(bad):
+    with pytest.raises(ValueError, match="replicas|hosts"):
+        RoutedClient(bad)
