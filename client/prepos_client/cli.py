@@ -348,6 +348,7 @@ register_command(
 register_command("close", help="close an open session (END)", add_arguments=_add_close_arguments, run=_run_close)
 register_module_command("serve", "prepos.launcher", help="start Triton with the prepos model repository")
 register_module_command("build", "prepos_build.__main__", help="build an engine directory from a checkpoint")
+register_module_command("calibrate", "prepos_client.calibrate_cli", help="certify a gate threshold on a trace, offline")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,287 @@
+"""Calibration replay: the gate's features and their ground truth at every decision point of a trace.
+
+Ground truth needs no labels. For a request with a non-empty delta the
+reference answer is what the full path gives (log + entry + delta + cue); the
+gate instead scans the speculative distribution (log + entry + speculative
+delta + cue), where the speculative delta is empty or a placeholder text. The
+replay drives an engine directly, in process, and for every decision point
+prefills each speculative sequence and the full sequence (separate engine
+session ids, so prefix reuse makes each a short prefill), scans them under the
+same ``choices`` constraint, and records the speculative features and whether
+the first decision token (after any forced choice tokens) agrees with the full
+path's — which is exactly whether a gated answer would equal the full path's.
+
+After each decision point the session's log grows by the full path's answer
+(greedy; constrained choices are completed through the trie), as if the
+server had answered it; updates (``max_tokens == 0``) append their delta.
+
+Records go to an append-only JSONL file keyed by ``(session, turn)``; a rerun
+with the same file skips decision points already recorded (it rebuilds their
+logs from the recorded answers without touching the engine), so a long trace
+can be calibrated in pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Protocol, Sequence
+
+from prepos.engines.base import Engine
+from prepos.scan import ScanFn, ScanResult, scan_numpy
+from prepos.template import ChoiceTrie, Framing, Tokenizer
+
+log = logging.getLogger("prepos.calibration")
+
+RECORDS_FORMAT = 1
+EMPTY = "empty"  # the variant name of the empty speculative delta
+
+
+class StepLike(Protocol):
+    role: str
+    delta: str
+    max_tokens: int
+    choices: tuple[str, ...] | None
+
+
+class SessionLike(Protocol):
+    name: str
+    steps: Sequence[StepLike]
+
+
+@dataclass(frozen=True)
+class SpeculativeFeatures:
+    """The scan of one speculative distribution and whether its first decision token agreed with the full path."""
+
+    token_id: int
+    p_max: float
+    margin: float
+    entropy: float
+    certainty: float
+    num_allowed: int
+    agreed: bool
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """One decision point: its key, the full path's answer and each speculative variant's features."""
+
+    session: str
+    turn: int  # index of the step in its session
+    num_delta_tokens: int
+    num_choices: int  # 0 for free generation
+    full_token_id: int  # the full path's first decision token
+    answer_ids: tuple[int, ...]  # the full path's whole answer (what the log grew by, before closing tokens)
+    variants: dict[str, SpeculativeFeatures]
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["answer_ids"] = list(self.answer_ids)
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, line: str) -> "DecisionRecord":
+        data = json.loads(line)
+        data["answer_ids"] = tuple(data["answer_ids"])
+        data["variants"] = {k: SpeculativeFeatures(**v) for k, v in data["variants"].items()}
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ReplaySummary:
+    """What one replay run did."""
+
+    num_recorded: int  # decision points recorded by this run
+    num_skipped: int  # decision points found already recorded
+    elapsed_s: float
+
+
+def read_records(path: str | Path) -> tuple[dict, list[DecisionRecord]]:
+    """The header and the records of a records file (empty when the file does not exist).
+
+    A truncated last line (an interrupted write) is ignored.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return {}, []
+    header, records = {}, []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            if number == 0 and '"header"' in line:
+                header = json.loads(line)["header"]
+            else:
+                records.append(DecisionRecord.from_json(line))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if number == len(lines) - 1:
+                log.warning("%s: ignoring a truncated last line", path)
+                continue
+            raise ValueError(f"{path}:{number + 1}: not a calibration record") from None
+    return header, records
+
+
+class _Progress:
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.done, self.stream = total, 0, stream
+        self.start = time.monotonic()
+        self._tty = hasattr(stream, "isatty") and stream.isatty()
+        self._last = 0.0
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if not self._tty and now - self._last < 10 and self.done < self.total:
+            return
+        self._last = now
+        rate = self.done / max(1e-9, now - self.start)
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        width = 30
+        filled = int(width * self.done / max(1, self.total))
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} decision points, "
+                f"{rate:.2f}/s, eta {eta:.0f} s")
+        self.stream.write(("\r" if self._tty else "") + line + ("" if self._tty else "\n"))
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._tty:
+            self.stream.write("\n")
+
+
+class CalibrationReplay:
+    """Replays sessions against an engine and appends one :class:`DecisionRecord` per decision point.
+
+    ``placeholders`` maps variant names to speculative delta texts; the empty
+    delta (variant ``empty``) is always included. Decision points are the
+    steps with ``max_tokens != 0`` and a non-empty delta; others only grow the
+    log. The engine's sessions used here are released at the end of each
+    replayed session.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, framing: Framing, *,
+                 placeholders: dict[str, str] | None = None, scan: ScanFn = scan_numpy,
+                 max_answer_tokens: int = 32):
+        placeholders = dict(placeholders or {})
+        if EMPTY in placeholders:
+            raise ValueError(f"placeholders: the name {EMPTY!r} is reserved for the empty speculative delta")
+        if any(not text for text in placeholders.values()):
+            raise ValueError("placeholders: a placeholder text must not be empty (the empty delta is always compared)")
+        self._engine, self._tokenizer, self._framing, self._scan = engine, tokenizer, framing, scan
+        self._variants = {EMPTY: (), **{name: tuple(tokenizer.encode(t)) for name, t in placeholders.items()}}
+        self._placeholders = placeholders
+        self._max_answer_tokens = max_answer_tokens
+        self._terminator_id = framing.answer_terminator_ids[0]
+
+    def header(self) -> dict:
+        return {"format": RECORDS_FORMAT, "placeholders": self._placeholders}
+
+    def run(self, sessions: Iterable[SessionLike], records_path: str | Path, *,
+            max_points: int | None = None, progress_stream=sys.stderr) -> ReplaySummary:
+        """Record every decision point of ``sessions`` not yet in ``records_path`` (at most ``max_points`` in all).
+
+        Raises ``ValueError`` when the file was written with other placeholders.
+        """
+        records_path = Path(records_path)
+        header, existing = read_records(records_path)
+        if header and header != self.header():
+            raise ValueError(f"records: {records_path} was written with {header}, not {self.header()}; "
+                             "use another file or the same placeholders")
+        done = {(r.session, r.turn): r for r in existing}
+        sessions = list(sessions)
+        points = [(s.name, i) for s in sessions for i, step in enumerate(s.steps) if self._is_decision(step)]
+        if max_points is not None:
+            points = points[:max_points]
+        wanted = set(points)
+        todo = [p for p in points if p not in done]
+        progress = _Progress(len(todo), progress_stream)
+        records_path.parent.mkdir(parents=True, exist_ok=True)
+        start, num_new = time.monotonic(), 0
+        with records_path.open("a", encoding="utf-8") as out:
+            if not header:
+                out.write(json.dumps({"header": self.header()}, sort_keys=True) + "\n")
+            for session in sessions:
+                if not any((session.name, i) in wanted and (session.name, i) not in done
+                           for i in range(len(session.steps))):
+                    continue
+                for record in self._replay_session(session, wanted, done):
+                    out.write(record.to_json() + "\n")
+                    out.flush()
+                    num_new += 1
+                    progress.step()
+        progress.close()
+        return ReplaySummary(num_new, len(wanted) - len(todo), time.monotonic() - start)
+
+    @staticmethod
+    def _is_decision(step: StepLike) -> bool:
+        return step.max_tokens != 0 and bool(step.delta)
+
+    def _replay_session(self, session: SessionLike, wanted: set, done: dict) -> Iterable[DecisionRecord]:
+        framing, token_log = self._framing, []
+        ids = {name: f"calibrate/{session.name}/{name}" for name in [*self._variants, "full"]}
+        last_wanted = max(i for i in range(len(session.steps)) if (session.name, i) in wanted)
+        try:
+            for index, step in enumerate(session.steps[:last_wanted + 1]):
+                opening = framing.opening_ids(not token_log, step.role)
+                entry = [*opening, *framing.entry_ids[step.role]]
+                delta_ids = self._tokenizer.encode(step.delta) if step.delta else []
+                if step.max_tokens == 0:
+                    if delta_ids:
+                        token_log += [*entry, *delta_ids, *framing.close_ids]
+                    continue
+                trie = ChoiceTrie(step.choices, self._tokenizer, self._terminator_id) if step.choices else None
+                forced = trie.forced_ids() if trie else []
+                key = (session.name, index)
+                if key in done:
+                    answer = list(done[key].answer_ids)
+                elif not delta_ids or key not in wanted:
+                    answer = self._answer(ids["full"], [*token_log, *entry, *delta_ids, *framing.cue_ids], forced,
+                                          trie, step.max_tokens)
+                else:
+                    record = self._decision(session.name, index, token_log, entry, delta_ids, forced, trie, step, ids)
+                    answer = list(record.answer_ids)
+                    yield record
+                token_log += [*entry, *delta_ids, *framing.cue_ids, *answer, *framing.closing_ids(answer)]
+        finally:
+            for engine_id in ids.values():
+                self._engine.release(engine_id)
+
+    def _scan_at(self, logits, trie: ChoiceTrie | None, answer: Sequence[int]) -> ScanResult:
+        return self._scan(logits, allowed_ids=trie.allowed_ids(answer) if trie else None)
+
+    def _decision(self, session: str, index: int, token_log: list[int], entry: list[int], delta_ids: list[int],
+                  forced: list[int], trie: ChoiceTrie | None, step: StepLike, ids: dict) -> DecisionRecord:
+        prompt = [*token_log, *entry, *delta_ids, *self._framing.cue_ids]
+        answer = self._answer(ids["full"], prompt, forced, trie, step.max_tokens)
+        full_token = answer[len(forced)]
+        variants = {}
+        for name, spec_delta in self._variants.items():
+            spec = [*token_log, *entry, *spec_delta, *self._framing.cue_ids, *forced]
+            scan = self._scan_at(self._engine.prefill(ids[name], spec), trie, forced)
+            variants[name] = SpeculativeFeatures(scan.token_id, scan.p_max, scan.margin, scan.entropy,
+                                                 scan.certainty, scan.num_allowed, scan.token_id == full_token)
+        return DecisionRecord(session, index, len(delta_ids), len(trie.choices) if trie else 0, full_token,
+                              tuple(answer), variants)
+
+    def _answer(self, engine_id: str, prompt: list[int], forced: list[int], trie: ChoiceTrie | None,
+                max_tokens: int) -> list[int]:
+        """The full path's greedy answer, as the server builds it (forced tokens, trie tails, stop tokens)."""
+        limit = self._max_answer_tokens if max_tokens < 0 else min(max_tokens, self._max_answer_tokens)
+        answer = list(forced)
+        logits = self._engine.prefill(engine_id, [*prompt, *forced])
+        while True:
+            token = self._scan_at(logits, trie, answer).token_id
+            answer.append(token)
+            if trie and token == self._terminator_id:
+                return answer
+            if trie:
+                answer.extend(trie.forced_ids(answer))
+                if trie.finished(answer) is not None:
+                    return answer
+            elif token in self._framing.stop_token_ids or len(answer) >= max(1, limit):
+                return answer
+            logits = self._engine.prefill(engine_id, [*prompt, *answer])

@@ -1,0 +1,241 @@
+"""From calibration records to a certified gate: threshold choice, held-out check, report files.
+
+Sessions are split by a hash of their name into a calibration part and a
+held-out part (no session in both). On the calibration part every candidate —
+a gate score (``p_max``, ``margin``, ``certainty``) with a speculative delta
+variant (empty, or a placeholder) — gets the largest-coverage threshold whose
+false-accept rate is certified at most ``epsilon``
+(:func:`prepos.risk.select_threshold`). Choosing the best candidate after
+looking is itself a multiple test, so each candidate is certified at
+``delta / number of candidates`` (Bonferroni): the chosen candidate's
+certificate holds at confidence ``1 - delta``. The held-out part then gives the
+observed false-accept rate of the chosen gate with its Clopper–Pearson
+interval, an independent check.
+
+Files written by :func:`write_report` under the output directory:
+``report.md``, ``risk_coverage.csv``, ``risk_coverage.png`` and one
+``gate_eps<epsilon>.pbtxt`` config fragment per epsilon (``parameters``
+entries the model repository's ``config.pbtxt`` takes).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from prepos.calibration import EMPTY, DecisionRecord
+from prepos.risk import RiskControlResult, clopper_pearson_interval, select_threshold
+
+log = logging.getLogger("prepos.calibration")
+
+SCORES = ("p_max", "margin", "certainty")
+
+
+@dataclass(frozen=True)
+class HeldOutCheck:
+    """The chosen gate on held-out sessions: answers accepted, false accepts, rate and interval."""
+
+    num_points: int
+    num_accepted: int
+    num_errors: int
+    rate: float  # false accepts / accepted (0 when none)
+    interval: tuple[float, float]  # two-sided Clopper–Pearson at the report's confidence
+    coverage: float
+
+
+@dataclass(frozen=True)
+class CandidateResult:
+    """One score and speculative-delta variant at one epsilon, calibrated and checked."""
+
+    score: str
+    variant: str
+    calibration: RiskControlResult
+    held_out: HeldOutCheck
+    agreement_rate: float  # calibration part: speculative first token equals the full path's, all points
+
+
+@dataclass(frozen=True)
+class EpsilonResult:
+    """All candidates at one epsilon and the chosen one (None = gate off)."""
+
+    epsilon: float
+    delta: float
+    candidates: tuple[CandidateResult, ...]
+    chosen: CandidateResult | None
+
+
+def split_sessions(records: Sequence[DecisionRecord], held_out_fraction: float, seed: str = "prepos") \
+        -> tuple[list[DecisionRecord], list[DecisionRecord]]:
+    """(calibration, held-out) records; a session lands wholly in one part, by a hash of its name and ``seed``."""
+    if not 0.0 <= held_out_fraction < 1.0:
+        raise ValueError(f"held_out_fraction: must lie in [0, 1), got {held_out_fraction}")
+    cal, held = [], []
+    for record in records:
+        digest = hashlib.blake2b(f"{seed}:{record.session}".encode(), digest_size=8).digest()
+        (held if int.from_bytes(digest, "little") / 2**64 < held_out_fraction else cal).append(record)
+    return cal, held
+
+
+def _score(record: DecisionRecord, variant: str, score: str) -> float:
+    return getattr(record.variants[variant], score)
+
+
+def _held_out(records: Sequence[DecisionRecord], variant: str, score: str, threshold: float | None,
+              delta: float) -> HeldOutCheck:
+    accepted = [r for r in records if threshold is not None and _score(r, variant, score) >= threshold]
+    k = sum(not r.variants[variant].agreed for r in accepted)
+    n = len(accepted)
+    interval = clopper_pearson_interval(k, n, delta) if n else (0.0, 1.0)
+    return HeldOutCheck(len(records), n, k, k / n if n else 0.0, interval, n / len(records) if records else 0.0)
+
+
+def calibrate(records: Sequence[DecisionRecord], *, epsilons: Sequence[float], delta: float,
+              held_out_fraction: float = 0.5, method: str = "bonferroni",
+              scores: Sequence[str] = SCORES) -> list[EpsilonResult]:
+    """Calibrate every score and variant at each epsilon; choose the largest certified coverage.
+
+    Ties go to the earlier score in ``scores`` and to the empty delta.
+    Raises ``ValueError`` when there are no calibration records.
+    """
+    cal, held = split_sessions(records, held_out_fraction)
+    if not cal:
+        raise ValueError("records: no decision points in the calibration part (more sessions needed)")
+    variants = [EMPTY, *sorted(v for v in cal[0].variants if v != EMPTY)]
+    candidates = [(s, v) for v in variants for s in scores]
+    results = []
+    for epsilon in epsilons:
+        rows = []
+        for score, variant in candidates:
+            result = select_threshold([_score(r, variant, score) for r in cal],
+                                      [r.variants[variant].agreed for r in cal],
+                                      epsilon=epsilon, delta=delta / len(candidates), method=method)
+            agreement = sum(r.variants[variant].agreed for r in cal) / len(cal)
+            rows.append(CandidateResult(score, variant, result, _held_out(held, variant, score, result.threshold, delta),
+                                        agreement))
+        open_rows = [r for r in rows if not r.calibration.gate_off]
+        chosen = max(open_rows, key=lambda r: r.calibration.coverage, default=None)
+        results.append(EpsilonResult(epsilon, delta, tuple(rows), chosen))
+    return results
+
+
+def config_fragment(result: EpsilonResult, placeholders: dict[str, str]) -> str:
+    """``parameters`` entries for ``config.pbtxt``: the chosen gate, or the gate off when none qualifies."""
+
+    def line(key: str, value: object) -> str:
+        text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+        return f'  {{ key: "{key}" value: {{ string_value: "{text}" }} }},'
+
+    head = f"# prepos calibrate: epsilon {result.epsilon:g}, confidence {1 - result.delta:g}"
+    chosen = result.chosen
+    if chosen is None:
+        return "\n".join([head + ": gate off (no threshold certified)", line("gate.speculate", "false"),
+                          line("gate.epsilon", result.epsilon), line("gate.confidence", 1 - result.delta),
+                          line("gate.calibrated_coverage", 0.0)]) + "\n"
+    cal = chosen.calibration
+    spec = "" if chosen.variant == EMPTY else placeholders[chosen.variant]
+    return "\n".join([
+        head, line("gate.speculate", "true"), line("gate.score", chosen.score),
+        line("gate.threshold", repr(cal.threshold)), line("gate.speculative_delta", spec),
+        line("gate.epsilon", result.epsilon), line("gate.confidence", 1 - result.delta),
+        line("gate.calibrated_coverage", f"{cal.coverage:.4f}"),
+    ]) + "\n"
+
+
+def _write_csv(path: Path, results: Sequence[EpsilonResult]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["epsilon", "score", "variant", "threshold", "num_accepted", "num_errors", "coverage",
+                         "risk", "bound", "certified"])
+        for res in results:
+            for cand in res.candidates:
+                for p in cand.calibration.curve:
+                    writer.writerow([res.epsilon, cand.score, cand.variant, p.threshold, p.num_accepted,
+                                     p.num_errors, f"{p.coverage:.6f}", f"{p.risk:.6f}", f"{p.bound:.6f}",
+                                     int(p.certified)])
+
+
+def _write_png(path: Path, results: Sequence[EpsilonResult], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = results[0]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for cand in first.candidates:
+        curve = [p for p in cand.calibration.curve if p.num_accepted]
+        label = f"{cand.score} ({cand.variant})"
+        line, = ax.plot([p.coverage for p in curve], [p.risk for p in curve], marker=".", label=label + " observed")
+        ax.plot([p.coverage for p in curve], [p.bound for p in curve], ls=":", color=line.get_color())
+    for res in results:
+        ax.axhline(res.epsilon, color="grey", lw=0.8, ls="--")
+        ax.text(0.01, res.epsilon, f" epsilon {res.epsilon:g}", va="bottom", fontsize=8, color="grey")
+        if res.chosen:
+            c = res.chosen.calibration
+            ax.plot([c.coverage], [c.bound], marker="*", ms=12, color="black")
+    ax.set_xlabel("coverage (share of decision points the gate answers)")
+    ax.set_ylabel("false-accept rate among answered")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_title(title + "\nsolid: observed; dotted: upper bound (Bonferroni level); star: chosen", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _markdown(results: Sequence[EpsilonResult], records: Sequence[DecisionRecord], title: str,
+              placeholders: dict[str, str], held_out_fraction: float) -> str:
+    cal, held = split_sessions(records, held_out_fraction)
+    lines = [f"# Gate calibration: {title}", "",
+             f"{len(records)} decision points from {len({r.session for r in records})} sessions: "
+             f"{len(cal)} calibration ({len({r.session for r in cal})} sessions), {len(held)} held out "
+             f"({len({r.session for r in held})} sessions, disjoint).",
+             "Speculative delta variants: " + ", ".join(
+                 [f"`{EMPTY}`"] + [f"`{k}` = {v!r}" for k, v in sorted(placeholders.items())]) + ".", ""]
+    for res in results:
+        conf = 1 - res.delta
+        lines += [f"## epsilon {res.epsilon:g}, confidence {conf:g}", ""]
+        if res.chosen is None:
+            lines += ["**Gate off**: no score, variant and threshold certifies a false-accept rate at most "
+                      f"{res.epsilon:g} with confidence {conf:g}. The fragment sets `gate.speculate` false.", ""]
+        else:
+            c, h = res.chosen.calibration, res.chosen.held_out
+            lines += [f"**Chosen**: score `{res.chosen.score}`, delta `{res.chosen.variant}`, threshold "
+                      f"{c.threshold:.6g}: calibration coverage {c.coverage:.3f} ({c.num_accepted}/{c.num_points}), "
+                      f"{c.num_errors} false accepts, certified bound {c.bound:.4f}.",
+                      f"Held out: {h.num_accepted}/{h.num_points} answered (coverage {h.coverage:.3f}), "
+                      f"{h.num_errors} false accepts, observed rate {h.rate:.4f}, "
+                      f"{conf:.0%} interval [{h.interval[0]:.4f}, {h.interval[1]:.4f}].", ""]
+        lines += ["| score | delta | agreement (all points) | threshold | coverage | false accepts | bound | "
+                  "held-out coverage | held-out rate [interval] |", "|---|---|---|---|---|---|---|---|---|"]
+        for cand in res.candidates:
+            c, h = cand.calibration, cand.held_out
+            thr = "gate off" if c.gate_off else f"{c.threshold:.6g}"
+            held_rate = "-" if c.gate_off else f"{h.rate:.4f} [{h.interval[0]:.4f}, {h.interval[1]:.4f}]"
+            lines.append(f"| {cand.score} | {cand.variant} | {cand.agreement_rate:.3f} | {thr} | {c.coverage:.3f} | "
+                         f"{c.num_errors}/{c.num_accepted} | {c.bound:.4f} | {h.coverage:.3f} | {held_rate} |")
+        lines.append("")
+    lines += ["Each candidate is certified at delta / (number of candidates) with Bonferroni over a fixed grid of "
+              "thresholds (prepos.risk), so the chosen one's bound holds at the stated confidence.", ""]
+    return "\n".join(lines)
+
+
+def write_report(out_dir: str | Path, records: Sequence[DecisionRecord], results: Sequence[EpsilonResult], *,
+                 title: str, placeholders: dict[str, str], held_out_fraction: float) -> list[Path]:
+    """Write the report files (see the module docstring); return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "report.md", out / "risk_coverage.csv", out / "risk_coverage.png"]
+    paths[0].write_text(_markdown(results, records, title, placeholders, held_out_fraction), encoding="utf-8")
+    _write_csv(paths[1], results)
+    _write_png(paths[2], results, title)
+    for res in results:
+        fragment = out / f"gate_eps{res.epsilon:g}.pbtxt"
+        fragment.write_text(config_fragment(res, placeholders), encoding="utf-8")
+        paths.append(fragment)
+    return paths

@@ -1,0 +1,169 @@
+"""`prepos calibrate`: certify a gate threshold on a sample of traffic, offline, with the model in process.
+
+    prepos calibrate --workload bfcl --sessions 150 --epsilon 0.05 --epsilon 0.13 --delta 0.1 --out out/calibration/bfcl
+    prepos calibrate --trace my_traffic.jsonl --epsilon 0.05 --out out/calibration/mine
+    prepos calibrate --workload bigbench:causal_judgment --epsilon 0.13 --out out/calibration/causal_judgment
+
+Replays the trace against the engine (speculative and full path at every
+decision point), appending records to ``<out>/records.jsonl`` (a rerun resumes
+where it stopped), then writes ``report.md``, ``risk_coverage.csv``/``.png``
+and a ``gate_eps<epsilon>.pbtxt`` fragment per epsilon under ``--out``.
+Progress goes to stderr. Exit codes: 0 ok, 1 bad input (the message names it), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("prepos.calibrate")
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+DEFAULT_ENGINE_DIR = "engines/smollm2-135m-instruct"
+
+
+def _placeholder(value: str) -> tuple[str, str]:
+    name, sep, text = value.partition("=")
+    if not sep or not name or not text:
+        raise argparse.ArgumentTypeError(f"--placeholder: expected NAME=TEXT, got {value!r}")
+    return name, text
+
+
+def _fraction(value: str) -> float:
+    number = float(value)
+    if not 0.0 < number < 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1), got {value}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from prepos.config import EngineConfig
+
+    engine_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    parser = argparse.ArgumentParser(prog="prepos calibrate", description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", type=Path, help="JSONL trace (the load tests' format)")
+    source.add_argument("--workload", help="built-in workload: bfcl, or bigbench[:TASK] (a BIG-bench yes/no task)")
+    parser.add_argument("--sessions", type=int, default=None, help="sessions to build from --workload (default: "
+                        "the workload's all for bigbench, 100 for others)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    parser.add_argument("--max-points", type=int, default=None, help="stop after this many decision points")
+    parser.add_argument("--epsilon", type=_fraction, action="append", required=True,
+                        help="false-accept rate to certify; repeat for several")
+    parser.add_argument("--delta", type=_fraction, default=0.1, help="1 - confidence (default %(default)s)")
+    parser.add_argument("--held-out", type=float, default=0.5,
+                        help="share of sessions held out for the check (default %(default)s)")
+    parser.add_argument("--method", default="bonferroni", help="multiple-threshold correction: bonferroni or "
+                        "fixed_sequence (default %(default)s)")
+    parser.add_argument("--placeholder", type=_placeholder, action="append", default=None, metavar="NAME=TEXT",
+                        help="a placeholder speculative delta compared with the empty one (repeatable; default "
+                        "one neutral placeholder)")
+    parser.add_argument("--no-placeholder", action="store_true", help="compare only the empty delta")
+    parser.add_argument("--out", type=Path, required=True, help="report directory")
+    parser.add_argument("--records", type=Path, default=None, help="records file (default OUT/records.jsonl)")
+    parser.add_argument("--engine-dir", type=Path, default=Path(DEFAULT_ENGINE_DIR), help="engine directory "
+                        "(default %(default)s)")
+    parser.add_argument("--device", default=engine_defaults["device"], help="torch device (default %(default)s)")
+    parser.add_argument("--dtype", default=engine_defaults["dtype"], help="weight dtype (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=engine_defaults["num_threads"],
+                        help="torch threads, 0 = torch's default (default %(default)s)")
+    parser.add_argument("--bigbench-cache", type=Path, default=None, help="BIG-bench task cache directory")
+    return parser
+
+
+DEFAULT_PLACEHOLDERS = {"placeholder": "(message)"}
+
+
+def load_sessions(args: argparse.Namespace) -> list:
+    """The sessions to replay from --trace or --workload (raises ValueError naming the argument)."""
+    from prepos_loadtest.workloads import TraceFormatError, build_workload, read_trace
+
+    if args.trace is not None:
+        try:
+            return read_trace(args.trace)
+        except (OSError, TraceFormatError) as error:
+            raise ValueError(f"--trace: {error}") from None
+    name, _, task = args.workload.partition(":")
+    if name == "bigbench":
+        from prepos_loadtest import bigbench_tasks
+
+        task = task or bigbench_tasks.YES_NO_TASKS[0]
+        cache = args.bigbench_cache or bigbench_tasks.DEFAULT_CACHE_DIR
+        path = bigbench_tasks.fetch_tasks((task,), cache)[task]
+        return bigbench_tasks.task_decision_points(bigbench_tasks.load_task(path, task), args.sessions,
+                                                   seed=args.seed)
+    if task:
+        raise ValueError(f"--workload: only bigbench takes a task, got {args.workload!r}")
+    try:
+        return build_workload(name, args.sessions or 100, seed=args.seed)
+    except ValueError as error:
+        raise ValueError(f"--workload: {error}") from None
+
+
+def replay(args: argparse.Namespace, sessions: list, placeholders: dict[str, str], records: Path):
+    from prepos.calibration import CalibrationReplay
+    from prepos.config import EngineConfig
+    from prepos.core import create_engine
+    from prepos.template import EngineManifest, Tokenizer
+
+    config = EngineConfig(device=args.device, dtype=args.dtype, num_threads=args.threads)
+    manifest = EngineManifest.load(args.engine_dir)
+    engine = create_engine(config, args.engine_dir)
+    tokenizer = Tokenizer(args.engine_dir / "tokenizer.json")
+    runner = CalibrationReplay(engine, tokenizer, manifest.framing, placeholders=placeholders)
+    return runner.run(sessions, records, max_points=args.max_points)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `prepos calibrate`; return its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="prepos calibrate: %(message)s", level=logging.INFO)
+    from prepos.calibration import read_records
+    from prepos.calibration_report import calibrate, write_report
+    from prepos.risk import METHODS
+
+    if args.method not in METHODS:
+        parser.error(f"--method: unknown {args.method!r}; use {' or '.join(METHODS)}")
+    if not 0.0 <= args.held_out < 1.0:
+        parser.error(f"--held-out: must lie in [0, 1), got {args.held_out}")
+    if args.sessions is not None and args.sessions < 1:
+        parser.error("--sessions: must be >= 1")
+    if args.max_points is not None and args.max_points < 1:
+        parser.error("--max-points: must be >= 1")
+    placeholders = {} if args.no_placeholder else dict(args.placeholder or DEFAULT_PLACEHOLDERS)
+    records_path = args.records or args.out / "records.jsonl"
+    try:
+        sessions = load_sessions(args)
+        if not args.engine_dir.is_dir():
+            raise ValueError(f"--engine-dir: {args.engine_dir} is not a directory (make engine builds the default)")
+        summary = replay(args, sessions, placeholders, records_path)
+        log.info("recorded %d decision points (%d already there) in %.1f s", summary.num_recorded,
+                 summary.num_skipped, summary.elapsed_s)
+        _, records = read_records(records_path)
+        results = calibrate(records, epsilons=args.epsilon, delta=args.delta, held_out_fraction=args.held_out,
+                            method=args.method)
+    except ValueError as error:
+        print(f"prepos calibrate: error: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    title = args.workload or str(args.trace)
+    paths = write_report(args.out, records, results, title=title, placeholders=placeholders,
+                         held_out_fraction=args.held_out)
+    for res in results:
+        chosen = res.chosen
+        if chosen is None:
+            print(f"epsilon {res.epsilon:g}: gate off — no threshold certifies it at confidence {1 - res.delta:g}")
+        else:
+            h = chosen.held_out
+            print(f"epsilon {res.epsilon:g}: {chosen.score} ({chosen.variant} delta) {chosen.calibration.summary()}; "
+                  f"held out {h.num_errors}/{h.num_accepted} false accepts, rate {h.rate:.4f} "
+                  f"[{h.interval[0]:.4f}, {h.interval[1]:.4f}]")
+    print("report: " + ", ".join(str(p) for p in paths))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
