@@ -93,11 +93,15 @@ class GateConfig:
     """Confidence (1 - delta) of that certificate; 0 when not calibrated. A record."""
     calibrated_coverage: float = 0.0
     """Share of calibration decision points the threshold accepted; a record."""
+    watch_fraction: float = 0.0
+    """Share of gated answers audited against the full path in the background (0 = none). With ``epsilon`` set,
+    the gate is suspended once the audits' upper bound on the false-accept rate passes it."""
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.threshold), "gate.threshold", "must be finite")
         _check(self.score in ("p_max", "margin", "certainty"), "gate.score", f"unknown score {self.score!r}")
         _check(0.0 <= self.epsilon < 1.0, "gate.epsilon", "must lie in [0, 1); 0 = not calibrated")
+        _check(0.0 <= self.watch_fraction <= 1.0, "gate.watch_fraction", "must lie in [0, 1]")
         _check(0.0 <= self.confidence < 1.0, "gate.confidence", "must lie in [0, 1); 0 = not calibrated")
         _check(0.0 <= self.calibrated_coverage <= 1.0, "gate.calibrated_coverage", "must lie in [0, 1]")
 

@@ -69,7 +69,7 @@ class Core:
             eviction_policy=config.memory.eviction_policy,
             max_log_tokens=config.memory.max_log_tokens,
             journal=journal,
-            speculative_delta=config.gate.speculative_delta,
+            gate_config=config.gate,
         )
         log.info("prepos core ready: model %s, engine %s on %s, %d-token context",
                  manifest.model_name, self.engine.info.name, self.engine.info.device, self.engine.info.max_context)

@@ -42,6 +42,11 @@ SPECS = (
                ("reason",)),
     MetricSpec("prepos_sessions_recovered_total", "counter", "Sessions reopened from their journal"),
     MetricSpec("prepos_turns_dropped_total", "counter", "Turns dropped from session logs by the context overflow policy"),
+    MetricSpec("prepos_gate_audits_total", "counter",
+               "Gated answers audited against the full path, by result (agreed, disagreed)", ("result",)),
+    MetricSpec("prepos_gate_false_accept_upper_bound", "gauge",
+               "Upper confidence bound on the gate's false-accept rate from the audits"),
+    MetricSpec("prepos_gate_suspended", "gauge", "1 once the audits suspended the gate (until a reload), else 0"),
 )
 
 
@@ -122,6 +127,13 @@ class Metrics:
 
     def session_recovered(self) -> None:
         self.sink.inc("prepos_sessions_recovered_total", {}, 1)
+
+    def gate_audited(self, result: str, upper_bound: float) -> None:
+        self.sink.inc("prepos_gate_audits_total", {"result": result}, 1)
+        self.sink.set("prepos_gate_false_accept_upper_bound", {}, upper_bound)
+
+    def gate_suspended(self) -> None:
+        self.sink.set("prepos_gate_suspended", {}, 1)
 
     def turns_dropped(self, num_turns: int) -> None:
         self.sink.inc("prepos_turns_dropped_total", {}, num_turns)

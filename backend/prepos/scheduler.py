@@ -23,9 +23,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from prepos.config import SchedulerConfig
+from prepos.config import GateConfig, SchedulerConfig
 from prepos.engines.base import Engine, common_prefix_length
 from prepos.gate import Gate
+from prepos.gate_watch import Audit, GateWatch
 from prepos.metrics import Metrics
 from prepos.policies import IDLE_POLICIES
 from prepos.protocol import ProtocolError, Rejection, Request, ResponseSink, Status
@@ -63,7 +64,7 @@ class Scheduler:
         eviction_policy: str = "lru",
         max_log_tokens: int = 0,
         journal: SessionJournal | None = None,
-        speculative_delta: str = "",
+        gate_config: GateConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self._engine = engine
@@ -83,13 +84,17 @@ class Scheduler:
         )
         self._residency.on_evict = self._stop_work_for
         self.store = self._residency.store
+        self._watch = GateWatch(gate_config, metrics)
+        self._audits: deque[Audit] = deque()
         self._server = RequestServer(
             engine=engine, tokenizer=tokenizer, framing=framing, turns=self._turns, gate=gate, scan=scan,
             metrics=metrics, residency=self._residency, config=config, clock=clock, journaled=journal is not None,
             is_inline=lambda: self._inline, close_session=self._close, reject=self._reject,
+            watch=self._watch, request_audit=self._audits.append,
         )
         self._idle_policy = IDLE_POLICIES[config.idle_policy]()
-        self._speculative_delta_ids = tuple(tokenizer.encode(speculative_delta)) if speculative_delta else ()
+        gate_config = gate_config or GateConfig()
+        self._speculative_delta_ids = tuple(tokenizer.encode(gate_config.speculative_delta)) if gate_config.speculative_delta else ()
         self._inbox: queue.SimpleQueue[tuple[Request | Rejection, ResponseSink]] = queue.SimpleQueue()
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one token per submit: wakes the loop
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
@@ -237,7 +242,9 @@ class Scheduler:
     def _step_prepositioning(self) -> bool:
         if self._clock() < self._background_after_s:
             return False
-        if self._prep is None:
+        if self._prep is None and self._start_audit():
+            pass
+        elif self._prep is None:
             if not (self._config.preposition and self._config.retain_kv and self._idle):
                 return False
             self._start_prepositioning(self._idle_policy.pick(list(self._idle.values())))
@@ -267,6 +274,31 @@ class Scheduler:
         del self._idle[session.session_id]
         self._prep = (session, self._preposition(session))
         self._prep_at_chunk_boundary = False
+
+    def _start_audit(self) -> bool:
+        """Start the oldest audit whose session is still as the audited answer left it (others are void)."""
+        while self._audits:
+            audit = self._audits.popleft()
+            session = audit.session
+            if self.store.get(session.session_id) is session and len(session.token_log) == audit.log_length \
+                    and not session.pending and not session.serving:
+                self._prep = (session, self._audit(audit))
+                self._prep_at_chunk_boundary = False
+                return True
+        return False
+
+    def _audit(self, audit: Audit) -> Iterator[None]:
+        """Prefill the full path of an audited gated answer in the session's own KV (a prefix of its new log)
+        and compare its first decided token with the gated one."""
+        session = audit.session
+        num_cached = common_prefix_length(self._engine.cached_token_ids(session.session_id), audit.prompt_ids)
+        logits = yield from self._engine.prefill_steps(session.session_id, list(audit.prompt_ids))
+        self._metrics.prefilled("background", max(1, len(audit.prompt_ids) - num_cached))
+        self._residency.note_kv(session, background=True)
+        if not session.has_kv:
+            return
+        full = self._scan(logits, allowed_ids=audit.trie.allowed_ids(audit.forced_ids) if audit.trie else None)
+        self._watch.record(audit, full.token_id)
 
     def _housekeeping(self, now: float) -> None:
         self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_S

@@ -21,6 +21,7 @@ import numpy as np
 from prepos.config import SchedulerConfig
 from prepos.engines.base import Engine, common_prefix_length
 from prepos.gate import Gate
+from prepos.gate_watch import Audit, GateWatch
 from prepos.metrics import Metrics
 from prepos.protocol import ProtocolError, Request, ResponseSink, Status
 from prepos.residency import Residency
@@ -60,7 +61,8 @@ class RequestServer:
     def __init__(self, *, engine: Engine, tokenizer: Tokenizer, framing: Framing, turns: TurnBuilder, gate: Gate,
                  scan: ScanFn, metrics: Metrics, residency: Residency, config: SchedulerConfig,
                  clock: Callable[[], float], journaled: bool, is_inline: Callable[[], bool],
-                 close_session: Callable[[Session, str], None], reject: Callable[[ResponseSink, ProtocolError], None]):
+                 close_session: Callable[[Session, str], None], reject: Callable[[ResponseSink, ProtocolError], None],
+                 watch: GateWatch, request_audit: Callable[[Audit], None]):
         self._engine = engine
         self._tokenizer = tokenizer
         self._framing = framing
@@ -75,6 +77,8 @@ class RequestServer:
         self._is_inline = is_inline  # the step runs on a submitting thread: engine work must yield to the loop
         self._close_session = close_session
         self._reject = reject
+        self._watch = watch
+        self._request_audit = request_audit
         self._max_context = engine.info.max_context
 
     def serve(self, session: Session, request: Request, sink: ResponseSink) -> Iterator[None]:
@@ -165,8 +169,14 @@ class RequestServer:
                 delta_ids = self._turns.delta_ids(request)
             return self._turns.turn_ids(session, request.role, delta_ids, self._framing.cue_ids)
 
+        audit: list[int] | None = None  # a sampled gated answer: the full-path prompt to check it against
+
         def accept() -> None:
-            self._residency.accept(session, [*turn_ids(), *answer, *self._framing.closing_ids(answer)], request.role,
+            nonlocal audit
+            turn = turn_ids()
+            if path is ServedPath.GATED and self._watch.sample():
+                audit = [*session.token_log, *turn, *forced]
+            self._residency.accept(session, [*turn, *answer, *self._framing.closing_ids(answer)], request.role,
                                    request.choices)
 
         rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
@@ -186,7 +196,8 @@ class RequestServer:
             if not has_delta and not pos.delta_ids:  # the request's turn is exactly the positioned one
                 path, logits, kv_len = ServedPath.EXACT, pos.logits, len(session.token_log) + len(pos.spec_ids)
             else:
-                decision = self._gate.decide(first, speculate=request.speculate, threshold=request.gate_threshold)
+                speculate = False if self._watch.suspended else request.speculate
+                decision = self._gate.decide(first, speculate=speculate, threshold=request.gate_threshold)
                 self._metrics.gate_decided(decision.outcome)
                 path = ServedPath.GATED if decision.fired else ServedPath.PREPAID
         else:
@@ -256,6 +267,9 @@ class RequestServer:
         self._metrics.request_served(path.value, clock.first_token_ms)
         if not self._journaled:  # without a journal the answer leaves first (a gated delta is tokenized after it)
             accept()
+        if audit is not None:
+            self._request_audit(Audit(session, len(session.token_log), tuple(audit), trie, forced,
+                                      answer[len(forced)]))
         if not self._config.retain_kv:
             self._residency.release_kv(session)
             session.evicted = True

@@ -1,0 +1,72 @@
+"""Auditing gated answers against the full path, and suspending the gate when the bound is passed."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fakes import IM_END
+from prepos.gate_watch import min_audits
+from test_scheduler import Harness, open_session
+
+WATCH = {"watch_fraction": 1.0, "epsilon": 0.05, "confidence": 0.95}
+
+
+def constant_logits(seq, vocab):
+    logits = np.zeros(vocab, dtype=np.float32)
+    logits[5] = 1.0  # whatever the delta, the same answer: every audit agrees
+    logits[IM_END] = 0.5
+    return logits
+
+
+def gated_round(h, sid, text):
+    sink = h.serve(h.request(sid, text, max_tokens=1))
+    h.idle()  # the audit, then pre-positioning
+    return sink
+
+
+def test_min_audits_is_where_zero_errors_certify():
+    n = min_audits(0.05, 0.05)
+    assert (1 - 0.05) ** n <= 0.05 < (1 - 0.05) ** (n - 1)
+
+
+def test_disagreeing_audits_suspend_the_gate_and_later_deltas_take_the_full_path(tmp_path):
+    h = Harness(tmp_path, threshold=0.0, gate_kw=WATCH)
+    open_session(h)
+    h.idle()
+    paths = [gated_round(h, "s1", f"question number {i}").path for i in range(min_audits(0.05, 0.05) + 1)]
+    audits = h.metrics.sink.get("prepos_gate_audits_total", result="disagreed") + \
+        h.metrics.sink.get("prepos_gate_audits_total", result="agreed")
+    assert audits >= min_audits(0.05, 0.05)
+    assert h.metrics.sink.get("prepos_gate_audits_total", result="disagreed") > 0.05 * audits
+    assert h.metrics.sink.get("prepos_gate_suspended") == 1
+    assert h.sched._watch.suspended
+    assert paths[0] == "gated"
+    assert gated_round(h, "s1", "and now?").path == "prepaid"  # suspended: the gate no longer fires
+    # the audit's prefill was a prefix of the session's log: the KV stays consistent
+    log = h.log("s1")
+    cached = h.engine.kv["s1"]
+    assert cached[: len(log)] == log
+
+
+def test_agreeing_audits_keep_the_gate_on(tmp_path):
+    h = Harness(tmp_path, threshold=0.0, gate_kw=WATCH, logits_fn=constant_logits)
+    open_session(h)
+    h.idle()
+    for i in range(min_audits(0.05, 0.05) + 5):
+        assert gated_round(h, "s1", f"q{i}").path == "gated"
+    assert h.metrics.sink.get("prepos_gate_audits_total", result="agreed") == min_audits(0.05, 0.05) + 5
+    assert h.metrics.sink.get("prepos_gate_audits_total", result="disagreed") == 0
+    assert h.metrics.sink.get("prepos_gate_false_accept_upper_bound") <= 0.05
+    assert not h.sched._watch.suspended
+
+
+def test_no_watch_no_audits(tmp_path):
+    h = Harness(tmp_path, threshold=0.0)
+    open_session(h)
+    h.idle()
+    sink = h.submit(h.request("s1", "question", max_tokens=1))
+    h.sched.run_once()
+    assert sink.path == "gated" and not h.sched._audits
+    h.idle()
+    assert h.metrics.sink.get("prepos_gate_audits_total", result="agreed") == 0
+    assert h.metrics.sink.get("prepos_gate_audits_total", result="disagreed") == 0
