@@ -48,3 +48,11 @@ LOADTEST_ARGS ?=
 .PHONY: loadtest
 loadtest: $(VENV)/.installed
 	PYTHONPATH=loadtest $(PY) -m prepos_loadtest.run $(LOADTEST_ARGS)
+
+# Soak: concurrent sessions for a long time against a server it starts (or --server ADDR); errors, server RSS
+# (tritonserver + backend stubs) and KV sampled into out/soak/soak.csv, plotted in out/soak/soak.png, e.g.
+#   make soak SOAK_ARGS="--users 32 --duration 10m"      (hours: --duration 4h)
+SOAK_ARGS ?=
+.PHONY: soak
+soak: $(ENGINE)
+	PYTHONPATH=loadtest $(PY) -m prepos_loadtest.soak $(SOAK_ARGS)

@@ -1,0 +1,93 @@
+"""Reading a running prepos server from the outside: its metrics endpoint and its processes' memory.
+
+Used by the soak, and by the figures for their metric deltas. Nothing here sends inference traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import urllib.request
+from dataclasses import dataclass
+
+log = logging.getLogger("prepos.loadtest")
+
+
+def scrape(metrics_url: str, timeout_s: float = 5.0) -> str:
+    """The text of Triton's Prometheus endpoint."""
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+        return response.read().decode()
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of metric `name` whose labels include all of `labels` (0 when there is none).
+
+    `name` matches exactly: `prepos_kv_bytes` does not pick up `prepos_kv_bytes_total`.
+    """
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        rest = line[len(name):]
+        if not (rest.startswith("{") or rest.startswith(" ")):
+            continue
+        if all(f'{key}="{value}"' in rest for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 at the time of the call."""
+    sockets, ports = [], []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@dataclass(frozen=True)
+class TreeMemory:
+    """Resident memory of a process and all its descendants (the Python backend stubs of Triton)."""
+
+    rss_bytes: int
+    num_processes: int
+
+
+def tree_memory(pid: int) -> TreeMemory | None:
+    """Sum of RSS over `pid` and its descendants; None when `pid` is gone.
+
+    Children that exit while they are being read are skipped.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return None
+    total, counted = 0, 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+            counted += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return TreeMemory(total, counted) if counted else None
+
+
+def pid_listening_on(port: int) -> int | None:
+    """The pid of the local process listening on TCP `port`, when this user may see it."""
+    import psutil
+
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.AccessDenied:
+        return None
+    for connection in connections:
+        if connection.status == psutil.CONN_LISTEN and connection.laddr and connection.laddr.port == port:
+            return connection.pid
+    return None
