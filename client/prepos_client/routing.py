@@ -191,6 +191,8 @@ class RoutedSession:
         self.failovers: list[Failover] = []
         self._client = client
         self._session = self._open(client.replica_for(self.session_id), resume=resume)
+        # True from a move with a shared journal until a request reaches the new owner.
+        self._journal_only = False
 
     @property
     def replica(self) -> str:
@@ -220,10 +222,15 @@ class RoutedSession:
         return self._stream(session, chunks, lambda session: session.generate(text, **kwargs))
 
     def close(self, *, timeout_s: float | None = None) -> Update | None:
-        """`Session.close` (END) on the session's replica, its new owner if that replica is lost."""
+        """`Session.close` (END) on the session's replica, its new owner if that replica is lost.
+
+        A session moved with a shared journal is ended on its new owner even
+        before any other request reached it there (START and END together),
+        so that the new owner deletes its journal.
+        """
         if self._session.closed:
             return None
-        return self._call(lambda session: session.close(timeout_s=timeout_s))
+        return self._call(lambda session: self._end(session, timeout_s))
 
     def detach(self) -> None:
         """Release the connection and leave the session open on its replica."""
@@ -259,7 +266,13 @@ class RoutedSession:
             except PreposUnavailable as error:
                 self._fail_over(session, error)
                 continue
+            self._journal_only = False
             return session, result
+
+    def _end(self, session: Session, timeout_s: float | None) -> Update | None:
+        if self._journal_only:
+            return session.append(end=True, timeout_s=timeout_s)
+        return session.close(timeout_s=timeout_s)
 
     def _stream(self, session: Session, chunks: Iterator[Chunk],
                 send: Callable[[Session], Iterator[Chunk]]) -> Iterator[Chunk]:
@@ -294,6 +307,7 @@ class RoutedSession:
         logger.warning("session %s: replica %s unreachable (%s); moved to %s",
                        self.session_id, lost, error, replica)
         self._session = self._open(replica, resume=False)
+        self._journal_only = self._client.shared_journal
         if not self._client.shared_journal:
             raise SessionLost(
                 f"session {self.session_id}: its replica {lost} is unreachable and no shared journal holds its "

@@ -152,3 +152,15 @@ def test_close_ends_every_session_on_its_replica(replicas):
 def test_bad_replicas_are_refused(bad):
     with pytest.raises(ValueError, match="replicas|hosts"):
         RoutedClient(bad)
+
+
+def test_a_session_moved_with_a_journal_is_ended_on_its_new_owner_even_unused(replicas):
+    client = RoutedClient(REPLICAS[:2], timeout_s=2, shared_journal=True)
+    (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    session = client.session(session_id)
+    session.ask("one")
+    replicas.dead.add(REPLICAS[0])
+    session.close()
+    (end,) = replicas.requests(REPLICAS[1], session_id)
+    assert end.sequence_start and end.sequence_end and "text_input" not in end.inputs
+    assert session.closed
