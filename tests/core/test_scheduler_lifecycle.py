@@ -109,3 +109,30 @@ def test_engine_time_is_split_between_foreground_and_background(tmp_path):
     background = h.metrics.sink.get("prepos_engine_seconds_total", where="background")
     assert background > 0
     assert h.metrics.sink.get("prepos_engine_seconds_total", where="foreground") == pytest.approx(foreground)
+
+
+def test_five_hundred_sessions_under_a_small_budget_all_answer_like_a_stateless_prefill(tmp_path):
+    # room for about ten sessions' KV at 100 bytes per token
+    h = Harness(tmp_path, kv_budget=10 * 100 * 60, max_sessions=500)
+    ledger = h.sched._residency.kv
+    num_sessions = 500
+    for i in range(num_sessions):
+        open_session(h, sid=f"s{i}", text=f"sys {i % 7}")
+    peak = 0
+    for round_ in range(2):
+        for i in range(num_sessions):
+            sid = f"s{i}"
+            text = f"q{round_} {i}"
+            want = [t for t in h.reference(h.prompt(sid, text), 4) if t != IM_END]
+            sink = h.serve(h.request(sid, text, max_tokens=4))
+            assert sink.error is None and sink.ids == want, sid
+            assert sink.path in ("prefix", "rebuild", "prepaid")
+            peak = max(peak, ledger.used_bytes)
+            assert ledger.used_bytes <= ledger.budget_bytes
+            if i % 10 == 0:
+                h.idle()  # pre-positioning competes for the budget too
+                assert ledger.used_bytes <= ledger.budget_bytes
+    assert h.metrics.sink.get("prepos_kv_evictions_total", what="kv") >= num_sessions
+    assert h.metrics.sink.get("prepos_requests_total", path="rebuild") >= num_sessions  # second round: all rebuilt
+    assert 0 < peak <= ledger.budget_bytes
+    assert h.metrics.sink.get("prepos_requests_total", path="prepaid") > 0  # pre-positioned sessions were served
