@@ -132,6 +132,9 @@ def test_five_hundred_sessions_under_a_small_budget_all_answer_like_a_stateless_
             if i % 10 == 0:
                 h.idle()  # pre-positioning competes for the budget too
                 assert ledger.used_bytes <= ledger.budget_bytes
+                want = [t for t in h.reference(h.prompt(sid, "and?"), 4) if t != IM_END]
+                follow_up = h.serve(h.request(sid, "and?", max_tokens=4))
+                assert follow_up.path == "prepaid" and follow_up.ids == want
     assert h.metrics.sink.get("prepos_kv_evictions_total", what="kv") >= num_sessions
     assert h.metrics.sink.get("prepos_requests_total", path="rebuild") >= num_sessions  # second round: all rebuilt
     assert 0 < peak <= ledger.budget_bytes
