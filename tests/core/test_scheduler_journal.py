@@ -1,0 +1,90 @@
+"""Session journals through the scheduler: accepted turns survive a restart; closing deletes them."""
+
+from __future__ import annotations
+
+from fakes import IM_END
+from prepos.journal import SessionJournal
+from prepos.protocol import Status
+from test_scheduler import Harness, open_session
+
+
+def restarted(tmp_path, journal_dir, **kw):
+    """A new scheduler with a new engine (nothing in memory) on the same journal directory."""
+    return Harness(tmp_path, journal=SessionJournal(journal_dir, fsync=False), **kw)
+
+
+def test_a_restarted_server_reopens_the_session_from_its_journal(tmp_path):
+    journal_dir = tmp_path / "journal"
+    h = restarted(tmp_path, journal_dir)
+    open_session(h)
+    h.serve(h.request("s1", "first question", max_tokens=4))
+    h.serve(h.request("s1", "an update", max_tokens=0))
+    h.idle()
+    log = h.log("s1")  # everything the first server acknowledged
+
+    h2 = restarted(tmp_path, journal_dir)
+    assert h2.sched.store.get("s1") is None
+    prompt = [*log, *h2.framing.entry_ids["user"], *h2.tok.encode("what next?"), *h2.framing.cue_ids]
+    want = [t for t in h2.reference(prompt, 5) if t != IM_END]
+    sink = h2.serve(h2.request("s1", "what next?", max_tokens=5))
+    assert sink.path == "rebuild" and sink.ids == want
+    assert h2.log("s1")[: len(log)] == log
+    assert h2.metrics.sink.get("prepos_sessions_recovered_total") == 1
+
+
+def test_end_deletes_the_journal_and_start_replaces_it(tmp_path):
+    journal_dir = tmp_path / "journal"
+    h = restarted(tmp_path, journal_dir)
+    journal = h.sched._residency._journal
+    open_session(h)
+    h.serve(h.request("s1", "hello", max_tokens=2))
+    assert journal.session_ids() == ["s1"]
+    h.serve(h.request("s1", None, end=True, max_tokens=0))
+    assert journal.session_ids() == []
+    open_session(h, sid="s2", text="old")
+    h2 = restarted(tmp_path, journal_dir)  # s2 was left behind by a crash; a START under its id begins anew
+    open_session(h2, sid="s2", text="new")
+    assert journal.recover("s2").token_log == h2.log("s2")
+
+
+def test_rejected_and_cancelled_requests_leave_the_journal_unchanged(tmp_path):
+    journal_dir = tmp_path / "journal"
+    h = restarted(tmp_path, journal_dir)
+    journal = h.sched._residency._journal
+    open_session(h)
+    before = journal.recover("s1").token_log
+    assert h.serve(h.request("s1", "hi", role="wizard")).error.field == "role"
+    sink = h.submit(h.request("s1", "a long answer please", max_tokens=40))
+    while not sink.chunks:
+        h.sched.run_once()
+    sink.client_gone = True
+    while not sink.done:
+        h.sched.run_once()
+    assert journal.recover("s1").token_log == before == h.log("s1")
+
+
+class BrokenJournal(SessionJournal):
+    def append(self, session_id, entry):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_journal_write_failure_is_an_error_and_the_turn_is_not_accepted(tmp_path):
+    h = Harness(tmp_path, journal=BrokenJournal(tmp_path / "journal", fsync=False))
+    open_session(h, text="")  # an empty update writes nothing
+    for max_tokens in (0, 3):
+        sink = h.serve(h.request("s1", "hello", max_tokens=max_tokens))
+        assert sink.error.field == "journal" and sink.error.status is Status.UNAVAILABLE
+        assert "not accepted" in str(sink.error)
+        assert h.log("s1") == []
+
+
+def test_dropping_turns_rewrites_the_journal(tmp_path):
+    journal_dir = tmp_path / "journal"
+    h = restarted(tmp_path, journal_dir, max_log_tokens=90, context_overflow="drop_oldest")
+    open_session(h, text="sys")
+    for text in ("first question", "second question", "third question", "y" * 40):
+        assert h.serve(h.request("s1", text, max_tokens=4)).error is None
+    assert h.metrics.sink.get("prepos_turns_dropped_total") >= 1
+    recovered = h.sched._residency._journal.recover("s1")
+    assert recovered.token_log == h.log("s1")
+    assert [list(t) for t in recovered.turns] == h.sched.store.lookup("s1").turns()
