@@ -136,10 +136,20 @@ class LimitsConfig:
     """Largest ``max_tokens`` a request may ask for."""
     max_delta_bytes: int = 1 << 20
     """Largest ``text_input`` in bytes."""
+    max_delta_tokens: int = 1 << 18
+    """Most ``input_ids`` in one request (the context length bounds the session's log further, later)."""
+    max_role_bytes: int = 64
+    """Largest ``role`` in bytes (the template's roles are short names)."""
     max_choices: int = 256
+    """Most ``choices`` entries."""
     max_choice_bytes: int = 256
+    """Largest ``choices`` entry in bytes."""
     max_stops: int = 16
+    """Most ``stop`` strings."""
     max_stop_bytes: int = 256
+    """Largest ``stop`` string in bytes."""
+    max_top_k: int = 1 << 20
+    """Largest ``top_k`` (any value at or above the vocabulary size means no cut)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -151,15 +151,18 @@ def _scalar(inputs: Mapping[str, np.ndarray], name: str, kinds: str) -> np.gener
     return value.reshape(-1)[0]
 
 
-def _utf8(name: str, raw: object) -> str:
+def _utf8(name: str, raw: object, max_bytes: int, what: str = "") -> str:
+    """Decode one BYTES element; its size is checked before it is decoded. ``what`` names the entry."""
     if isinstance(raw, str):
-        return raw
+        raw = raw.encode("utf-8", "surrogatepass")
     if not isinstance(raw, (bytes, np.bytes_)):
-        raise ProtocolError(name, f"expected bytes, got {type(raw).__name__}")
+        raise ProtocolError(name, f"{what}expected bytes, got {type(raw).__name__}")
+    if len(raw) > max_bytes:
+        raise ProtocolError(name, f"{what}{len(raw)} bytes; at most {max_bytes} allowed")
     try:
         return bytes(raw).decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ProtocolError(name, f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})") from None
+        raise ProtocolError(name, f"{what}not valid UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})") from None
 
 
 def _string_list(inputs: Mapping[str, np.ndarray], name: str, max_count: int, max_bytes: int) -> tuple[str, ...] | None:
@@ -173,9 +176,7 @@ def _string_list(inputs: Mapping[str, np.ndarray], name: str, max_count: int, ma
         raise ProtocolError(name, f"{len(items)} entries; at most {max_count} allowed")
     strings = []
     for i, raw in enumerate(items):
-        if len(raw) > max_bytes:
-            raise ProtocolError(name, f"entry {i} is {len(raw)} bytes; at most {max_bytes} allowed")
-        text = _utf8(name, raw)
+        text = _utf8(name, raw, max_bytes, f"entry {i}: ")
         if not text:
             raise ProtocolError(name, f"entry {i} is empty")
         strings.append(text)
@@ -221,9 +222,7 @@ def parse_request(
     text_raw = _scalar(inputs, "text_input", "OSU")
     delta_text = None
     if text_raw is not None:
-        if len(text_raw) > limits.max_delta_bytes:
-            raise ProtocolError("text_input", f"{len(text_raw)} bytes; at most {limits.max_delta_bytes} allowed")
-        delta_text = _utf8("text_input", text_raw)
+        delta_text = _utf8("text_input", text_raw, limits.max_delta_bytes)
 
     delta_ids = None
     ids = inputs.get("input_ids")
@@ -232,12 +231,14 @@ def parse_request(
             raise ProtocolError("input_ids", "exclusive with text_input; send one of them")
         if ids.dtype.kind not in "iu":
             raise ProtocolError("input_ids", f"wrong type {ids.dtype}; expected INT32")
+        if ids.size > limits.max_delta_tokens:
+            raise ProtocolError("input_ids", f"{ids.size} token ids; at most {limits.max_delta_tokens} allowed")
         delta_ids = tuple(int(i) for i in ids.reshape(-1))
         if any(i < 0 for i in delta_ids):
             raise ProtocolError("input_ids", "token ids must be >= 0")
 
     role_raw = _scalar(inputs, "role", "OSU")
-    role = "user" if role_raw is None else _utf8("role", role_raw)
+    role = "user" if role_raw is None else _utf8("role", role_raw, limits.max_role_bytes)
 
     max_tokens_raw = _scalar(inputs, "max_tokens", "iu")
     max_tokens = default_max_tokens if max_tokens_raw is None else int(max_tokens_raw)
@@ -262,8 +263,10 @@ def parse_request(
     )
     if sampling.top_p == 0.0:
         raise ProtocolError("top_p", "must be > 0")
-    if sampling.top_k < 0:
-        raise ProtocolError("top_k", f"must be >= 0, got {sampling.top_k}")
+    if not 0 <= sampling.top_k <= limits.max_top_k:
+        raise ProtocolError("top_k", f"must be in [0, {limits.max_top_k}] (0 = no cut), got {sampling.top_k}")
+    if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
+        raise ProtocolError("seed", f"must be in [0, 2**64), got {sampling.seed}")
 
     speculate = _scalar(inputs, "speculate", "b")
     gate_threshold = _scalar(inputs, "gate_threshold", "f")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from prepos.config import LimitsConfig
 from prepos.protocol import INPUT_NAMES, ProtocolError, parse_request
 
-LIMITS = LimitsConfig(max_delta_bytes=64, max_choices=4, max_choice_bytes=16, max_stops=2, max_stop_bytes=8)
+LIMITS = LimitsConfig(max_delta_bytes=64, max_delta_tokens=4, max_role_bytes=8, max_choices=4, max_choice_bytes=16,
+                      max_stops=2, max_stop_bytes=8, max_top_k=100)
 
 
 def parse(**inputs):
@@ -53,6 +54,31 @@ def test_defaults_and_values():
     (dict(input_ids=np.array([1.5], np.float32)), "input_ids"),
     (dict(max_tokens=np.array([1, 2], np.int32)), "max_tokens"),
     (dict(bogus=np.array([1])), "bogus"),
+    (dict(input_ids=np.arange(5, dtype=np.int32)), "input_ids"),
+    (dict(input_ids=np.array([True])), "input_ids"),
+    (dict(role=b("x" * 9)), "role"),
+    (dict(role=b("a", "b")), "role"),
+    (dict(role=np.array([1], np.int32)), "role"),
+    (dict(text_input=np.array([7], dtype=np.object_)), "text_input"),
+    (dict(text_input=np.array(["é" * 33])), "text_input"),  # 33 characters, 66 bytes
+    (dict(text_input=b("a", "b")), "text_input"),
+    (dict(choices=np.array(["a", 3], dtype=np.object_)), "choices"),
+    (dict(choices=np.array([1, 2], np.int32)), "choices"),
+    (dict(choices=b(b"ok", b"\xe2\x82")), "choices"),
+    (dict(stop=b("a", "b", "c")), "stop"),
+    (dict(stop=b("123456789")), "stop"),
+    (dict(stop=b(b"\x80")), "stop"),
+    (dict(top_k=np.array([101], np.int32)), "top_k"),
+    (dict(top_k=np.array([2**64 - 1], np.uint64)), "top_k"),
+    (dict(top_k=np.array([1.0], np.float32)), "top_k"),
+    (dict(seed=np.array([-1], np.int64)), "seed"),
+    (dict(seed=np.array([1.5], np.float32)), "seed"),
+    (dict(seed=np.array([True])), "seed"),
+    (dict(speculate=np.array([1], np.int32)), "speculate"),
+    (dict(gate_threshold=np.array([1.5], np.float32)), "gate_threshold"),
+    (dict(top_p=np.array([1.5], np.float32)), "top_p"),
+    (dict(max_tokens=np.array([1.0], np.float32)), "max_tokens"),
+    (dict(START=np.array([1, 1], np.int32)), "START"),
 ])
 def test_bad_inputs_name_the_field(inputs, field):
     with pytest.raises(ProtocolError) as err:
@@ -68,9 +94,14 @@ def test_missing_session_id_is_rejected():
 
 arrays = st.one_of(
     st.lists(st.binary(max_size=20), max_size=5).map(lambda v: np.array(v, dtype=np.object_)),
-    st.lists(st.integers(-2**31, 2**31 - 1), max_size=5).map(lambda v: np.array(v, dtype=np.int32)),
+    st.lists(st.integers(-2**31, 2**31 - 1), max_size=6).map(lambda v: np.array(v, dtype=np.int32)),
+    st.lists(st.integers(0, 2**64 - 1), max_size=2).map(lambda v: np.array(v, dtype=np.uint64)),
+    st.lists(st.integers(-2**63, 2**63 - 1), max_size=2).map(lambda v: np.array(v, dtype=np.int64)),
     st.lists(st.floats(allow_nan=True, width=32), max_size=3).map(lambda v: np.array(v, dtype=np.float32)),
     st.lists(st.booleans(), max_size=2).map(np.array),
+    st.lists(st.text(max_size=12), max_size=3).map(lambda v: np.array(v, dtype=np.str_)),
+    st.lists(st.one_of(st.binary(max_size=4), st.integers(), st.none()), max_size=3).map(
+        lambda v: np.array(v + [None], dtype=np.object_)[:len(v)]),
 )
 
 
@@ -78,6 +109,38 @@ arrays = st.one_of(
 @given(st.dictionaries(st.sampled_from(INPUT_NAMES + ("START", "END")), arrays, max_size=6))
 def test_decoder_never_crashes(inputs):
     try:
-        parse(**inputs)
+        r = parse(**inputs)
     except ProtocolError as err:
         assert err.field in INPUT_NAMES + ("START", "END", "correlation_id")
+        assert str(err).startswith(f"{err.field}: ")
+        return
+    # whatever is accepted is within the limits
+    assert r.delta_ids is None or len(r.delta_ids) <= LIMITS.max_delta_tokens
+    assert r.delta_text is None or len(r.delta_text.encode()) <= LIMITS.max_delta_bytes
+    assert len(r.role.encode()) <= LIMITS.max_role_bytes and 0 <= r.sampling.top_k <= LIMITS.max_top_k
+    assert len(r.choices or ()) <= LIMITS.max_choices and len(r.stop) <= LIMITS.max_stops
+    assert all(len(c.encode()) <= LIMITS.max_choice_bytes for c in r.choices or ())
+    assert all(len(c.encode()) <= LIMITS.max_stop_bytes for c in r.stop)
+    assert r.sampling.seed is None or 0 <= r.sampling.seed < 2**64
+
+
+def test_limits_at_the_bound_are_accepted():
+    r = parse(input_ids=np.arange(4, dtype=np.int32), role=b("x" * 8), top_k=np.array([100], np.int32),
+              seed=np.array([2**64 - 1], np.uint64), stop=b("12345678", "b"), choices=b("y" * 16, "b", "c", "d"))
+    assert len(r.delta_ids) == 4 and r.role == "x" * 8 and r.sampling.top_k == 100 and r.sampling.seed == 2**64 - 1
+    assert parse(text_input=b("é" * 32)).delta_text == "é" * 32  # 64 bytes
+
+
+def test_oversize_errors_say_the_size_and_the_limit():
+    with pytest.raises(ProtocolError, match=r"input_ids: 5 token ids; at most 4 allowed"):
+        parse(input_ids=np.arange(5, dtype=np.int32))
+    with pytest.raises(ProtocolError, match=r"stop: entry 0: 9 bytes; at most 8 allowed"):
+        parse(stop=b("123456789"))
+    with pytest.raises(ProtocolError, match=r"choices: 5 entries; at most 4 allowed"):
+        parse(choices=b("a", "b", "c", "d", "e"))
+
+
+@pytest.mark.parametrize("field", ["max_delta_tokens", "max_role_bytes", "max_top_k"])
+def test_new_limits_are_validated(field):
+    with pytest.raises(ValueError, match=f"limits.{field}"):
+        LimitsConfig(**{field: 0})
