@@ -39,13 +39,15 @@ class EngineConfig:
     num_threads: int = 0
     """Torch intra-op threads; 0 leaves torch's default."""
     scan: str = "torch"
-    """Vocabulary scan implementation: ``torch`` (on the logits' device) or ``numpy`` (the reference)."""
+    """Vocabulary scan implementation: ``torch`` (on the logits' device), ``numpy`` (the reference) or
+    ``onnxruntime`` (the scan's ONNX graph on CPU)."""
 
     def __post_init__(self) -> None:
         _check(self.name in ("torch", "trtllm"), "engine.name", f"unknown engine {self.name!r}; use torch or trtllm")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "engine.dtype", f"unknown dtype {self.dtype!r}")
         _check(self.num_threads >= 0, "engine.num_threads", "must be >= 0")
-        _check(self.scan in ("torch", "numpy"), "engine.scan", f"unknown scan {self.scan!r}; use torch or numpy")
+        _check(self.scan in ("torch", "numpy", "onnxruntime"), "engine.scan",
+               f"unknown scan {self.scan!r}; use torch, numpy or onnxruntime")
 
 
 @dataclass(frozen=True)

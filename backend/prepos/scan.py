@@ -146,7 +146,14 @@ def scan_torch(
     return ScanResult(token_id=int(stats[0]), p_max=p_max, margin=margin, entropy=max(0.0, stats[3]), num_allowed=x.numel())
 
 
-SCANS: dict[str, ScanFn] = {"numpy": scan_numpy, "torch": scan_torch}
+def scan_onnxruntime(logits, **kwargs) -> ScanResult:
+    """ONNX Runtime on CPU (``prepos.scan_onnxruntime``), imported on first use."""
+    from prepos.scan_onnxruntime import scan_onnxruntime as scan
+
+    return scan(logits, **kwargs)
+
+
+SCANS: dict[str, ScanFn] = {"numpy": scan_numpy, "torch": scan_torch, "onnxruntime": scan_onnxruntime}
 
 
 def get_scan(name: str) -> ScanFn:

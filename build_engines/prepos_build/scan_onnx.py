@@ -1,0 +1,252 @@
+"""The vocabulary scan as an ONNX graph, in two forms.
+
+Both forms have one interface (``V`` is the dynamic vocabulary axis ``vocab``):
+
+| input | type | meaning |
+| --- | --- | --- |
+| ``logits`` | float32 or float16 ``[V]`` | the cached next-token logits |
+| ``mask`` | bool ``[V]`` | allowed tokens (a ``choices`` trie node); all true without choices |
+| ``temperature`` | float32 ``[1]`` | 0 = greedy; > 0 samples |
+| ``top_k`` | int64 ``[1]`` | 0 = no cut |
+| ``top_p`` | float32 ``[1]`` | 1 = no cut |
+| ``uniform`` | float32 ``[1]`` | the uniform draw in [0, 1) a sampled answer inverts; ignored when greedy |
+
+| output | type | meaning |
+| --- | --- | --- |
+| ``token_id`` | int64 ``[1]`` | the answer token |
+| ``p_max``, ``margin``, ``entropy`` | float32 ``[1]`` | the gate's features over the allowed tokens at temperature 1 |
+
+The semantics are those of ``prepos.scan`` (the NumPy reference), computed in
+float32: greedy is the allowed token with the largest logit, lowest id on ties
+(``ArgMax`` keeps the first maximum); sampling tempers the allowed logits, sorts
+by probability descending with ids ascending on ties (``TopK``'s documented
+tie-break), cuts to ``top_k`` then to the smallest prefix whose mass reaches
+``top_p``, and inverts the cumulative mass at ``uniform``. Sampling sits in an
+``If`` branch, so a greedy scan never pays the sort. With no finite allowed logit
+``p_max`` is NaN; callers turn that into an error, as the reference does.
+
+- **standard** form: ONNX operators only (opset :data:`OPSET`); ONNX Runtime runs
+  it on CPU (``prepos.scan_onnxruntime``).
+- **plugin** form: one node ``VocabScan`` in domain :data:`DOMAIN` (version
+  :data:`DOMAIN_VERSION`) carrying ``plugin_namespace``/``plugin_version``
+  attributes, which TensorRT's ONNX parser maps to the plugin
+  ``prepos::VocabScan`` (``prepos_build.scan_tensorrt``).
+
+``python -m prepos_build.scan_onnx --output DIR`` writes both forms for both
+logit dtypes and ``scan_onnx.json``, which records opset and domain versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+log = logging.getLogger(__name__)
+
+OPSET = 17
+DOMAIN = "prepos"
+DOMAIN_VERSION = 1
+PLUGIN_NAME = "VocabScan"
+PLUGIN_VERSION = "1"
+IR_VERSION = 8  # readable by ONNX Runtime and TensorRT 10's parser alike
+VOCAB_AXIS = "vocab"
+INPUT_NAMES = ("logits", "mask", "temperature", "top_k", "top_p", "uniform")
+OUTPUT_NAMES = ("token_id", "p_max", "margin", "entropy")
+FORMS = ("standard", "plugin")
+DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+MANIFEST = "scan_onnx.json"
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _const(name: str, value: Any, dtype: Any) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+
+
+def _io(dtype: str) -> tuple[list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: unknown logits dtype {dtype!r}; use {' or '.join(DTYPES)}")
+    inputs = [
+        helper.make_tensor_value_info("logits", DTYPES[dtype], [VOCAB_AXIS]),
+        helper.make_tensor_value_info("mask", TensorProto.BOOL, [VOCAB_AXIS]),
+        helper.make_tensor_value_info("temperature", TensorProto.FLOAT, [1]),
+        helper.make_tensor_value_info("top_k", TensorProto.INT64, [1]),
+        helper.make_tensor_value_info("top_p", TensorProto.FLOAT, [1]),
+        helper.make_tensor_value_info("uniform", TensorProto.FLOAT, [1]),
+    ]
+    outputs = [helper.make_tensor_value_info("token_id", TensorProto.INT64, [1])]
+    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in OUTPUT_NAMES[1:]]
+    return inputs, outputs
+
+
+def _sampling_branch() -> onnx.GraphProto:
+    # Reads the outer scope: shifted [V] (allowed logits minus their max, -inf where masked),
+    # vocab [1], temperature, top_k, top_p, uniform, zero_i, one_i, zero_f, one_f.
+    n = helper.make_node
+    nodes = [
+        n("Div", ["shifted", "temperature"], ["s_z"]),
+        n("Exp", ["s_z"], ["s_q"]),
+        n("ReduceSum", ["s_q", "axis0"], ["s_qsum"], keepdims=1),
+        n("Div", ["s_q", "s_qsum"], ["s_qn"]),  # q: [V], 0 where masked
+        # top_k cut: 0 < top_k < V keeps top_k, otherwise all
+        n("Greater", ["top_k", "zero_i"], ["s_k_pos"]),
+        n("Less", ["top_k", "vocab"], ["s_k_small"]),
+        n("And", ["s_k_pos", "s_k_small"], ["s_k_cut"]),
+        n("Where", ["s_k_cut", "top_k", "vocab"], ["s_k"]),
+        n("TopK", ["s_qn", "s_k"], ["s_sorted", "s_order"], axis=0, largest=1, sorted=1),
+        # top_p cut: keep = 1 + #(normalised cumulative mass < top_p), only when top_p < 1
+        n("CumSum", ["s_sorted", "axis0_scalar"], ["s_cum"]),
+        n("ReduceSum", ["s_sorted", "axis0"], ["s_sorted_sum"], keepdims=1),
+        n("Div", ["s_cum", "s_sorted_sum"], ["s_cumn"]),
+        n("Less", ["s_cumn", "top_p"], ["s_below"]),
+        n("Cast", ["s_below"], ["s_below_i"], to=TensorProto.INT64),
+        n("ReduceSum", ["s_below_i", "axis0"], ["s_num_below"], keepdims=1),
+        n("Add", ["s_num_below", "one_i"], ["s_keep_p"]),
+        n("Min", ["s_keep_p", "s_k"], ["s_keep_p_capped"]),
+        n("Less", ["top_p", "one_f"], ["s_p_cut"]),
+        n("Where", ["s_p_cut", "s_keep_p_capped", "s_k"], ["s_keep_cut"]),
+        # never past the last positive probability: masked tokens are never answers
+        n("Greater", ["s_sorted", "zero_f"], ["s_pos"]),
+        n("Cast", ["s_pos"], ["s_pos_i"], to=TensorProto.INT64),
+        n("ReduceSum", ["s_pos_i", "axis0"], ["s_num_pos"], keepdims=1),
+        n("Max", ["s_num_pos", "one_i"], ["s_num_pos1"]),
+        n("Min", ["s_keep_cut", "s_num_pos1"], ["s_keep"]),
+        n("Slice", ["s_sorted", "zero_i", "s_keep", "axis0"], ["s_kept"]),
+        # invert the kept mass at uniform: index = #(cumulative <= u * total), capped at keep - 1
+        n("CumSum", ["s_kept", "axis0_scalar"], ["s_cum2"]),
+        n("Slice", ["s_cum2", "minus_one_i", "int64_max", "axis0"], ["s_total2"]),
+        n("Mul", ["uniform", "s_total2"], ["s_target"]),
+        n("LessOrEqual", ["s_cum2", "s_target"], ["s_le"]),
+        n("Cast", ["s_le"], ["s_le_i"], to=TensorProto.INT64),
+        n("ReduceSum", ["s_le_i", "axis0"], ["s_index_raw"], keepdims=1),
+        n("Sub", ["s_keep", "one_i"], ["s_last"]),
+        n("Min", ["s_index_raw", "s_last"], ["s_index"]),
+        n("Gather", ["s_order", "s_index"], ["sampled_id"], axis=0),
+    ]
+    out = helper.make_tensor_value_info("sampled_id", TensorProto.INT64, [1])
+    return helper.make_graph(nodes, "sample", [], [out])
+
+
+def _standard_graph(dtype: str) -> onnx.GraphProto:
+    inputs, outputs = _io(dtype)
+    n = helper.make_node
+    nodes = [
+        _const("axis0", [0], np.int64),
+        _const("axis0_scalar", 0, np.int64),
+        _const("zero_i", [0], np.int64),
+        _const("one_i", [1], np.int64),
+        _const("minus_one_i", [-1], np.int64),
+        _const("int64_max", [_INT64_MAX], np.int64),
+        _const("two_i", [2], np.int64),
+        _const("zero_f", [0.0], np.float32),
+        _const("one_f", [1.0], np.float32),
+        _const("neg_inf", [-np.inf], np.float32),
+        n("Cast", ["logits"], ["x"], to=TensorProto.FLOAT),
+        n("Shape", ["x"], ["vocab"]),
+        n("Where", ["mask", "x", "neg_inf"], ["allowed"]),  # allowed: [V], -inf where masked
+        # features at temperature 1 over the allowed tokens
+        n("ReduceMax", ["allowed"], ["top"], axes=[0], keepdims=1),
+        n("Sub", ["allowed", "top"], ["shifted"]),
+        n("Exp", ["shifted"], ["e"]),
+        n("ReduceSum", ["e", "axis0"], ["total"], keepdims=1),
+        n("Div", ["e", "total"], ["p"]),
+        n("Min", ["vocab", "two_i"], ["k2"]),
+        n("TopK", ["p", "k2"], ["top2", "top2_ids"], axis=0, largest=1, sorted=1),
+        n("Slice", ["top2", "zero_i", "one_i", "axis0"], ["p_max"]),
+        # second probability, 0 when the vocabulary has one token (margin = p_max)
+        n("Concat", ["top2", "zero_f"], ["top2_padded"], axis=0),
+        n("Slice", ["top2_padded", "one_i", "two_i", "axis0"], ["p_second"]),
+        n("Sub", ["p_max", "p_second"], ["margin"]),
+        n("Log", ["total"], ["log_total"]),
+        n("Sub", ["shifted", "log_total"], ["log_p"]),
+        n("Mul", ["p", "log_p"], ["plogp_raw"]),  # NaN where p = 0 (0 * -inf); dropped next
+        n("Greater", ["p", "zero_f"], ["p_positive"]),
+        n("Where", ["p_positive", "plogp_raw", "zero_f"], ["plogp"]),
+        n("ReduceSum", ["plogp", "axis0"], ["neg_entropy"], keepdims=1),
+        n("Neg", ["neg_entropy"], ["entropy_raw"]),
+        n("Max", ["entropy_raw", "zero_f"], ["entropy"]),
+        # answer: greedy, or sampled in a branch that only a positive temperature pays
+        n("ArgMax", ["allowed"], ["greedy_id"], axis=0, keepdims=1, select_last_index=0),
+        n("Greater", ["temperature", "zero_f"], ["sampling"]),
+        n("If", ["sampling"], ["token_id"], then_branch=_sampling_branch(),
+          else_branch=helper.make_graph([n("Identity", ["greedy_id"], ["greedy_out"])], "greedy", [],
+                                        [helper.make_tensor_value_info("greedy_out", TensorProto.INT64, [1])])),
+    ]
+    return helper.make_graph(nodes, f"prepos_vocab_scan_{dtype}", inputs, outputs)
+
+
+def _plugin_graph(dtype: str) -> onnx.GraphProto:
+    inputs, outputs = _io(dtype)
+    node = helper.make_node(
+        PLUGIN_NAME, list(INPUT_NAMES), list(OUTPUT_NAMES), name="vocab_scan", domain=DOMAIN,
+        plugin_namespace=DOMAIN, plugin_version=PLUGIN_VERSION,
+    )
+    return helper.make_graph([node], f"prepos_vocab_scan_plugin_{dtype}", inputs, outputs)
+
+
+def build_scan_model(form: str = "standard", dtype: str = "float32") -> onnx.ModelProto:
+    """The scan as an ONNX model of ``form`` (``standard`` or ``plugin``) for ``dtype`` logits.
+
+    The model passes ``onnx.checker.check_model``; the standard form also passes
+    full shape inference. Raises ``ValueError`` naming ``form`` or ``dtype``.
+    """
+    if form not in FORMS:
+        raise ValueError(f"form: unknown scan graph form {form!r}; use {' or '.join(FORMS)}")
+    graph = _standard_graph(dtype) if form == "standard" else _plugin_graph(dtype)
+    opsets = [helper.make_opsetid("", OPSET)]
+    if form == "plugin":
+        opsets.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="prepos_build", ir_version=IR_VERSION)
+    model.doc_string = f"prepos vocabulary scan ({form} form, {dtype} logits)"
+    onnx.checker.check_model(model, full_check=form == "standard")
+    return model
+
+
+def export(output: str | Path, dtypes: tuple[str, ...] = tuple(DTYPES)) -> Path:
+    """Write ``scan_<form>_<dtype>.onnx`` for both forms and each dtype, and the manifest; returns its path."""
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for form in FORMS:
+        for dtype in dtypes:
+            name = f"scan_{form}_{dtype}.onnx"
+            onnx.save_model(build_scan_model(form, dtype), out / name)
+            files[name] = {"form": form, "dtype": dtype}
+            log.info("wrote %s", out / name)
+    manifest = {
+        "onnx_version": onnx.__version__,
+        "ir_version": IR_VERSION,
+        "opset": OPSET,
+        "domains": {DOMAIN: DOMAIN_VERSION},
+        "plugin": {"name": PLUGIN_NAME, "namespace": DOMAIN, "version": PLUGIN_VERSION},
+        "inputs": list(INPUT_NAMES),
+        "outputs": list(OUTPUT_NAMES),
+        "files": files,
+    }
+    path = out / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prepos_build.scan_onnx",
+                                description="Export the vocabulary scan as ONNX models (standard and plugin forms).")
+    p.add_argument("--output", required=True, help="directory for the .onnx files and " + MANIFEST)
+    p.add_argument("--dtype", choices=sorted(DTYPES), action="append",
+                   help="logits dtype to export (repeatable; default: all)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    path = export(args.output, tuple(args.dtype) if args.dtype else tuple(DTYPES))
+    sys.stdout.write(f"{path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
