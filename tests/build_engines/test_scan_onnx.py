@@ -1,0 +1,133 @@
+"""The scan's ONNX export: both forms pass the checker, record their versions, and the standard form
+run by ONNX Runtime from the exported file agrees with the NumPy reference."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prepos.scan import scan_numpy
+from prepos_build import scan_onnx
+from prepos_build.scan_onnx import DOMAIN, DOMAIN_VERSION, OPSET, PLUGIN_NAME, build_scan_model, export
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scan_onnx")
+    assert scan_onnx.main(["--output", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def sessions(exported):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return {dtype: ort.InferenceSession(str(exported / f"scan_standard_{dtype}.onnx"), options,
+                                        providers=["CPUExecutionProvider"])
+            for dtype in ("float32", "float16")}
+
+
+def test_manifest_records_opset_domain_and_files(exported):
+    manifest = json.loads((exported / "scan_onnx.json").read_text())
+    assert manifest["opset"] == OPSET == 17
+    assert manifest["domains"] == {DOMAIN: DOMAIN_VERSION} == {"prepos": 1}
+    assert manifest["plugin"] == {"name": "VocabScan", "namespace": "prepos", "version": "1"}
+    assert sorted(manifest["files"]) == sorted(f"scan_{f}_{d}.onnx" for f in ("standard", "plugin")
+                                               for d in ("float32", "float16"))
+    for name, info in manifest["files"].items():
+        model = onnx.load(exported / name)
+        onnx.checker.check_model(model)
+        imports = {o.domain: o.version for o in model.opset_import}
+        assert imports[""] == OPSET
+        assert (DOMAIN in imports) == (info["form"] == "plugin")
+        assert model.graph.input[0].type.tensor_type.elem_type == scan_onnx.DTYPES[info["dtype"]]
+        assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "vocab"
+        assert [i.name for i in model.graph.input] == list(scan_onnx.INPUT_NAMES)
+        assert [o.name for o in model.graph.output] == list(scan_onnx.OUTPUT_NAMES)
+
+
+def test_plugin_form_is_one_node_the_tensorrt_parser_maps_to_the_plugin():
+    model = build_scan_model("plugin")
+    (node,) = model.graph.node
+    assert (node.op_type, node.domain) == (PLUGIN_NAME, DOMAIN)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs == {"plugin_namespace": b"prepos", "plugin_version": b"1"}
+
+
+def test_standard_form_uses_standard_operators_only():
+    model = build_scan_model("standard")
+    nodes = list(model.graph.node)
+    for node in model.graph.node:  # the If branches too
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                nodes += list(attr.g.node)
+    assert all(n.domain in ("", "ai.onnx") for n in nodes)
+    schemas = {n.op_type: onnx.defs.get_schema(n.op_type, OPSET, "") for n in nodes}
+    assert all(s.since_version <= OPSET for s in schemas.values())
+    assert "If" in schemas and "TopK" in schemas
+
+
+def test_bad_form_or_dtype_is_refused():
+    with pytest.raises(ValueError, match="form"):
+        build_scan_model("fused")
+    with pytest.raises(ValueError, match="dtype"):
+        build_scan_model("standard", "bfloat16")
+    with pytest.raises(SystemExit):
+        scan_onnx.main(["--output", "x", "--dtype", "int8"])
+
+
+def _run(session, logits, mask, temperature, top_k, top_p, u):
+    token, p_max, margin, entropy = session.run(None, {
+        "logits": logits, "mask": mask, "temperature": np.array([temperature], np.float32),
+        "top_k": np.array([top_k], np.int64), "top_p": np.array([top_p], np.float32),
+        "uniform": np.array([u], np.float32)})
+    return int(token[0]), float(p_max[0]), float(margin[0]), float(entropy[0])
+
+
+@settings(max_examples=50, deadline=None)
+@given(vocab=st.integers(1, 200), seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(["float32", "float16"]),
+       ties=st.booleans(), masked=st.booleans(), temperature=st.sampled_from([0.0, 0.0, 0.7, 1.5]),
+       top_k=st.sampled_from([0, 2, 40]), top_p=st.sampled_from([1.0, 0.8]), u=st.floats(0.0, 0.999))
+def test_exported_standard_form_agrees_with_reference(sessions, vocab, seed, dtype, ties, masked, temperature,
+                                                      top_k, top_p, u):
+    rng = np.random.default_rng(seed)
+    logits = (rng.integers(-2, 3, vocab) if ties else rng.normal(0, 3, vocab)).astype(dtype)
+    logits[rng.random(vocab) < 0.2] = -np.inf
+    logits[rng.integers(vocab)] = 2.0
+    allowed = sorted(rng.choice(vocab, size=int(rng.integers(1, vocab + 1)), replace=False).tolist()) if masked else None
+    mask = np.zeros(vocab, bool)
+    mask[allowed if masked else slice(None)] = True
+    kw = dict(allowed_ids=allowed, temperature=temperature, top_k=top_k, top_p=top_p, uniform=u)
+    token, p_max, margin, entropy = _run(sessions[dtype], logits, mask, temperature, top_k, top_p, u)
+    if not np.isfinite(logits[mask]).any():
+        assert math.isnan(p_max)  # the caller turns this into the reference's error
+        with pytest.raises(ValueError, match="no finite logit"):
+            scan_numpy(logits, **kw)
+        return
+    ref = scan_numpy(logits, **kw)
+    for got, want in ((p_max, ref.p_max), (margin, ref.margin), (entropy, ref.entropy)):
+        assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
+    if temperature == 0.0:
+        assert token == ref.token_id
+    elif token != ref.token_id:  # a draw or top_p on a float-rounding boundary of the cumulative mass
+        near = {scan_numpy(logits, **{**kw, "uniform": min(0.999999, max(0.0, u + du)), "top_p": top_p + dp}).token_id
+                for du in (-1e-5, 0.0, 1e-5) for dp in ((-1e-6, 0.0, 1e-6) if top_p < 1.0 else (0.0,))}
+        assert token in near
+
+
+def test_onnx_runtime_cannot_run_the_plugin_form_without_the_plugin():
+    with pytest.raises(Exception, match="VocabScan"):
+        ort.InferenceSession(build_scan_model("plugin").SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_export_subset_of_dtypes(tmp_path):
+    path = export(tmp_path, ("float16",))
+    assert sorted(p.name for p in tmp_path.glob("*.onnx")) == ["scan_plugin_float16.onnx", "scan_standard_float16.onnx"]
+    assert json.loads(path.read_text())["opset"] == OPSET
