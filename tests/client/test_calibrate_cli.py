@@ -1,0 +1,71 @@
+"""`prepos calibrate` end to end on the fake engine: files written, resumable, bad input named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import prepos.core
+from fakes import FakeEngine, write_engine_dir
+from prepos_client import calibrate_cli, cli
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    engine_dir = write_engine_dir(tmp_path / "engine")
+    monkeypatch.setattr(prepos.core, "create_engine", lambda config, path: FakeEngine())
+    lines = []
+    for i in range(12):
+        lines.append({"session": f"s{i}", "role": "system", "delta": "Answer yes or no.", "max_tokens": 0})
+        lines += [{"session": f"s{i}", "delta": f"Question {i}.{t}?", "max_tokens": 1, "choices": ["yes", "no"]}
+                  for t in range(3)]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return tmp_path, engine_dir, trace
+
+
+def test_calibrate_writes_report_and_resumes(setup, capsys):
+    tmp_path, engine_dir, trace = setup
+    out = tmp_path / "report"
+    argv = ["calibrate", "--trace", str(trace), "--engine-dir", str(engine_dir), "--epsilon", "0.1",
+            "--epsilon", "0.3", "--delta", "0.1", "--out", str(out), "--max-points", "20"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "epsilon 0.1:" in printed and "epsilon 0.3:" in printed
+    for name in ("report.md", "risk_coverage.csv", "risk_coverage.png", "gate_eps0.1.pbtxt", "gate_eps0.3.pbtxt"):
+        assert (out / name).is_file(), name
+    records = (out / "records.jsonl").read_text().splitlines()
+    assert len(records) == 1 + 20  # header + the points asked for
+
+    # A second run over the whole trace records only the rest.
+    assert cli.main(argv[:-2]) == 0
+    assert len((out / "records.jsonl").read_text().splitlines()) == 1 + 36
+    fragment = (out / "gate_eps0.1.pbtxt").read_text()
+    assert 'key: "gate.speculate"' in fragment and 'key: "gate.epsilon" value: { string_value: "0.1" }' in fragment
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--trace", "missing.jsonl"], "--trace"),
+    (["--workload", "bfcl:x"], "--workload"),
+    (["--workload", "nope"], "--workload"),
+])
+def test_bad_input_exits_1_naming_the_argument(setup, capsys, extra, message):
+    tmp_path, engine_dir, _ = setup
+    code = calibrate_cli.main([*extra, "--engine-dir", str(engine_dir), "--epsilon", "0.1", "--out",
+                               str(tmp_path / "o")])
+    assert code == calibrate_cli.EXIT_INVALID
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--trace", "t.jsonl", "--out", "o"],  # no --epsilon
+    ["--trace", "t.jsonl", "--epsilon", "1.5", "--out", "o"],
+    ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--placeholder", "novalue"],
+    ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--method", "best"],
+])
+def test_usage_errors_exit_2(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        calibrate_cli.main(argv)
+    assert exit_info.value.code == 2

@@ -1,0 +1,189 @@
+"""Calibration replay on the fake engine, resumability, and the report (prepos.calibration*)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from fakes import FakeEngine, chatml_framing, char_tokenizer, hashed_logits
+from prepos.calibration import EMPTY, CalibrationReplay, DecisionRecord, SpeculativeFeatures, read_records
+from prepos.calibration_report import calibrate, config_fragment, split_sessions, write_report
+from prepos.config import read_config
+from prepos.scan import scan_numpy
+
+
+@dataclass(frozen=True)
+class Step:
+    role: str
+    delta: str
+    max_tokens: int
+    choices: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Session:
+    name: str
+    steps: tuple[Step, ...]
+
+
+YES_NO = ("yes", "no")
+SESSIONS = [
+    Session("a", (Step("system", "Say yes or no.", 0), Step("user", "Is it?", 1, YES_NO), Step("tool", "ok", 0),
+                  Step("user", "", 1, YES_NO), Step("user", "And now?", 1, YES_NO))),
+    Session("b", (Step("user", "Pick one", 1, ("alpha", "alps", "beta")), Step("user", "hi", 3))),
+    Session("c", (Step("user", "Which way?", 1, ("go left", "go right")),)),
+]
+
+
+@pytest.fixture
+def parts(tmp_path):
+    tok = char_tokenizer(tmp_path)
+    return tok, chatml_framing(tok)
+
+
+def make_replay(parts, engine=None, placeholders=None):
+    tok, framing = parts
+    engine = engine or FakeEngine()
+    return engine, CalibrationReplay(engine, tok, framing, placeholders=placeholders or {"dots": "..."})
+
+
+def test_records_each_decision_point_with_the_full_paths_agreement(parts, tmp_path):
+    tok, framing = parts
+    engine, replay = make_replay(parts)
+    summary = replay.run(SESSIONS, tmp_path / "r.jsonl")
+    header, records = read_records(tmp_path / "r.jsonl")
+    assert header == {"format": 1, "placeholders": {"dots": "..."}}
+    # Updates and the empty-delta generate step are not decision points.
+    assert [(r.session, r.turn) for r in records] == [("a", 1), ("a", 4), ("b", 0), ("b", 1), ("c", 0)]
+    assert summary.num_recorded == 5 and summary.num_skipped == 0
+    assert engine.kv == {}  # every engine session released
+
+    # Independent check of the first decision point: build both sequences by hand and scan them.
+    enc = tok.encode
+    log = [*framing.entry_ids["system"], *enc("Say yes or no."), *framing.close_ids]
+    allowed = sorted({enc("yes")[0], enc("no")[0]})
+    full = scan_numpy(hashed_logits([*log, *framing.entry_ids["user"], *enc("Is it?"), *framing.cue_ids], 98),
+                      allowed_ids=allowed)
+    spec = scan_numpy(hashed_logits([*log, *framing.entry_ids["user"], *framing.cue_ids], 98), allowed_ids=allowed)
+    first = records[0]
+    assert first.full_token_id == full.token_id and first.num_choices == 2
+    assert first.variants[EMPTY].token_id == spec.token_id
+    assert first.variants[EMPTY].p_max == pytest.approx(spec.p_max)
+    assert first.variants[EMPTY].agreed == (spec.token_id == full.token_id)
+    assert set(first.variants) == {EMPTY, "dots"}
+
+    b0 = records[2]
+    assert b0.num_choices == 3 and tok.decode(b0.answer_ids) in ("alpha", "alps", "beta")
+    # Free generation: the first token is the decision, the answer stops at the stop token or max_tokens.
+    b1 = records[3]
+    assert b1.num_choices == 0 and 1 <= len(b1.answer_ids) <= 3 and b1.full_token_id == b1.answer_ids[0]
+    # Choices sharing leading tokens: those are forced, the decision is the first token after them.
+    c0 = records[4]
+    assert tok.decode(c0.answer_ids).startswith("go ") and tok.decode([c0.full_token_id]) in ("l", "r")
+    assert tok.decode([c0.variants[EMPTY].token_id]) in ("l", "r") and c0.variants[EMPTY].num_allowed == 2
+
+
+def test_rerun_skips_recorded_points_and_matches_one_full_run(parts, tmp_path):
+    _, once = make_replay(parts)
+    once.run(SESSIONS, tmp_path / "once.jsonl")
+    _, expected = read_records(tmp_path / "once.jsonl")
+
+    _, first = make_replay(parts)
+    assert first.run(SESSIONS, tmp_path / "r.jsonl", max_points=2).num_recorded == 2
+    engine, second = make_replay(parts)
+    summary = second.run(SESSIONS, tmp_path / "r.jsonl")
+    assert (summary.num_recorded, summary.num_skipped) == (3, 2)
+    # Session "a" was complete: the rerun never touched the engine for it.
+    assert not [c for c in engine.calls if "/a/" in c[1]]
+    _, records = read_records(tmp_path / "r.jsonl")
+    assert records == expected
+
+    engine, third = make_replay(parts)
+    assert third.run(SESSIONS, tmp_path / "r.jsonl").num_recorded == 0 and engine.calls == []
+
+
+def test_resume_mid_session_rebuilds_the_log_from_recorded_answers(parts, tmp_path):
+    _, once = make_replay(parts)
+    once.run(SESSIONS[:1], tmp_path / "once.jsonl")
+    _, first = make_replay(parts)
+    first.run(SESSIONS[:1], tmp_path / "r.jsonl", max_points=1)
+    engine, second = make_replay(parts)
+    second.run(SESSIONS[:1], tmp_path / "r.jsonl")
+    assert read_records(tmp_path / "r.jsonl")[1] == read_records(tmp_path / "once.jsonl")[1]
+
+
+def test_other_placeholders_and_bad_lines_are_refused(parts, tmp_path):
+    _, replay = make_replay(parts)
+    replay.run(SESSIONS[:1], tmp_path / "r.jsonl", max_points=1)
+    _, other = make_replay(parts, placeholders={"x": "?"})
+    with pytest.raises(ValueError, match="placeholders"):
+        other.run(SESSIONS, tmp_path / "r.jsonl")
+    with pytest.raises(ValueError, match="reserved"):
+        make_replay(parts, placeholders={EMPTY: "x"})
+    # A truncated last line (an interrupted write) is dropped, then recomputed.
+    path = tmp_path / "r.jsonl"
+    path.write_text(path.read_text() + '{"answer_ids": [1')
+    assert len(read_records(path)[1]) == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n{}\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        read_records(bad)
+
+
+def _record(session: str, turn: int, score: float, agreed: bool) -> DecisionRecord:
+    features = SpeculativeFeatures(1, score, score, 0.1, score, 2, agreed)
+    return DecisionRecord(session, turn, 5, 2, 1, (1,), {EMPTY: features, "dots": features})
+
+
+def test_split_is_by_session_and_disjoint():
+    records = [_record(f"s{i}", t, 0.9, True) for i in range(200) for t in range(2)]
+    cal, held = split_sessions(records, 0.5)
+    assert {r.session for r in cal}.isdisjoint({r.session for r in held})
+    assert 60 < len({r.session for r in held}) < 140
+    assert split_sessions(records, 0.5) == (cal, held)
+
+
+def test_calibrate_chooses_and_writes_report_and_fragment(tmp_path):
+    records = [_record(f"s{i}", 0, 0.999, True) for i in range(600)] + \
+              [_record(f"t{i}", 0, 0.6, i % 2 == 0) for i in range(400)]
+    open_result, closed_result = calibrate(records, epsilons=[0.05, 0.001], delta=0.1)
+    chosen = open_result.chosen
+    assert chosen is not None and chosen.variant == EMPTY and chosen.score == "p_max"
+    assert 0.6 < chosen.calibration.threshold <= 0.999 and chosen.calibration.num_errors == 0
+    assert chosen.held_out.num_errors == 0 and chosen.held_out.num_accepted > 200
+    assert closed_result.chosen is None  # 0.001 needs thousands of clean answers
+
+    paths = write_report(tmp_path / "rep", records, [open_result, closed_result], title="synthetic",
+                         placeholders={"dots": "..."}, held_out_fraction=0.5)
+    names = sorted(p.name for p in paths)
+    assert names == ["gate_eps0.001.pbtxt", "gate_eps0.05.pbtxt", "report.md", "risk_coverage.csv",
+                     "risk_coverage.png"]
+    assert (tmp_path / "rep" / "risk_coverage.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Gate off" in (tmp_path / "rep" / "report.md").read_text()
+    rows = (tmp_path / "rep" / "risk_coverage.csv").read_text().splitlines()
+    assert rows[0].startswith("epsilon,score,variant,threshold") and len(rows) > 1
+
+    def parameters(text: str) -> dict[str, str]:
+        return dict(re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', text))
+
+    on = parameters(config_fragment(open_result, {"dots": "..."}))
+    config = read_config(on, environ={})
+    assert config.gate.speculate and config.gate.threshold == chosen.calibration.threshold
+    assert config.gate.epsilon == 0.05 and config.gate.confidence == pytest.approx(0.9)
+    assert config.gate.speculative_delta == ""
+    off = read_config(parameters(config_fragment(closed_result, {})), environ={})
+    assert off.gate.speculate is False
+
+
+def test_calibrate_needs_calibration_records():
+    with pytest.raises(ValueError, match="records"):
+        calibrate([], epsilons=[0.1], delta=0.1)
+
+
+def test_records_round_trip_through_json():
+    record = _record("s", 3, 0.7, False)
+    assert DecisionRecord.from_json(record.to_json()) == record
+    assert json.loads(record.to_json())["variants"][EMPTY]["agreed"] is False
