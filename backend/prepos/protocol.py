@@ -19,7 +19,7 @@ from prepos.config import LimitsConfig
 
 INPUT_NAMES = (
     "text_input", "input_ids", "role", "max_tokens", "choices", "temperature", "top_p",
-    "top_k", "seed", "stop", "speculate", "gate_threshold",
+    "top_k", "seed", "stop", "speculate", "gate_threshold", "resume",
 )
 CONTROL_NAMES = ("START", "END")
 _KNOWN_NAMES = frozenset(INPUT_NAMES + CONTROL_NAMES)
@@ -79,6 +79,7 @@ class Request:
     gate_threshold: float | None = None
     arrival_s: float = 0.0  # perf_counter() when the request reached the server
     deadline_s: float | None = None  # perf_counter() by which it must finish (the client's request timeout)
+    resume: bool = False  # with START: continue the session this id names (reopen it from its journal if needed)
 
     @property
     def is_append(self) -> bool:
@@ -269,6 +270,9 @@ def parse_request(
         raise ProtocolError("seed", f"must be in [0, 2**64), got {sampling.seed}")
 
     speculate = _scalar(inputs, "speculate", "b")
+    resume = _scalar(inputs, "resume", "b")
+    if resume is not None and bool(resume) and not (start is not None and bool(start)):
+        raise ProtocolError("resume", "needs START: a resumed session's first request opens it on this server")
     gate_threshold = _scalar(inputs, "gate_threshold", "f")
     return Request(
         session_id=session_id,
@@ -286,4 +290,5 @@ def parse_request(
         gate_threshold=None if gate_threshold is None else _finite("gate_threshold", gate_threshold, 0.0, 1.0, 0.0),
         arrival_s=arrival_s,
         deadline_s=arrival_s + timeout_s if timeout_s else None,
+        resume=resume is not None and bool(resume),
     )

@@ -205,12 +205,18 @@ class Scheduler:
             existing = self.store.get(request.session_id)
             if request.start and existing is not None and any(r.end for r, _ in existing.pending):
                 session = existing  # the id is reused right after an END: it opens once that END is served
+            elif request.start and request.resume:
+                session = existing or self._residency.recover(request.session_id)
+                if session is None:
+                    raise ProtocolError("resume", f"session {request.session_id!r} is not open on this server and has "
+                                        "no journal to reopen it from; send START without resume to begin a new "
+                                        "session", Status.NOT_FOUND)
             elif request.start:
                 if existing is not None and self._expired(existing, self._clock()):
                     self._close(existing, "idle timeout")
                 session = self._residency.open(request.session_id)
             else:
-                session = existing or self._residency.recover(request.session_id) or self.store.lookup(request.session_id)
+                session = existing or self.store.lookup(request.session_id)
         except ProtocolError as err:
             self._reject(sink, err)
             return
@@ -318,7 +324,7 @@ class Scheduler:
         while session.pending:
             request, sink = session.pending.popleft()
             if self.store.get(session.session_id) is not session:
-                if request.start and not isinstance(request, Rejection):  # a new session under the same id
+                if request.start and not request.resume and not isinstance(request, Rejection):  # a new session, same id
                     try:
                         successor = self._residency.open(session.session_id)
                     except ProtocolError as err:

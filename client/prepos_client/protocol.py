@@ -29,6 +29,7 @@ INPUT_DATATYPES: dict[str, str] = {
     "stop": "BYTES",
     "speculate": "BOOL",
     "gate_threshold": "FP32",
+    "resume": "BOOL",
 }
 
 OUTPUT_NAMES = (
@@ -109,6 +110,12 @@ def build_inputs(
     if gate_threshold is not None:
         inputs.append(_scalar_input("gate_threshold", np.float32(gate_threshold)))
     return inputs
+
+
+def resume_input() -> InferInput:
+    """The `resume` input: with START, reopen the session this id names (from the server's journal when the
+    server does not hold it) instead of starting a new one."""
+    return _scalar_input("resume", np.bool_(True))
 
 
 def _require_str(name: str, value: object) -> str:

@@ -18,7 +18,7 @@ from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
 from .errors import PreposError, PreposTimeout, from_triton
-from .protocol import Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk
+from .protocol import Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk, resume_input
 from .stream import ResponseRouter
 
 logger = logging.getLogger(__name__)
@@ -85,8 +85,10 @@ class _Inflight:
 class Session:
     """One prepos session: a Triton sequence over its own gRPC stream.
 
-    The first request carries START (unless the session is resumed, i.e. it
-    was opened earlier, by another process say); a request that opened the
+    The first request carries START; for a resumed session (opened earlier,
+    by another process or on another replica) it carries START with the
+    `resume` input, which makes the server continue the session it holds or
+    reopen it from its journal rather than start a new one. A request that opened the
     session and was rejected leaves it unopened, so the next request carries
     START again. A request that carries END ends the session even when it is
     rejected (Triton ends the sequence regardless). `close` sends END;
@@ -111,7 +113,8 @@ class Session:
         self.url = url
         self.timeout_s = timeout_s
         self._headers = {**(headers or {}), SESSION_HEADER: str(self.session_id)}
-        self._needs_start = not resume
+        self._needs_start = True
+        self._resume = resume  # until a request has opened the session, START goes with `resume`
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
@@ -237,7 +240,7 @@ class Session:
 
         Sends END (no delta, max_tokens=0) and waits for its acknowledgement,
         then stops the stream. Returns the acknowledgement, or None when no
-        request was ever sent (nothing to end). If the request that was to
+        request was ever sent on a session that was not resumed (nothing to end). If the request that was to
         open the session was rejected, END goes out together with START, so
         that no half-opened sequence is left behind. The connection is
         released even when END fails; the error is raised after that.
@@ -245,8 +248,8 @@ class Session:
         if self._closed:
             return None
         try:
-            if self._num_requests == 0 and self._needs_start:
-                return None
+            if self._num_requests == 0 and self._needs_start and not self._resume:
+                return None  # nothing was opened
             inflight = self._send(build_inputs(max_tokens=0), end=True)
             return Update.from_chunks(list(self._receive(inflight, timeout_s)))
         finally:
@@ -283,6 +286,8 @@ class Session:
         request_id = str(self._num_requests)
         deliveries = router.expect(request_id)
         opens_session = self._needs_start
+        if opens_session and self._resume:
+            inputs = [*inputs, resume_input()]
         sent_at = time.perf_counter()
         try:
             self._triton.async_stream_infer(
@@ -330,6 +335,8 @@ class Session:
             )
             yield chunk
             if chunk.final:
+                if inflight.opens_session:
+                    self._resume = False
                 if inflight.closes_session:
                     self._release()
                 return

@@ -126,7 +126,9 @@ def test_ask_json_keep_open_continue(fake_triton, capsys):
     answer = json.loads(capsys.readouterr().out)
     assert (answer["text"], answer["path"], answer["token_ids"]) == ("q", "prefix", [7])
     (request,) = fake_triton[0].requests
-    assert (request.sequence_start, request.sequence_end) == (False, False)
+    # continuing a session: START with resume (the server continues it, or reopens it from its journal)
+    assert (request.sequence_start, request.sequence_end) == (True, False)
+    assert request.inputs["resume"].tolist() == [True]
     assert request.inputs["choices"].tolist() == [b"a", b"b"]
 
 
@@ -136,14 +138,16 @@ def test_append_keeps_the_session_open_unless_end(fake_triton):
     first, second = fake_triton[0].requests[0], fake_triton[1].requests[0]
     assert (first.sequence_start, first.sequence_end) == (True, False)
     assert first.inputs["role"].tolist() == [b"tool"]
-    assert (second.sequence_start, second.sequence_end) == (False, True)
+    assert (second.sequence_start, second.sequence_end) == (True, True)  # START + resume: continue, then END
+    assert second.inputs["resume"].tolist() == [True]
     assert len(fake_triton[0].requests) == 1
 
 
 def test_close_command_sends_end_to_an_existing_session(fake_triton, capsys):
     assert cli.main(["close", "--session-id", "s1", "--json"]) == cli.EXIT_OK
     (request,) = fake_triton[0].requests
-    assert (request.sequence_start, request.sequence_end) == (False, True)
+    assert (request.sequence_start, request.sequence_end) == (True, True)
+    assert request.inputs["resume"].tolist() == [True]
     assert json.loads(capsys.readouterr().out)["finish_reason"] == "closed"
 
 

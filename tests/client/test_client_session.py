@@ -157,11 +157,13 @@ def test_close_after_a_rejected_opening_sends_start_and_end(fake_triton):
     assert (end.sequence_start, end.sequence_end) == (True, True)
 
 
-def test_a_resumed_session_sends_no_start(fake_triton):
+def test_a_resumed_session_opens_with_start_and_resume(fake_triton):
     session = open_session(session_id="old", resume=True)
     session.ask("hi")
     session.close()
-    assert [(r.sequence_start, r.sequence_end) for r in fake_triton[0].requests] == [(False, False), (False, True)]
+    requests = fake_triton[0].requests
+    assert [(r.sequence_start, r.sequence_end) for r in requests] == [(True, False), (False, True)]
+    assert [r.inputs.get("resume") for r in requests] == [[True], None]
 
 
 def test_ask_with_end_closes_the_session_with_the_last_request(fake_triton):

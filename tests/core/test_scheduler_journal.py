@@ -26,7 +26,8 @@ def test_a_restarted_server_reopens_the_session_from_its_journal(tmp_path):
     assert h2.sched.store.get("s1") is None
     prompt = [*log, *h2.framing.entry_ids["user"], *h2.tok.encode("what next?"), *h2.framing.cue_ids]
     want = [t for t in h2.reference(prompt, 5) if t != IM_END]
-    sink = h2.serve(h2.request("s1", "what next?", max_tokens=5))
+    assert h2.serve(h2.request("s1", "what next?", max_tokens=5)).error.status is Status.NOT_FOUND  # no START
+    sink = h2.serve(h2.request("s1", "what next?", max_tokens=5, start=True, resume=True))
     assert sink.path == "rebuild" and sink.ids == want
     assert h2.log("s1")[: len(log)] == log
     assert h2.metrics.sink.get("prepos_sessions_recovered_total") == 1
@@ -45,6 +46,12 @@ def test_end_deletes_the_journal_and_start_replaces_it(tmp_path):
     h2 = restarted(tmp_path, journal_dir)  # s2 was left behind by a crash; a START under its id begins anew
     open_session(h2, sid="s2", text="new")
     assert journal.recover("s2").token_log == h2.log("s2")
+    missing = h2.serve(h2.request("s3", "hello", start=True, resume=True))
+    assert missing.error.field == "resume" and missing.error.status is Status.NOT_FOUND
+    assert h2.sched.store.get("s3") is None
+    # START + resume on a session the server holds just continues it
+    held = h2.serve(h2.request("s2", "more", start=True, resume=True, max_tokens=0))
+    assert held.error is None and len(h2.log("s2")) > len(journal.recover("s2").token_log) - 1
 
 
 def test_rejected_and_cancelled_requests_leave_the_journal_unchanged(tmp_path):

@@ -64,7 +64,7 @@ def test_control_characters_in_ids_never_reach_a_log_line_raw(tmp_path, caplog, 
         with open(journal.path(evil), "ab") as f:
             f.write(b"\x10\x00")
         h2 = Harness(tmp_path, journal=SessionJournal(tmp_path / "journal", fsync=False))
-        h2.serve(h2.request(evil, "again", max_tokens=2))
+        h2.serve(h2.request(evil, "again", max_tokens=2, start=True, resume=True))
         h2.serve(h2.request(evil, None, end=True, max_tokens=0))
     messages = [record.getMessage() for record in caplog.records]
     assert [any(word in m for m in messages) for word in ("bytes dropped", "reopened", "closed")] == [True] * 3
