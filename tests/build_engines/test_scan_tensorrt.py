@@ -1,0 +1,95 @@
+"""The TensorRT scan: the plugin's maths agree with the NumPy reference (on CPU, everywhere); building
+and running the engine needs TensorRT and a CUDA device and skips without them."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prepos.scan import scan_numpy
+from prepos_build import scan_tensorrt
+from prepos_build.scan_tensorrt import TensorRTUnavailable, scan_tensors
+
+HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+needs_tensorrt = pytest.mark.skipif(not (HAS_TENSORRT and torch.cuda.is_available()),
+                                    reason="needs TensorRT 10.7+ (tensorrt.plugin) and a CUDA device")
+
+
+def _plugin_scan(logits: np.ndarray, allowed, temperature, top_k, top_p, u):
+    mask = torch.zeros(len(logits), dtype=torch.bool)
+    mask[allowed if allowed is not None else slice(None)] = True
+    token, p_max, margin, entropy = scan_tensors(torch.from_numpy(logits), mask, temperature, top_k,
+                                                 torch.tensor([top_p]), torch.tensor([u]))
+    assert token.dtype == torch.int64 and token.shape == p_max.shape == margin.shape == entropy.shape == (1,)
+    return int(token), float(p_max), float(margin), float(entropy)
+
+
+@settings(max_examples=50, deadline=None)
+@given(vocab=st.integers(1, 200), seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from([np.float32, np.float16]),
+       ties=st.booleans(), masked=st.booleans(), temperature=st.sampled_from([0.0, 0.0, 0.7, 1.5]),
+       top_k=st.sampled_from([0, 2, 40]), top_p=st.sampled_from([1.0, 0.8]), u=st.floats(0.0, 0.999))
+def test_plugin_maths_agree_with_reference(vocab, seed, dtype, ties, masked, temperature, top_k, top_p, u):
+    rng = np.random.default_rng(seed)
+    logits = (rng.integers(-2, 3, vocab) if ties else rng.normal(0, 3, vocab)).astype(dtype)
+    logits[rng.random(vocab) < 0.2] = -np.inf
+    logits[rng.integers(vocab)] = 2.0
+    allowed = sorted(rng.choice(vocab, size=int(rng.integers(1, vocab + 1)), replace=False).tolist()) if masked else None
+    kw = dict(allowed_ids=allowed, temperature=temperature, top_k=top_k, top_p=top_p, uniform=u)
+    token, p_max, margin, entropy = _plugin_scan(logits, allowed, temperature, top_k, top_p, u)
+    finite = np.isfinite(logits if allowed is None else logits[allowed]).any()
+    if not finite:
+        assert math.isnan(p_max)
+        return
+    ref = scan_numpy(logits, **kw)
+    for got, want in ((p_max, ref.p_max), (margin, ref.margin), (entropy, ref.entropy)):
+        assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
+    if temperature == 0.0:
+        assert token == ref.token_id
+    elif token != ref.token_id:  # a draw or top_p on a float-rounding boundary of the cumulative mass
+        near = {scan_numpy(logits, **{**kw, "uniform": min(0.999999, max(0.0, u + du)), "top_p": top_p + dp}).token_id
+                for du in (-1e-5, 0.0, 1e-5) for dp in ((-1e-6, 0.0, 1e-6) if top_p < 1.0 else (0.0,))}
+        assert token in near
+
+
+def test_greedy_ties_and_single_token():
+    assert _plugin_scan(np.array([0.0, 3.0, 3.0], np.float32), None, 0.0, 0, 1.0, 0.0)[0] == 1
+    assert _plugin_scan(np.array([5.0], np.float32), None, 0.0, 0, 1.0, 0.0) == (0, 1.0, 1.0, 0.0)
+
+
+@pytest.mark.skipif(HAS_TENSORRT, reason="TensorRT is installed here")
+def test_without_tensorrt_the_build_fails_with_a_clear_reason(tmp_path, capsys):
+    assert scan_tensorrt.main(["--output", str(tmp_path)]) == 2
+    assert "TensorRT 10.7+ with tensorrt.plugin is not installed" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(TensorRTUnavailable):
+        scan_tensorrt.TensorRTScan(tmp_path / "scan.engine")
+
+
+def test_bad_vocab_bounds_are_refused_before_tensorrt_is_needed(tmp_path):
+    with pytest.raises(ValueError, match="opt_vocab"):
+        scan_tensorrt.build_engine(tmp_path / "x.engine", max_vocab=10, opt_vocab=11)
+
+
+@pytest.mark.gpu
+@needs_tensorrt
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_engine_answers_as_the_reference(tmp_path, dtype):
+    path = scan_tensorrt.build_engine(tmp_path / f"scan_{dtype}.engine", dtype, max_vocab=160_000, opt_vocab=49_152)
+    scan = scan_tensorrt.TensorRTScan(path)
+    rng = np.random.default_rng(0)
+    for vocab in (7, 49_152, 151_936):
+        logits = rng.normal(0, 4, vocab).astype(dtype)
+        cuda = torch.from_numpy(logits).cuda()
+        for kw in ({}, {"allowed_ids": [1, 3, 5]}, {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "uniform": 0.3}):
+            ref, got = scan_numpy(logits, **kw), scan(cuda, **kw)
+            assert got.token_id == ref.token_id and got.num_allowed == ref.num_allowed
+            for name in ("p_max", "margin", "entropy"):
+                assert math.isclose(getattr(got, name), getattr(ref, name), rel_tol=1e-4, abs_tol=1e-5), name
+    with pytest.raises(ValueError, match="no finite logit"):
+        scan(torch.full((4,), float("-inf"), dtype=getattr(torch, dtype), device="cuda"))
