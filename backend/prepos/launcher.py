@@ -6,6 +6,16 @@ Uses the Triton binary, Python backend and backend stub shipped in the
 stops the server cleanly on Ctrl-C or SIGTERM.
 
     python -m prepos.launcher [--model-repository DIR] [--grpc-port 8001] ...
+
+Access token: with ``--access-token-file FILE`` or the environment variable
+``PREPOS_ACCESS_TOKEN``, Triton rejects every call of the protocols in
+``RESTRICTED_PROTOCOLS`` (inference and repository control included; health
+and metadata stay open for probes) that does not carry the header
+``prepos-access-token`` with the token: that name on HTTP, and
+``triton-grpc-protocol-prepos-access-token`` on gRPC (Triton prefixes
+restricted gRPC headers so). Triton takes
+the token as a command-line argument; the launcher masks it in everything it
+logs and keeps it out of the server's environment.
 """
 
 from __future__ import annotations
@@ -27,6 +37,15 @@ log = logging.getLogger("prepos.launcher")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
+ACCESS_TOKEN_ENV = "PREPOS_ACCESS_TOKEN"
+ACCESS_TOKEN_HEADER = "prepos-access-token"
+GRPC_ACCESS_TOKEN_HEADER = f"triton-grpc-protocol-{ACCESS_TOKEN_HEADER}"  # how gRPC clients must send it
+RESTRICTED_PROTOCOLS = ("inference", "model-repository", "model-config", "shared-memory", "statistics", "trace",
+                        "logging")
+"""Triton protocol groups (gRPC) / APIs (HTTP) that need the access token; ``health`` and ``metadata`` stay open."""
+MIN_TOKEN_LENGTH = 16
+_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
@@ -42,6 +61,11 @@ class ServerOptions:
     ready_timeout_s: float = 300.0
     """How long to wait for every model to load."""
     log_verbose: int = 0
+    access_token_file: str = ""
+    """File holding the access token (surrounding whitespace ignored); empty: env PREPOS_ACCESS_TOKEN, and
+    no token at all leaves the endpoints open."""
+    access_token: str = dataclasses.field(default="", repr=False)
+    """The token itself (for embedding the launcher; never a flag). Wins over the file and the environment."""
 
 
 def _pytriton_dir() -> Path:
@@ -88,7 +112,42 @@ def server_environment() -> dict[str, str]:
     return env
 
 
-def server_command(options: ServerOptions, backend_dir: Path) -> list[str]:
+def resolve_access_token(options: ServerOptions, environ: dict[str, str] | None = None) -> str | None:
+    """The access token from ``options.access_token``, else its file, else ``PREPOS_ACCESS_TOKEN``; None when
+    none is set. Raises ValueError (never showing the token) when it is unusable."""
+    environ = os.environ if environ is None else environ
+    if options.access_token:
+        token, source = options.access_token, "access_token"
+    elif options.access_token_file:
+        try:
+            token, source = Path(options.access_token_file).read_text().strip(), options.access_token_file
+        except OSError as err:
+            raise ValueError(f"access token file: {err.strerror or err} ({options.access_token_file})") from None
+        if not token:
+            raise ValueError(f"access token file {options.access_token_file} is empty")
+    elif environ.get(ACCESS_TOKEN_ENV):
+        token, source = environ[ACCESS_TOKEN_ENV].strip(), ACCESS_TOKEN_ENV
+    else:
+        return None
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ValueError(f"access token from {source}: {len(token)} characters; use at least {MIN_TOKEN_LENGTH}")
+    if not set(token) <= _TOKEN_CHARS:
+        raise ValueError(f"access token from {source}: use only letters, digits and -._~+/= (base64 or hex)")
+    return token
+
+
+def restriction_arguments(token: str) -> list[str]:
+    """Triton flags that require ``ACCESS_TOKEN_HEADER: token`` on the restricted protocols (gRPC and HTTP)."""
+    restriction = f"{','.join(RESTRICTED_PROTOCOLS)}:{ACCESS_TOKEN_HEADER}={token}"
+    return [f"--grpc-restricted-protocol={restriction}", f"--http-restricted-api={restriction}"]
+
+
+def masked(text: str, token: str | None) -> str:
+    """``text`` with the token replaced, for anything that is printed or logged."""
+    return text.replace(token, "***") if token else text
+
+
+def server_command(options: ServerOptions, backend_dir: Path, access_token: str | None = None) -> list[str]:
     command = [str(_pytriton_dir() / "tritonserver" / "bin" / "tritonserver")]
     command += [f"--model-repository={repo}" for repo in options.model_repositories]
     command += [
@@ -102,6 +161,8 @@ def server_command(options: ServerOptions, backend_dir: Path) -> list[str]:
         "--exit-on-error=true",
         f"--log-verbose={options.log_verbose}",
     ]
+    if access_token:
+        command += restriction_arguments(access_token)
     return command
 
 
@@ -113,6 +174,7 @@ class TritonServer:
         self.env = env or {}  # extra environment, e.g. PREPOS_* configuration overrides
         self.log_file = log_file or options.run_dir / f"tritonserver-{options.grpc_port}.log"
         self.process: subprocess.Popen | None = None
+        self.access_token = resolve_access_token(options)
 
     @property
     def grpc_url(self) -> str:
@@ -128,13 +190,16 @@ class TritonServer:
 
     def start(self) -> "TritonServer":
         backend_dir = prepare_backend_dir(self.options.run_dir)
-        command = server_command(self.options, backend_dir)
+        command = server_command(self.options, backend_dir, self.access_token)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log.info("starting %s (log: %s)", " ".join(command), self.log_file)
+        log.info("starting %s (log: %s)", masked(" ".join(command), self.access_token), self.log_file)
+        if self.access_token:
+            log.info("access token required on %s (gRPC header %s, HTTP header %s)", ", ".join(RESTRICTED_PROTOCOLS),
+                     GRPC_ACCESS_TOKEN_HEADER, ACCESS_TOKEN_HEADER)
+        env = {**server_environment(), **self.env}
+        env.pop(ACCESS_TOKEN_ENV, None)  # the server has it in its arguments; its backends need not see it
         handle = open(self.log_file, "wb")
-        self.process = subprocess.Popen(
-            command, env={**server_environment(), **self.env}, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT
-        )
+        self.process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         handle.close()
         return self
 
@@ -160,7 +225,7 @@ class TritonServer:
 
     def log_tail(self, lines: int = 30) -> str:
         try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+            return masked("\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:]), self.access_token)
         except OSError:
             return ""
 
@@ -194,7 +259,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", action="append", type=Path, dest="model_repositories",
                         help=f"model repository (repeatable; default {defaults.model_repositories[0]})")
     for field in dataclasses.fields(ServerOptions):
-        if field.name == "model_repositories":
+        if field.name in ("model_repositories", "access_token"):
             continue
         flag = "--" + field.name.replace("_", "-")
         parser.add_argument(flag, type=type(getattr(defaults, field.name)), default=getattr(defaults, field.name),
@@ -202,7 +267,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerOptions) if f.name != "model_repositories"}
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerOptions)
+              if f.name not in ("model_repositories", "access_token")}
     if args.model_repositories:
         values["model_repositories"] = tuple(p.resolve() for p in args.model_repositories)
     return ServerOptions(**values)
@@ -214,12 +280,19 @@ def _interrupt(signum, frame) -> None:
 
 def serve(options: ServerOptions) -> int:
     """Start the server, print its addresses, and run until Ctrl-C/SIGTERM."""
-    server = TritonServer(options)
+    try:
+        server = TritonServer(options)
+    except ValueError as err:
+        print(f"prepos failed to start: {err}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         with server:
             print(f"prepos is ready\n  gRPC     {server.grpc_url}\n  HTTP     {server.http_url}\n"
-                  f"  metrics  {server.metrics_url}\n  log      {server.log_file}\nPress Ctrl-C to stop.", flush=True)
+                  f"  metrics  {server.metrics_url}\n  log      {server.log_file}\n"
+                  + (f"  access   token required: gRPC header {GRPC_ACCESS_TOKEN_HEADER}, HTTP header {ACCESS_TOKEN_HEADER}\n"
+                     if server.access_token else "")
+                  + "Press Ctrl-C to stop.", flush=True)
             while server.process.poll() is None:
                 time.sleep(0.5)
             print(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)

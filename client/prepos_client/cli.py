@@ -36,6 +36,7 @@ EXIT_UNREACHABLE = 3
 EXIT_INTERRUPTED = 130
 
 URL_ENV = "PREPOS_URL"
+TOKEN_ENV = "PREPOS_ACCESS_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Triton model name (default %(default)s)")
     parser.add_argument("--timeout", type=float, dest="timeout_s", help="seconds one call may take")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV),
+        help=f"the server's access token (env {TOKEN_ENV}, which keeps it out of the process list)",
+    )
 
 
 def add_session_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -140,7 +146,7 @@ def generation_options(args: argparse.Namespace) -> dict:
 def connect(args: argparse.Namespace) -> Client:
     """A Client for the connection flags of `args`."""
     options = {} if args.timeout_s is None else {"timeout_s": args.timeout_s}
-    return Client(args.url, args.model, **options)
+    return Client(args.url, args.model, token=getattr(args, "token", None), **options)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "127.0.0.1:8001"
 DEFAULT_MODEL = "prepos"
+ACCESS_TOKEN_HEADER = "prepos-access-token"  # the header a server started with an access token checks (HTTP)
+# Over gRPC, Triton expects a restricted protocol's header under its "triton-grpc-protocol-" prefix.
+GRPC_ACCESS_TOKEN_HEADER = f"triton-grpc-protocol-{ACCESS_TOKEN_HEADER}"
 
 
 class Client:
@@ -26,6 +29,9 @@ class Client:
         model: the Triton model name.
         timeout_s: default time limit of every call of the sessions it opens.
         headers: extra gRPC headers sent on every stream and health call.
+        token: the server's access token, sent as gRPC header
+            `triton-grpc-protocol-prepos-access-token` (servers started without
+            one ignore it).
     """
 
     def __init__(
@@ -35,11 +41,14 @@ class Client:
         *,
         timeout_s: float = 60.0,
         headers: Mapping[str, str] | None = None,
+        token: str | None = None,
     ):
         self.url = url
         self.model = model
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})
+        if token:
+            self.headers[GRPC_ACCESS_TOKEN_HEADER] = token
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         self._health: grpcclient.InferenceServerClient | None = None
 
