@@ -525,16 +525,30 @@ def test_tls_wiring_only_when_enabled(chart):
 
 def test_auth_wiring_only_when_enabled(chart):
     c = triton(render(chart, MINIMAL))
-    assert not any("restricted-protocol" in arg for arg in c["args"])
+    assert not any("restricted" in arg for arg in c["args"])
     assert not any("secretKeyRef" in str(value) for value in env_of(c).values())
 
     values = with_minimal(auth={"enabled": True, "existingSecret": "prepos-token", "secretKey": "value"})
-    c = triton(render(chart, values))
-    restricted = [arg for arg in c["args"] if "restricted-protocol" in arg]
+    objects = render(chart, values)
+    c = triton(objects)
+    restricted = [arg for arg in c["args"] if "restricted" in arg]
     (token_env,) = [name for name, value in env_of(c).items() if isinstance(value, dict) and "secretKeyRef" in value]
     assert env_of(c)[token_env]["secretKeyRef"] == {"name": "prepos-token", "key": "value"}
-    expected = f"=inference,model-repository:prepos-access-token=$({token_env})"
-    assert restricted == [f"--grpc-restricted-protocol{expected}", f"--http-restricted-protocol{expected}"]
+    # Triton 2.51's flags: --grpc-restricted-protocol and --http-restricted-api, "<groups>:<header>=<value>";
+    # Kubernetes expands $(VAR) in args from the container's environment
+    groups = "inference,model-repository,model-config,shared-memory,statistics,trace,logging"
+    expected = f"={groups}:prepos-access-token=$({token_env})"
+    assert restricted == [f"--grpc-restricted-protocol{expected}", f"--http-restricted-api{expected}"]
+    assert "health" not in groups and "metadata" not in groups  # probes and the router's health checks stay open
+
+
+def test_auth_groups_are_the_launchers_by_default(chart):
+    """The chart and `prepos serve --access-token-file` restrict the same protocol groups under the same header."""
+    from prepos.launcher import ACCESS_TOKEN_HEADER, RESTRICTED_PROTOCOLS
+
+    defaults = yaml.safe_load((Path(__file__).resolve().parents[2] / "helm" / "prepos" / "values.yaml").read_text())
+    assert tuple(defaults["auth"]["protocols"]) == RESTRICTED_PROTOCOLS
+    assert defaults["auth"]["header"] == ACCESS_TOKEN_HEADER
 
 
 def test_readme_gpu_node_pool_example_renders_and_validates(chart):
