@@ -64,3 +64,10 @@ CALIBRATE_ARGS ?= --workload bfcl --sessions 120 --epsilon 0.05 --epsilon 0.13 -
 .PHONY: calibrate
 calibrate: $(ENGINE)
 	$(PY) -m prepos_client.calibrate_cli $(CALIBRATE_ARGS)
+
+# Vocabulary-scan microbenchmark: every scan implementation at 49k/128k/152k vocabularies against the
+# memory-bandwidth bound, e.g. make bench-scan SCAN_BENCH_ARGS="--repeats 500 --json out/scan_bench.json"
+SCAN_BENCH_ARGS ?=
+.PHONY: bench-scan
+bench-scan: $(VENV)/.installed
+	$(PY) loadtest/scan_bench.py $(SCAN_BENCH_ARGS)

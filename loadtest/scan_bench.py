@@ -1,0 +1,163 @@
+"""Vocabulary-scan microbenchmark: each scan implementation against the memory-bandwidth bound.
+
+A scan reads the logits once, so ``bytes(logits) / read_bandwidth`` is the
+fastest it can be; the machine's read bandwidth is measured in the same run (the
+best of large NumPy and torch sums over an array far above the last-level cache).
+A positioned session's logits were written an idle window ago, so each timed
+scan reads a different logits vector from a pool larger than that cache: the
+timings are cold-cache reads, like the bound.
+
+Implementations: ``numpy`` (reference), ``torch`` (CPU), ``onnxruntime`` (the
+standard ONNX form, one thread as served; more with ``--threads``), and where CUDA is
+present ``torch-cuda`` (the torch scan on the GPU) and ``tensorrt`` (the plugin
+engine from ``prepos_build.scan_tensorrt``, needs TensorRT). Greedy scans
+without choices unless ``--temperature`` is given.
+
+    python loadtest/scan_bench.py --repeats 300 --json out/scan_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from prepos.scan import scan_numpy, scan_torch
+from prepos.scan_onnxruntime import OnnxRuntimeScan
+
+log = logging.getLogger("scan_bench")
+
+VOCAB_SIZES = (49_152, 128_256, 151_936)
+POOL_BYTES = 128 << 20  # four times this machine's 32 MiB L3: every timed scan reads from memory
+
+
+def read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes per second of the best sum over a ``num_bytes`` float32 array (NumPy, then torch)."""
+    a = np.ones(num_bytes // 4, dtype=np.float32)
+    t = torch.from_numpy(a)
+    best = float("inf")
+    for fn in (lambda: a.sum(), lambda: t.sum()):
+        fn()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def _implementations(threads: int) -> dict[str, tuple[str, Callable]]:
+    """name -> (device, scan); devices 'cpu' or 'cuda'."""
+    impls = {
+        "numpy": ("cpu", scan_numpy),
+        f"torch ({threads} thread{'s' if threads > 1 else ''})": ("cpu", scan_torch),
+        "onnxruntime (1 thread)": ("cpu", OnnxRuntimeScan(num_threads=1)),
+    }
+    if threads > 1:
+        impls[f"onnxruntime ({threads} threads)"] = ("cpu", OnnxRuntimeScan(num_threads=threads))
+    if torch.cuda.is_available():
+        impls["torch-cuda"] = ("cuda", scan_torch)
+        try:
+            from prepos_build.scan_tensorrt import TensorRTScan, TensorRTUnavailable, build_engine
+
+            path = build_engine(Path(tempfile.mkdtemp()) / "scan.engine", max_vocab=max(VOCAB_SIZES))
+            impls["tensorrt"] = ("cuda", TensorRTScan(path))
+        except (ImportError, TensorRTUnavailable, RuntimeError) as exc:
+            log.warning("tensorrt left out: %s", exc)
+    return impls
+
+
+def time_scan(scan: Callable, pool: list, kwargs: dict, repeats: int) -> list[float]:
+    """Seconds per scan, each over the next logits vector of ``pool`` (cold in cache)."""
+    for logits in pool[:5]:
+        scan(logits, **kwargs)
+    times = []
+    for i in range(repeats):
+        logits = pool[i % len(pool)]
+        start = time.perf_counter()
+        scan(logits, **kwargs)  # every implementation returns Python numbers: the time includes its sync
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _p99(xs: list[float]) -> float:
+    return float(np.percentile(xs, 99))
+
+
+def run(repeats: int, threads: int, temperature: float) -> dict:
+    torch.set_num_threads(threads)
+    bandwidth = read_bandwidth()
+    log.info("read bandwidth %.1f GB/s", bandwidth / 1e9)
+    kwargs = {} if temperature == 0.0 else {"temperature": temperature, "top_p": 0.9, "uniform": 0.5}
+    rng = np.random.default_rng(0)
+    results: dict = {"machine": _machine(threads), "read_bandwidth_gbps": bandwidth / 1e9, "kwargs": kwargs,
+                     "repeats": repeats, "rows": {}}
+    impls = _implementations(threads)
+    for vocab in VOCAB_SIZES:
+        pool_np = [rng.normal(0, 4, vocab).astype(np.float32) for _ in range(max(8, POOL_BYTES // (vocab * 4)))]
+        bound_us = vocab * 4 / bandwidth * 1e6
+        results["rows"].setdefault("bandwidth bound", {})[vocab] = {"median_us": bound_us, "p99_us": bound_us}
+        for name, (device, scan) in impls.items():
+            if device == "cuda":
+                pool = [torch.from_numpy(x).cuda() for x in pool_np[:64]]
+            elif name.startswith("torch"):
+                pool = [torch.from_numpy(x) for x in pool_np]
+            else:
+                pool = pool_np
+            times = time_scan(scan, pool, kwargs, repeats)
+            row = {"median_us": statistics.median(times) * 1e6, "p99_us": _p99(times) * 1e6}
+            results["rows"].setdefault(name, {})[vocab] = row
+            log.info("%s vocab %d: median %.1f us, p99 %.1f us", name, vocab, row["median_us"], row["p99_us"])
+    return results
+
+
+def _machine(threads: int) -> str:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores ({threads} threads used), {gpu}"
+
+
+def table(results: dict) -> str:
+    """Markdown: one row per implementation, median / p99 microseconds per vocabulary size."""
+    head = "| implementation | " + " | ".join(f"{v:,} median / p99 µs" for v in VOCAB_SIZES) + " |"
+    lines = [f"Scan time ({results['machine']}; read bandwidth {results['read_bandwidth_gbps']:.1f} GB/s; "
+             f"fp32 logits, cold cache, {results['repeats']} scans each; "
+             f"{'greedy' if not results['kwargs'] else 'sampling ' + json.dumps(results['kwargs'])})", "",
+             head, "|" + " --- |" * (len(VOCAB_SIZES) + 1)]
+    for name, row in results["rows"].items():
+        cells = [f"{row[v]['median_us']:.0f} / {row[v]['p99_us']:.0f}" if name != "bandwidth bound"
+                 else f"{row[v]['median_us']:.0f}" for v in VOCAB_SIZES]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=300, help="timed scans per implementation and size (%(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (and, above 1, an extra "
+                   "ONNX Runtime row with as many); the served ONNX Runtime scan uses one (%(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 times greedy scans; > 0 sampling (top_p 0.9)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.threads < 1 or args.temperature < 0:
+        p.error("--repeats and --threads must be >= 1, --temperature >= 0")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    results = run(args.repeats, args.threads, args.temperature)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    sys.stdout.write(table(results) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
