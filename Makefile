@@ -71,3 +71,10 @@ SCAN_BENCH_ARGS ?=
 .PHONY: bench-scan
 bench-scan: $(VENV)/.installed
 	$(PY) loadtest/scan_bench.py $(SCAN_BENCH_ARGS)
+
+# The paper's four figures on one server started for the run (prefix-cache, rebuild and floor models beside
+# prepos), as PNG + CSV + out/figures/summary.md; about 10 minutes on 2 CPU cores (FIGURES_ARGS=--quick: ~2-3).
+FIGURES_ARGS ?=
+.PHONY: figures
+figures: $(ENGINE)
+	PYTHONPATH=loadtest $(PY) -m prepos_loadtest.figures --out out/figures $(FIGURES_ARGS)
