@@ -3,7 +3,7 @@
     from prepos_client.routing import RoutedClient
 
     replicas = ["10.0.0.5:8001", "10.0.0.6:8001"]
-    with RoutedClient(replicas, shared_journal=True) as client, client.session() as session:
+    with RoutedClient(replicas) as client, client.session() as session:
         answer = session.ask("Is water wet?", choices=["yes", "no"])
         print(answer.text, answer.path, session.replica)
 
@@ -15,20 +15,18 @@ as a session's gRPC stream stays on the upstream Envoy routed it to.
 
 When a session's replica cannot be reached, the replica leaves the ring (for
 every session of this client) and the session moves to its owner on the
-smaller ring. Its first request there carries START: Triton's sequence
-batcher refuses any other first request of a sequence it does not know. The
-new owner holds no KV for the session:
-- `shared_journal=True` (the replicas share a session journal, `journal.dir`):
-  the request is sent again to the new owner, which reopens the session from
-  its journal and rebuilds the KV from the token log (path `rebuild`).
-- `shared_journal=False`: the session's state is gone with its replica; the
-  call raises `SessionLost` and the session's next request opens it afresh
-  on the new owner.
+smaller ring: the call is sent again there, with START and the `resume` input
+(Triton routes a sequence's first request on a replica only with START;
+`resume` asks the server to continue the session rather than begin a new
+one). The new owner holds no KV for the session. With a session journal
+shared by the replicas (`journal.dir` on one volume) it reopens the session
+from the journal and rebuilds the KV from the token log (path `rebuild`);
+without one it refuses the request (`PreposError` naming `resume`): the
+session's state was lost with its replica.
 
 A request that was in flight when its replica died may have been accepted
-there before the connection broke; with `shared_journal=True` it is sent
-again to the new owner, so across a failover a request is delivered at least
-once, not exactly once.
+there before the connection broke; it is sent again to the new owner, so
+across a failover a request is delivered at least once, not exactly once.
 """
 
 from __future__ import annotations
@@ -51,14 +49,6 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class SessionLost(PreposUnavailable):
-    """The session's replica was lost and no shared journal holds its state.
-
-    The session has moved to its new owner; its next request opens it there
-    afresh (START, an empty token log).
-    """
-
-
 @dataclass(frozen=True)
 class Failover:
     """A session moved because its replica could not be reached."""
@@ -77,8 +67,6 @@ class RoutedClient:
             or a mapping of address to integer weight. Give the addresses
             Envoy's endpoints have (resolved IPs) to route exactly as the router.
         model, timeout_s, headers: as for `Client`.
-        shared_journal: the replicas share a session journal, so a session
-            moved off a lost replica is reopened from it (see the module docstring).
         min_ring_size, max_ring_size: as the chart's `router.ringHash`.
 
     Raises:
@@ -94,14 +82,12 @@ class RoutedClient:
         *,
         timeout_s: float = 60.0,
         headers: Mapping[str, str] | None = None,
-        shared_journal: bool = False,
         min_ring_size: int = DEFAULT_MIN_RING_SIZE,
         max_ring_size: int = DEFAULT_MAX_RING_SIZE,
     ):
         self.model = model
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})
-        self.shared_journal = shared_journal
         self._ring = HashRing(replicas, min_ring_size=min_ring_size, max_ring_size=max_ring_size)
         if not self._ring.hosts:
             raise ValueError("replicas: at least one replica is needed")
@@ -178,10 +164,9 @@ class RoutedSession:
 
     Same calls as `Session` (`append`, `generate`, `ask`, `close`, `detach`).
     A call whose replica cannot be reached (`PreposUnavailable`) removes that
-    replica from the client's ring and moves the session to its new owner,
-    where its next request carries START. With a shared journal the call is
-    sent again there, once per replica lost, and raises `PreposUnavailable`
-    only when no replica is left; without one it raises `SessionLost`. Every
+    replica from the client's ring, moves the session to its new owner and is
+    sent again there (resuming the session if it was opened), once per replica
+    lost; it raises `PreposUnavailable` only when no replica is left. Every
     other error is raised as `Session` raises it. `replica` is where the
     session is now; `failovers` lists its moves.
     """
@@ -190,9 +175,10 @@ class RoutedSession:
         self.session_id = check_session_id(session_id)
         self.failovers: list[Failover] = []
         self._client = client
-        self._session = self._open(client.replica_for(self.session_id), resume=resume)
-        # True from a move with a shared journal until a request reaches the new owner.
-        self._journal_only = False
+        # Whether the session is open on the server side (a request that opened it succeeded):
+        # a moved session is then resumed on its new owner, else opened there.
+        self._opened = resume
+        self._session = self._open(client.replica_for(self.session_id))
 
     @property
     def replica(self) -> str:
@@ -224,13 +210,12 @@ class RoutedSession:
     def close(self, *, timeout_s: float | None = None) -> Update | None:
         """`Session.close` (END) on the session's replica, its new owner if that replica is lost.
 
-        A session moved with a shared journal is ended on its new owner even
-        before any other request reached it there (START and END together),
-        so that the new owner deletes its journal.
+        A moved session is ended on its new owner even when no other request
+        reached it there, so that its journal is deleted.
         """
         if self._session.closed:
             return None
-        return self._call(lambda session: self._end(session, timeout_s))
+        return self._call(lambda session: session.close(timeout_s=timeout_s))
 
     def detach(self) -> None:
         """Release the connection and leave the session open on its replica."""
@@ -250,10 +235,10 @@ class RoutedSession:
     def __repr__(self) -> str:
         return f"RoutedSession({self.session_id!r}, replica={self.replica!r}, failovers={len(self.failovers)})"
 
-    def _open(self, replica: str, *, resume: bool) -> Session:
+    def _open(self, replica: str) -> Session:
         client = self._client
         return Session(replica, client.model, self.session_id, timeout_s=client.timeout_s,
-                       headers=client.headers, resume=resume)
+                       headers=client.headers, resume=self._opened)
 
     def _call(self, send: Callable[[Session], _T]) -> _T:
         return self._call_with_session(send)[1]
@@ -266,13 +251,8 @@ class RoutedSession:
             except PreposUnavailable as error:
                 self._fail_over(session, error)
                 continue
-            self._journal_only = False
+            self._opened = True
             return session, result
-
-    def _end(self, session: Session, timeout_s: float | None) -> Update | None:
-        if self._journal_only:
-            return session.append(end=True, timeout_s=timeout_s)
-        return session.close(timeout_s=timeout_s)
 
     def _stream(self, session: Session, chunks: Iterator[Chunk],
                 send: Callable[[Session], Iterator[Chunk]]) -> Iterator[Chunk]:
@@ -284,15 +264,12 @@ class RoutedSession:
                 session, chunks = self._call_with_session(send)
                 continue
             break
+        self._opened = True
         yield first
         yield from chunks
 
     def _fail_over(self, session: Session, error: PreposUnavailable) -> None:
-        """Move the session off `session`'s replica.
-
-        Raises `error` when no replica is left, `SessionLost` after moving
-        when the replicas share no journal.
-        """
+        """Move the session off `session`'s replica, or raise `error` when no replica is left."""
         lost = session.url
         self._client.remove_replica(lost)
         try:
@@ -306,11 +283,4 @@ class RoutedSession:
         self.failovers.append(Failover(self.session_id, lost, replica, str(error)))
         logger.warning("session %s: replica %s unreachable (%s); moved to %s",
                        self.session_id, lost, error, replica)
-        self._session = self._open(replica, resume=False)
-        self._journal_only = self._client.shared_journal
-        if not self._client.shared_journal:
-            raise SessionLost(
-                f"session {self.session_id}: its replica {lost} is unreachable and no shared journal holds its "
-                f"state; its next request opens it afresh on {replica}",
-                status=error.status,
-            ) from error
+        self._session = self._open(replica)

@@ -7,24 +7,32 @@ import tritonclient.grpc as grpcclient
 from client_fakes import FakeTriton, echo_responder, unavailable
 from prepos_client import PreposError, PreposUnavailable
 from prepos_client.ring import HashRing
-from prepos_client.routing import RoutedClient, SessionLost
+from prepos_client.routing import RoutedClient
 from tritonclient.utils import InferenceServerException
 
 REPLICAS = ["127.0.0.1:8001", "127.0.0.1:9001", "127.0.0.1:10001"]
 
 
 class Replicas:
-    """Fake gRPC clients by replica address; requests to a replica in `dead` fail as unreachable."""
+    """Fake gRPC clients by replica address; requests to a replica in `dead` fail as unreachable,
+    those to a replica in `errors` get that error, the others an echo."""
 
     def __init__(self) -> None:
         self.dead: set[str] = set()
+        self.errors: dict[str, InferenceServerException] = {}
         self.created: list[FakeTriton] = []
 
     def factory(self, url, *args, **kwargs) -> FakeTriton:
-        fake = FakeTriton(url, responder=lambda request: [unavailable()] if url in self.dead else
-                          echo_responder(request))
+        fake = FakeTriton(url, responder=lambda request: self.respond(url, request))
         self.created.append(fake)
         return fake
+
+    def respond(self, url: str, request) -> list:
+        if url in self.dead:
+            return [unavailable()]
+        if url in self.errors:
+            return [self.errors[url]]
+        return echo_responder(request)
 
     def requests(self, url: str, session_id: str) -> list:
         return [r for fake in self.created if fake.url == url for r in fake.requests if r.sequence_id == session_id]
@@ -55,8 +63,8 @@ def test_each_session_lives_on_its_ring_owner(replicas):
     assert {fake.url for fake in replicas.created} == set(REPLICAS)
 
 
-def test_a_lost_replica_leaves_the_ring_and_its_session_continues_on_the_new_owner(replicas):
-    client = RoutedClient(REPLICAS, timeout_s=2, shared_journal=True)
+def test_a_lost_replica_leaves_the_ring_and_its_session_resumes_on_the_new_owner(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=2)
     lost = REPLICAS[1]
     (moving,) = session_ids_on(lost, client.ring, 1)
     (staying,) = session_ids_on(REPLICAS[0], client.ring, 1)
@@ -70,34 +78,41 @@ def test_a_lost_replica_leaves_the_ring_and_its_session_continues_on_the_new_own
     assert answer.text == "two" and a.replica == owner
     assert lost not in client.replicas and client.replica_for(moving) == owner
     assert [(f.from_replica, f.to_replica) for f in a.failovers] == [(lost, owner)]
-    # The new owner does not know the session: its first request there carries START.
-    assert [(r.sequence_start, r.inputs["text_input"][0]) for r in replicas.requests(owner, moving)] == [
-        (True, b"two")]
+    # The new owner does not know the session: its first request there carries START and `resume`.
+    (first,) = replicas.requests(owner, moving)
+    assert first.sequence_start and first.inputs["resume"].tolist() == [True]
+    assert first.inputs["text_input"].tolist() == [b"two"]
     a.ask("three")
-    assert [r.sequence_start for r in replicas.requests(owner, moving)] == [True, False]
+    later = replicas.requests(owner, moving)[1]
+    assert not later.sequence_start and "resume" not in later.inputs
 
     b.ask("two")
     assert b.replica == REPLICAS[0] and not b.failovers
     assert [r.sequence_start for r in replicas.requests(REPLICAS[0], staying)] == [True, False]
 
 
-def test_without_a_shared_journal_a_lost_session_is_reported_and_then_opens_afresh(replicas):
+def test_a_session_lost_before_it_opened_opens_on_the_new_owner(replicas):
     client = RoutedClient(REPLICAS[:2], timeout_s=2)
     (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
     session = client.session(session_id)
-    session.ask("one")
     replicas.dead.add(REPLICAS[0])
-    with pytest.raises(SessionLost, match="no shared journal") as lost:
-        session.ask("two")
-    assert isinstance(lost.value, PreposUnavailable)
-    assert session.replica == REPLICAS[1] and replicas.requests(REPLICAS[1], session_id) == []
-    session.ask("three")
-    assert [(r.sequence_start, r.inputs["text_input"][0]) for r in replicas.requests(REPLICAS[1], session_id)] == [
-        (True, b"three")]
+    session.append("system", role="system")
+    (first,) = replicas.requests(REPLICAS[1], session_id)
+    assert first.sequence_start and "resume" not in first.inputs
+
+
+def test_a_resumed_session_resumes_on_the_new_owner_too(replicas):
+    client = RoutedClient(REPLICAS[:2], timeout_s=2)
+    (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    session = client.session(session_id, resume=True)
+    replicas.dead.add(REPLICAS[0])
+    session.ask("hi")
+    (first,) = replicas.requests(REPLICAS[1], session_id)
+    assert first.sequence_start and first.inputs["resume"].tolist() == [True]
 
 
 def test_the_first_chunk_of_a_generate_fails_over(replicas):
-    client = RoutedClient(REPLICAS[:2], timeout_s=2, shared_journal=True)
+    client = RoutedClient(REPLICAS[:2], timeout_s=2)
     (session_id,) = session_ids_on(REPLICAS[1], client.ring, 1)
     session = client.session(session_id)
     session.append("system", role="system")
@@ -107,7 +122,7 @@ def test_the_first_chunk_of_a_generate_fails_over(replicas):
 
 
 def test_every_replica_lost_raises_unavailable_after_one_try_each(replicas):
-    client = RoutedClient(REPLICAS, timeout_s=2, shared_journal=True)
+    client = RoutedClient(REPLICAS, timeout_s=2)
     session = client.session("s-1")
     replicas.dead.update(REPLICAS)
     with pytest.raises(PreposUnavailable):
@@ -117,7 +132,7 @@ def test_every_replica_lost_raises_unavailable_after_one_try_each(replicas):
 
 
 def test_other_errors_do_not_move_the_session(replicas):
-    client = RoutedClient(REPLICAS, timeout_s=2, shared_journal=True)
+    client = RoutedClient(REPLICAS, timeout_s=2)
     session = client.session("s-1")
     home = session.replica
     (fake,) = replicas.created
@@ -154,13 +169,27 @@ def test_bad_replicas_are_refused(bad):
         RoutedClient(bad)
 
 
-def test_a_session_moved_with_a_journal_is_ended_on_its_new_owner_even_unused(replicas):
-    client = RoutedClient(REPLICAS[:2], timeout_s=2, shared_journal=True)
+def test_a_moved_session_is_ended_on_its_new_owner_even_unused_there(replicas):
+    client = RoutedClient(REPLICAS[:2], timeout_s=2)
     (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
     session = client.session(session_id)
     session.ask("one")
     replicas.dead.add(REPLICAS[0])
     session.close()
     (end,) = replicas.requests(REPLICAS[1], session_id)
-    assert end.sequence_start and end.sequence_end and "text_input" not in end.inputs
-    assert session.closed
+    assert end.sequence_start and end.sequence_end and end.inputs["resume"].tolist() == [True]
+    assert "text_input" not in end.inputs and session.closed
+
+
+def test_without_a_journal_the_new_owner_refuses_the_moved_session(replicas):
+    client = RoutedClient(REPLICAS[:2], timeout_s=2)
+    (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    session = client.session(session_id)
+    session.ask("one")
+    replicas.dead.add(REPLICAS[0])
+    replicas.errors[REPLICAS[1]] = InferenceServerException(
+        msg=f"resume: session {session_id!r} is not open on this server and has no journal to reopen it from")
+    with pytest.raises(PreposError) as error:
+        session.ask("two")
+    assert error.value.field == "resume" and not isinstance(error.value, PreposUnavailable)
+    assert session.replica == REPLICAS[1]
