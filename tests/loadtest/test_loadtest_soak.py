@@ -1,0 +1,95 @@
+"""The soak's summary, plot, options and process-tree memory, without a server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prepos_loadtest.soak import COLUMNS, SoakOptions
+from prepos_loadtest.soak_probe import tree_memory
+from prepos_loadtest.soak_report import summarize, write_plot
+
+LOADTEST_DIR = Path(__file__).resolve().parents[2] / "loadtest"
+
+
+def write_samples(path: Path, rows: list[dict]) -> None:
+    lines = [",".join(COLUMNS)]
+    for row in rows:
+        lines.append(",".join(str(row.get(column, "")) for column in COLUMNS))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def samples(rss: list[float], errors: list[int]) -> list[dict]:
+    return [{"elapsed_s": 30.0 * i, "rss_mib": value, "num_processes": 2, "kv_mib": 10.0 + i, "kv_budget_mib": 6000,
+             "sessions_open": 4 + i, "requests_total": 100 * i, "request_errors_total": error,
+             "engine_foreground_s": 1.0, "engine_background_s": 0.5}
+            for i, (value, error) in enumerate(zip(rss, errors))]
+
+
+def test_summary_takes_rss_after_warm_up_and_its_trend(tmp_path):
+    path = tmp_path / "soak.csv"
+    write_samples(path, samples([900, 1500, 1600, 1610, 1620], [3, 3, 3, 4, 5]))
+    options = SoakOptions(users=4, duration="2m")
+    summary = summarize(path, 60.0, {"num_requests": 400, "num_failed": 0, "exceptions": []}, 0, options)
+
+    assert (summary.rss_start_mib, summary.rss_end_mib, summary.rss_peak_mib) == (1600, 1620, 1620)
+    # Samples at 60, 90, 120 s: 1600, 1610, 1620 MiB, i.e. 10 MiB per 30 s.
+    assert summary.rss_slope_mib_per_h == pytest.approx(1200.0)
+    assert (summary.kv_start_mib, summary.kv_end_mib, summary.kv_peak_mib) == (12.0, 14.0, 14.0)
+    assert summary.server_errors == 2 and summary.sessions_peak == 8 and summary.num_samples == 5
+    assert summary.passed
+    assert "0 errors" in summary.line() and "1600 MiB -> end 1620 MiB" in summary.line()
+    assert "| server RSS after warm-up / at end / peak (MiB) | 1600.0 / 1620.0 / 1620.0 |" in summary.markdown()
+
+    write_plot(path, tmp_path / "soak.png", 60.0, summary)
+    assert (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_failed_request_or_no_request_fails_the_soak(tmp_path):
+    path = tmp_path / "soak.csv"
+    write_samples(path, samples([1000, 1000], [0, 0]))
+    options = SoakOptions(users=1, duration="1m")
+    failed = summarize(path, 10.0, {"num_requests": 10, "num_failed": 1, "exceptions": []}, 0, options)
+    assert not failed.passed and failed.num_errors == 1
+    raised = summarize(path, 10.0, {"num_requests": 10, "num_failed": 0, "exceptions": [{"Count": "1"}]}, 0, options)
+    assert not raised.passed
+    assert not summarize(path, 10.0, {}, 0, options).passed  # Locust wrote no summary: nothing was measured
+
+
+def test_options_name_the_field_they_reject():
+    with pytest.raises(ValueError, match="users"):
+        SoakOptions(users=0)
+    with pytest.raises(ValueError, match="run-time"):
+        SoakOptions(duration="ten minutes")
+    with pytest.raises(ValueError, match="sample_interval_s"):
+        SoakOptions(sample_interval_s=0)
+    assert SoakOptions(duration="10m", warmup_s=60).effective_warmup_s == 60
+    assert SoakOptions(duration="1m", warmup_s=60).effective_warmup_s == 30
+
+
+def test_usage_errors_exit_2_naming_the_flag():
+    done = subprocess.run([sys.executable, "-m", "prepos_loadtest.soak", "--duration", "soon"], cwd=LOADTEST_DIR,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--duration" in done.stderr
+
+
+def test_tree_memory_counts_the_children():
+    child = subprocess.Popen([sys.executable, "-c", "import time; x = b'1' * (64 << 20); time.sleep(30)"])
+    try:
+        for _ in range(200):  # until the child holds its 64 MiB
+            own = tree_memory(child.pid)
+            if own.rss_bytes >= 64 << 20:
+                break
+            time.sleep(0.05)
+        memory = tree_memory(os.getpid())
+        assert memory.num_processes == 2
+        assert own.rss_bytes >= 64 << 20 and memory.rss_bytes > own.rss_bytes
+    finally:
+        child.kill()
+        child.wait()
+    assert tree_memory(child.pid) is None
