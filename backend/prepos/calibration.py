@@ -5,8 +5,8 @@ reference answer is what the full path gives (log + entry + delta + cue); the
 gate instead scans the speculative distribution (log + entry + speculative
 delta + cue), where the speculative delta is empty or a placeholder text. The
 replay drives an engine directly, in process, and for every decision point
-prefills each speculative sequence and the full sequence (separate engine
-session ids, so prefix reuse makes each a short prefill), scans them under the
+prefills each speculative sequence and then the full sequence (one engine
+session per replayed session: prefix reuse makes each a short prefill), scans them under the
 same ``choices`` constraint, and records the speculative features and whether
 the first decision token (after any forced choice tokens) agrees with the full
 path's — which is exactly whether a gated answer would equal the full path's.
@@ -159,8 +159,7 @@ class CalibrationReplay:
     ``placeholders`` maps variant names to speculative delta texts; the empty
     delta (variant ``empty``) is always included. Decision points are the
     steps with ``max_tokens != 0`` and a non-empty delta; others only grow the
-    log. The engine's sessions used here are released at the end of each
-    replayed session.
+    log. The engine session used for a replayed session is released at its end.
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, framing: Framing, *,
@@ -222,7 +221,9 @@ class CalibrationReplay:
 
     def _replay_session(self, session: SessionLike, wanted: set, done: dict) -> Iterable[DecisionRecord]:
         framing, token_log = self._framing, []
-        ids = {name: f"calibrate/{session.name}/{name}" for name in [*self._variants, "full"]}
+        # One engine session for every sequence: each speculative prefill reuses the log, the full path then
+        # reuses log + entry, and the next turn reuses all of it (prefill keeps the longest common prefix).
+        engine_id = f"calibrate/{session.name}"
         last_wanted = max(i for i in range(len(session.steps)) if (session.name, i) in wanted)
         try:
             for index, step in enumerate(session.steps[:last_wanted + 1]):
@@ -239,31 +240,34 @@ class CalibrationReplay:
                 if key in done:
                     answer = list(done[key].answer_ids)
                 elif not delta_ids or key not in wanted:
-                    answer = self._answer(ids["full"], [*token_log, *entry, *delta_ids, *framing.cue_ids], forced,
+                    answer = self._answer(engine_id, [*token_log, *entry, *delta_ids, *framing.cue_ids], forced,
                                           trie, step.max_tokens)
                 else:
-                    record = self._decision(session.name, index, token_log, entry, delta_ids, forced, trie, step, ids)
+                    record = self._decision(session.name, index, token_log, entry, delta_ids, forced, trie, step,
+                                            engine_id)
                     answer = list(record.answer_ids)
                     yield record
                 token_log += [*entry, *delta_ids, *framing.cue_ids, *answer, *framing.closing_ids(answer)]
         finally:
-            for engine_id in ids.values():
-                self._engine.release(engine_id)
+            self._engine.release(engine_id)
 
     def _scan_at(self, logits, trie: ChoiceTrie | None, answer: Sequence[int]) -> ScanResult:
         return self._scan(logits, allowed_ids=trie.allowed_ids(answer) if trie else None)
 
     def _decision(self, session: str, index: int, token_log: list[int], entry: list[int], delta_ids: list[int],
-                  forced: list[int], trie: ChoiceTrie | None, step: StepLike, ids: dict) -> DecisionRecord:
-        prompt = [*token_log, *entry, *delta_ids, *self._framing.cue_ids]
-        answer = self._answer(ids["full"], prompt, forced, trie, step.max_tokens)
-        full_token = answer[len(forced)]
-        variants = {}
+                  forced: list[int], trie: ChoiceTrie | None, step: StepLike, engine_id: str) -> DecisionRecord:
+        scans = {}
         for name, spec_delta in self._variants.items():
             spec = [*token_log, *entry, *spec_delta, *self._framing.cue_ids, *forced]
-            scan = self._scan_at(self._engine.prefill(ids[name], spec), trie, forced)
-            variants[name] = SpeculativeFeatures(scan.token_id, scan.p_max, scan.margin, scan.entropy,
-                                                 scan.certainty, scan.num_allowed, scan.token_id == full_token)
+            scans[name] = self._scan_at(self._engine.prefill(engine_id, spec), trie, forced)
+        prompt = [*token_log, *entry, *delta_ids, *self._framing.cue_ids]
+        answer = self._answer(engine_id, prompt, forced, trie, step.max_tokens)
+        full_token = answer[len(forced)]
+        variants = {
+            name: SpeculativeFeatures(scan.token_id, scan.p_max, scan.margin, scan.entropy, scan.certainty,
+                                      scan.num_allowed, scan.token_id == full_token)
+            for name, scan in scans.items()
+        }
         return DecisionRecord(session, index, len(delta_ids), len(trie.choices) if trie else 0, full_token,
                               tuple(answer), variants)
 

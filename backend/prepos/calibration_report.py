@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Sequence
 
 from prepos.calibration import EMPTY, DecisionRecord
+from prepos.gate import GATE_SCORES
 from prepos.risk import RiskControlResult, clopper_pearson_interval, select_threshold
+from prepos.scan import ScanResult
 
 log = logging.getLogger("prepos.calibration")
 
-SCORES = ("p_max", "margin", "certainty")
+SCORES = tuple(GATE_SCORES)  # every score the server's gate can use
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,9 @@ def split_sessions(records: Sequence[DecisionRecord], held_out_fraction: float, 
 
 
 def _score(record: DecisionRecord, variant: str, score: str) -> float:
-    return getattr(record.variants[variant], score)
+    # The server's own scoring strategy on the recorded scan features.
+    f = record.variants[variant]
+    return GATE_SCORES[score]().score(ScanResult(f.token_id, f.p_max, f.margin, f.entropy, f.num_allowed))
 
 
 def _held_out(records: Sequence[DecisionRecord], variant: str, score: str, threshold: float | None,
@@ -212,13 +216,16 @@ def _markdown(results: Sequence[EpsilonResult], records: Sequence[DecisionRecord
                       f"{h.num_errors} false accepts, observed rate {h.rate:.4f}, "
                       f"{conf:.0%} interval [{h.interval[0]:.4f}, {h.interval[1]:.4f}].", ""]
         lines += ["| score | delta | agreement (all points) | threshold | coverage | false accepts | bound | "
-                  "held-out coverage | held-out rate [interval] |", "|---|---|---|---|---|---|---|---|---|"]
+                  "lowest bound on the grid (its coverage) | held-out coverage | held-out rate [interval] |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for cand in res.candidates:
             c, h = cand.calibration, cand.held_out
             thr = "gate off" if c.gate_off else f"{c.threshold:.6g}"
             held_rate = "-" if c.gate_off else f"{h.rate:.4f} [{h.interval[0]:.4f}, {h.interval[1]:.4f}]"
+            low = min(c.curve, key=lambda p: (p.bound, -p.coverage))
             lines.append(f"| {cand.score} | {cand.variant} | {cand.agreement_rate:.3f} | {thr} | {c.coverage:.3f} | "
-                         f"{c.num_errors}/{c.num_accepted} | {c.bound:.4f} | {h.coverage:.3f} | {held_rate} |")
+                         f"{c.num_errors}/{c.num_accepted} | {c.bound:.4f} | {low.bound:.4f} ({low.coverage:.3f}) | "
+                         f"{h.coverage:.3f} | {held_rate} |")
         lines.append("")
     lines += ["Each candidate is certified at delta / (number of candidates) with Bonferroni over a fixed grid of "
               "thresholds (prepos.risk), so the chosen one's bound holds at the stated confidence.", ""]
