@@ -18,9 +18,10 @@ Both forms have one interface (``V`` is the dynamic vocabulary axis ``vocab``):
 
 The semantics are those of ``prepos.scan`` (the NumPy reference), computed in
 float32: greedy is the allowed token with the largest logit, lowest id on ties
-(``ArgMax`` keeps the first maximum); sampling tempers the allowed logits, sorts
-by probability descending with ids ascending on ties (``TopK``'s documented
-tie-break), cuts to ``top_k`` then to the smallest prefix whose mass reaches
+(``TopK`` documents the lower index first among equal values; one ``TopK`` of 2
+yields the answer and both logits the features need); sampling tempers the
+allowed logits, sorts by probability descending with ids ascending on ties, cuts
+to ``top_k`` then to the smallest prefix whose mass reaches
 ``top_p``, and inverts the cumulative mass at ``uniform``. Sampling sits in an
 ``If`` branch, so a greedy scan never pays the sort. With no finite allowed logit
 ``p_max`` is NaN; callers turn that into an error, as the reference does.
@@ -137,7 +138,10 @@ def _sampling_branch() -> onnx.GraphProto:
 def _standard_graph(dtype: str) -> onnx.GraphProto:
     inputs, outputs = _io(dtype)
     n = helper.make_node
+    # x: [V] float32 (a float32 input is used as is)
+    cast = n("Cast", ["logits"], ["x"], to=TensorProto.FLOAT) if dtype != "float32" else n("Identity", ["logits"], ["x"])
     nodes = [
+        cast,
         _const("axis0", [0], np.int64),
         _const("axis0_scalar", 0, np.int64),
         _const("zero_i", [0], np.int64),
@@ -148,32 +152,35 @@ def _standard_graph(dtype: str) -> onnx.GraphProto:
         _const("zero_f", [0.0], np.float32),
         _const("one_f", [1.0], np.float32),
         _const("neg_inf", [-np.inf], np.float32),
-        n("Cast", ["logits"], ["x"], to=TensorProto.FLOAT),
-        n("Shape", ["x"], ["vocab"]),
+        _const("lowest_f", [np.finfo(np.float32).min], np.float32),
         n("Where", ["mask", "x", "neg_inf"], ["allowed"]),  # allowed: [V], -inf where masked
-        # features at temperature 1 over the allowed tokens
-        n("ReduceMax", ["allowed"], ["top"], axes=[0], keepdims=1),
+        n("Shape", ["allowed"], ["vocab"]),
+        # one pass finds the answer and the two largest logits: TopK puts the lower id first on ties
+        n("Min", ["vocab", "two_i"], ["k2"]),
+        n("TopK", ["allowed", "k2"], ["top2", "top2_ids"], axis=0, largest=1, sorted=1),
+        n("Slice", ["top2", "zero_i", "one_i", "axis0"], ["top"]),
+        n("Slice", ["top2_ids", "zero_i", "one_i", "axis0"], ["greedy_id"]),
+        # features at temperature 1 over the allowed tokens, from e = exp(x - top) and total = sum(e):
+        # p_max = 1 / total, margin = (1 - exp(second - top)) / total,
+        # entropy = log(total) - sum(e * (x - top)) / total (two non-negative terms: no cancellation)
         n("Sub", ["allowed", "top"], ["shifted"]),
         n("Exp", ["shifted"], ["e"]),
         n("ReduceSum", ["e", "axis0"], ["total"], keepdims=1),
-        n("Div", ["e", "total"], ["p"]),
-        n("Min", ["vocab", "two_i"], ["k2"]),
-        n("TopK", ["p", "k2"], ["top2", "top2_ids"], axis=0, largest=1, sorted=1),
-        n("Slice", ["top2", "zero_i", "one_i", "axis0"], ["p_max"]),
-        # second probability, 0 when the vocabulary has one token (margin = p_max)
-        n("Concat", ["top2", "zero_f"], ["top2_padded"], axis=0),
-        n("Slice", ["top2_padded", "one_i", "two_i", "axis0"], ["p_second"]),
-        n("Sub", ["p_max", "p_second"], ["margin"]),
+        n("Reciprocal", ["total"], ["p_max"]),
+        n("Concat", ["top2", "neg_inf"], ["top2_padded"], axis=0),  # second = -inf with one token
+        n("Slice", ["top2_padded", "one_i", "two_i", "axis0"], ["second"]),
+        n("Sub", ["second", "top"], ["second_shifted"]),
+        n("Exp", ["second_shifted"], ["second_ratio"]),
+        n("Sub", ["one_f", "second_ratio"], ["gap"]),
+        n("Mul", ["gap", "p_max"], ["margin"]),
+        n("Max", ["shifted", "lowest_f"], ["shifted_finite"]),  # e = 0 there: 0 * lowest = 0, not NaN
+        n("Mul", ["e", "shifted_finite"], ["e_shifted"]),
+        n("ReduceSum", ["e_shifted", "axis0"], ["e_shifted_sum"], keepdims=1),
+        n("Mul", ["e_shifted_sum", "p_max"], ["mean_shifted"]),
         n("Log", ["total"], ["log_total"]),
-        n("Sub", ["shifted", "log_total"], ["log_p"]),
-        n("Mul", ["p", "log_p"], ["plogp_raw"]),  # NaN where p = 0 (0 * -inf); dropped next
-        n("Greater", ["p", "zero_f"], ["p_positive"]),
-        n("Where", ["p_positive", "plogp_raw", "zero_f"], ["plogp"]),
-        n("ReduceSum", ["plogp", "axis0"], ["neg_entropy"], keepdims=1),
-        n("Neg", ["neg_entropy"], ["entropy_raw"]),
+        n("Sub", ["log_total", "mean_shifted"], ["entropy_raw"]),
         n("Max", ["entropy_raw", "zero_f"], ["entropy"]),
         # answer: greedy, or sampled in a branch that only a positive temperature pays
-        n("ArgMax", ["allowed"], ["greedy_id"], axis=0, keepdims=1, select_last_index=0),
         n("Greater", ["temperature", "zero_f"], ["sampling"]),
         n("If", ["sampling"], ["token_id"], then_branch=_sampling_branch(),
           else_branch=helper.make_graph([n("Identity", ["greedy_id"], ["greedy_out"])], "greedy", [],
