@@ -175,6 +175,7 @@ class CalibrationReplay:
         self._placeholders = placeholders
         self._max_answer_tokens = max_answer_tokens
         self._terminator_id = framing.answer_terminator_ids[0]
+        self._max_context = engine.info.max_context
 
     def header(self) -> dict:
         return {"format": RECORDS_FORMAT, "placeholders": self._placeholders}
@@ -237,6 +238,11 @@ class CalibrationReplay:
                 trie = ChoiceTrie(step.choices, self._tokenizer, self._terminator_id) if step.choices else None
                 forced = trie.forced_ids() if trie else []
                 key = (session.name, index)
+                longest = max((len(ids) for ids in trie.token_ids), default=0) + 1 if trie else self._max_answer_tokens
+                if len(token_log) + len(entry) + len(delta_ids) + len(framing.cue_ids) + longest > self._max_context:
+                    log.warning("session %s: turn %d does not fit the %d-token context; its remaining decision "
+                                "points are not recorded", session.name, index, self._max_context)
+                    return
                 if key in done:
                     answer = list(done[key].answer_ids)
                 elif not delta_ids or key not in wanted:

@@ -187,3 +187,14 @@ def test_records_round_trip_through_json():
     record = _record("s", 3, 0.7, False)
     assert DecisionRecord.from_json(record.to_json()) == record
     assert json.loads(record.to_json())["variants"][EMPTY]["agreed"] is False
+
+
+def test_turns_past_the_context_are_not_recorded(parts, tmp_path):
+    tok, framing = parts
+    replay = CalibrationReplay(FakeEngine(max_context=120), tok, framing)
+    long = Session("long", (Step("user", "short?", 1, YES_NO), Step("user", "x" * 200, 1, YES_NO),
+                            Step("user", "again?", 1, YES_NO)))
+    summary = replay.run([long, SESSIONS[1]], tmp_path / "r.jsonl")
+    _, records = read_records(tmp_path / "r.jsonl")
+    assert [(r.session, r.turn) for r in records] == [("long", 0), ("b", 0), ("b", 1)]
+    assert summary.num_recorded == 3
