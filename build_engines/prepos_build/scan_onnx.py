@@ -139,7 +139,8 @@ def _standard_graph(dtype: str) -> onnx.GraphProto:
     inputs, outputs = _io(dtype)
     n = helper.make_node
     # x: [V] float32 (a float32 input is used as is)
-    cast = n("Cast", ["logits"], ["x"], to=TensorProto.FLOAT) if dtype != "float32" else n("Identity", ["logits"], ["x"])
+    to_float = n("Cast", ["logits"], ["x"], to=TensorProto.FLOAT)
+    cast = n("Identity", ["logits"], ["x"]) if dtype == "float32" else to_float
     nodes = [
         cast,
         _const("axis0", [0], np.int64),

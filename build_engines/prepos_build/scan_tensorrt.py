@@ -20,13 +20,12 @@ between greedy and sampling, so the engine is not CUDA-graph capturable.
 ``python -m prepos_build.scan_tensorrt --output DIR`` builds ``scan_plugin_<dtype>.engine``.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: tensorrt.plugin reads the plugin functions' annotations as classes.
 import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import torch
 
@@ -54,7 +53,8 @@ def _tensorrt():
 
 
 def scan_tensors(
-    logits: torch.Tensor, mask: torch.Tensor, temperature: float, top_k: int, top_p: torch.Tensor, uniform: torch.Tensor,
+    logits: torch.Tensor, mask: torch.Tensor, temperature: float, top_k: int,
+    top_p: torch.Tensor, uniform: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The plugin's maths on ``logits``' device: ``(token_id int64[1], p_max, margin, entropy float32[1])``.
 
@@ -106,13 +106,15 @@ def register_plugin() -> None:
 
     @trtp.register(PLUGIN_ID)
     def _describe(logits: trtp.TensorDesc, mask: trtp.TensorDesc, temperature: trtp.TensorDesc,
-                  top_k: trtp.TensorDesc, top_p: trtp.TensorDesc, uniform: trtp.TensorDesc):
+                  top_k: trtp.TensorDesc, top_p: trtp.TensorDesc, uniform: trtp.TensorDesc,
+                  ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
         return (trtp.from_shape_expr((1,), dtype=trt.int64),) + tuple(
             trtp.from_shape_expr((1,), dtype=trt.float32) for _ in OUTPUT_NAMES[1:])
 
     @trtp.impl(PLUGIN_ID)
     def _run(logits: trtp.Tensor, mask: trtp.Tensor, temperature: trtp.Tensor, top_k: trtp.Tensor,
-             top_p: trtp.Tensor, uniform: trtp.Tensor, outputs, stream: int) -> None:
+             top_p: trtp.Tensor, uniform: trtp.Tensor,
+             outputs: Tuple[trtp.Tensor, trtp.Tensor, trtp.Tensor, trtp.Tensor], stream: int) -> None:
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             t = {name: torch.as_tensor(x, device="cuda")
                  for name, x in zip(INPUT_NAMES, (logits, mask, temperature, top_k, top_p, uniform))}
@@ -177,7 +179,8 @@ class TensorRTScan:
         if self._engine is None:
             raise RuntimeError(f"engine_path: {engine_path} is not a scan engine this TensorRT can load")
         self._context = self._engine.create_execution_context()
-        self._logits_dtype = torch.float16 if self._engine.get_tensor_dtype("logits") == trt.DataType.HALF else torch.float32
+        half = self._engine.get_tensor_dtype("logits") == trt.DataType.HALF
+        self._logits_dtype = torch.float16 if half else torch.float32
         self._stream = torch.cuda.Stream(self._device)
         # static buffers: the scalars in, the four results out
         self._scalars = {n: torch.zeros(1, dtype=torch.int64 if n == "top_k" else torch.float32, device=self._device)

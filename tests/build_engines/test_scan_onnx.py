@@ -101,7 +101,8 @@ def test_exported_standard_form_agrees_with_reference(sessions, vocab, seed, dty
     logits = (rng.integers(-2, 3, vocab) if ties else rng.normal(0, 3, vocab)).astype(dtype)
     logits[rng.random(vocab) < 0.2] = -np.inf
     logits[rng.integers(vocab)] = 2.0
-    allowed = sorted(rng.choice(vocab, size=int(rng.integers(1, vocab + 1)), replace=False).tolist()) if masked else None
+    size = int(rng.integers(1, vocab + 1))
+    allowed = sorted(rng.choice(vocab, size=size, replace=False).tolist()) if masked else None
     mask = np.zeros(vocab, bool)
     mask[allowed if masked else slice(None)] = True
     kw = dict(allowed_ids=allowed, temperature=temperature, top_k=top_k, top_p=top_p, uniform=u)

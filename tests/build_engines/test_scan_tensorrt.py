@@ -39,7 +39,8 @@ def test_plugin_maths_agree_with_reference(vocab, seed, dtype, ties, masked, tem
     logits = (rng.integers(-2, 3, vocab) if ties else rng.normal(0, 3, vocab)).astype(dtype)
     logits[rng.random(vocab) < 0.2] = -np.inf
     logits[rng.integers(vocab)] = 2.0
-    allowed = sorted(rng.choice(vocab, size=int(rng.integers(1, vocab + 1)), replace=False).tolist()) if masked else None
+    size = int(rng.integers(1, vocab + 1))
+    allowed = sorted(rng.choice(vocab, size=size, replace=False).tolist()) if masked else None
     kw = dict(allowed_ids=allowed, temperature=temperature, top_k=top_k, top_p=top_p, uniform=u)
     token, p_max, margin, entropy = _plugin_scan(logits, allowed, temperature, top_k, top_p, u)
     finite = np.isfinite(logits if allowed is None else logits[allowed]).any()
@@ -93,3 +94,46 @@ def test_engine_answers_as_the_reference(tmp_path, dtype):
                 assert math.isclose(getattr(got, name), getattr(ref, name), rel_tol=1e-4, abs_tol=1e-5), name
     with pytest.raises(ValueError, match="no finite logit"):
         scan(torch.full((4,), float("-inf"), dtype=getattr(torch, dtype), device="cuda"))
+
+
+def test_plugin_functions_follow_the_tensorrt_plugin_signature_rules(monkeypatch):
+    """Against a stand-in for ``tensorrt.plugin``: the rules its ``register``/``impl`` decorators check."""
+    import inspect
+    import sys
+    import types
+    import typing
+
+    class TensorDesc:
+        pass
+
+    class Tensor:
+        pass
+
+    seen = {}
+    trt = types.ModuleType("tensorrt")
+    trtp = types.ModuleType("tensorrt.plugin")
+    trt.plugin, trt.int64, trt.float32 = trtp, "int64", "float32"
+    trtp.TensorDesc, trtp.Tensor = TensorDesc, Tensor
+    trtp.from_shape_expr = lambda shape, dtype: (tuple(shape), dtype)
+    trtp.register = lambda plugin_id: lambda fn: seen.setdefault("register", (plugin_id, fn))
+    trtp.impl = lambda plugin_id: lambda fn: seen.setdefault("impl", (plugin_id, fn))
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    monkeypatch.setattr(scan_tensorrt, "_registered", False)
+    scan_tensorrt.register_plugin()
+
+    plugin_id, describe = seen["register"]
+    assert plugin_id == "prepos::VocabScan"
+    sig = inspect.signature(describe)
+    assert list(sig.parameters) == list(scan_tensorrt.INPUT_NAMES)
+    assert all(isinstance(p.annotation, type) and issubclass(p.annotation, TensorDesc) for p in sig.parameters.values())
+    assert typing.get_origin(sig.return_annotation) is tuple
+    assert [issubclass(a, TensorDesc) for a in typing.get_args(sig.return_annotation)] == [True] * 4
+    assert describe(*[TensorDesc()] * 6) == (((1,), "int64"),) + (((1,), "float32"),) * 3
+
+    plugin_id, run = seen["impl"]
+    sig = inspect.signature(run)
+    assert plugin_id == "prepos::VocabScan"
+    assert list(sig.parameters) == list(scan_tensorrt.INPUT_NAMES) + ["outputs", "stream"]
+    assert [issubclass(a, Tensor) for a in typing.get_args(sig.parameters["outputs"].annotation)] == [True] * 4
+    assert sig.parameters["stream"].annotation is int and sig.return_annotation is None
