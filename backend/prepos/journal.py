@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import struct
+import time
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ SUFFIX = ".journal"
 _FRAME = struct.Struct("<II")  # length of kind + payload, crc32 of kind + payload
 _HEADER, _ENTRY = b"H", b"E"
 _MAX_RECORD_BYTES = 256 << 20  # a longer length field is corruption, not a record
+STALE_TEMP_S = 600.0  # a temp file this old was left by a process that died while writing it
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class SessionJournal:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
+        self._remove_stale_temps()
 
     # --- writing -------------------------------------------------------
 
@@ -223,6 +226,17 @@ class SessionJournal:
                     os.fsync(f.fileno())
         except OSError as err:
             log.warning("journal %s: could not cut off its bad tail: %s", path.name, err)
+
+    def _remove_stale_temps(self) -> None:
+        # Another process's create may be in flight (milliseconds): only old temp files are removed.
+        now = time.time()
+        for tmp in self.directory.glob(".*.tmp"):
+            try:
+                if now - tmp.stat().st_mtime > STALE_TEMP_S:
+                    tmp.unlink()
+                    log.info("removed %s, left by an interrupted journal write", tmp.name)
+            except OSError:
+                pass  # removed meanwhile
 
     def _fsync_directory(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)

@@ -105,7 +105,7 @@ class Client:
                 try:
                     session.close()
                 except PreposError:
-                    logger.warning("closing session %s failed", session.session_id, exc_info=True)
+                    logger.warning("closing session %r failed", session.session_id, exc_info=True)
         finally:
             if self._health is not None:
                 self._health.close()

@@ -264,3 +264,15 @@ def test_random_entries_and_truncation_keep_a_prefix(tmp_path_factory, entries, 
     last = entries[num_whole - 1] if num_whole else None
     assert (got.last_role, got.last_choices) == ((last.role, last.choices) if last else ("user", None))
     assert got.session_id == session_id and type(got.session_id) is type(session_id)
+
+
+def test_stale_temp_files_of_interrupted_creates_are_removed(tmp_path):
+    journal = written(tmp_path)
+    stale, fresh = tmp_path / "j" / ".abc.1.tmp", tmp_path / "j" / ".abc.2.tmp"
+    stale.write_bytes(MAGIC)
+    fresh.write_bytes(MAGIC)  # another process may be writing it right now
+    old = os.stat(stale).st_mtime - journal_module.STALE_TEMP_S - 1
+    os.utime(stale, (old, old))
+    SessionJournal(tmp_path / "j")
+    assert not stale.exists() and fresh.exists()
+    assert journal.recover("s").num_entries == 3 and journal.session_ids() == ["s"]
