@@ -276,3 +276,22 @@ def test_stale_temp_files_of_interrupted_creates_are_removed(tmp_path):
     SessionJournal(tmp_path / "j")
     assert not stale.exists() and fresh.exists()
     assert journal.recover("s").num_entries == 3 and journal.session_ids() == ["s"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(entries=entries_strategy.filter(bool), where=st.floats(0.0, 1.0, exclude_max=True), flip=st.integers(1, 255))
+def test_a_flipped_byte_keeps_exactly_the_entries_before_its_record(tmp_path_factory, entries, where, flip):
+    journal = SessionJournal(tmp_path_factory.mktemp("j"), fsync=False)
+    journal.create("s")
+    for entry in entries:
+        journal.append("s", entry)
+    path = journal.path("s")
+    offsets, size = record_offsets(path)
+    data = bytearray(path.read_bytes())
+    position = offsets[1] + int(where * (size - offsets[1]))
+    data[position] ^= flip
+    path.write_bytes(bytes(data))
+    num_before = sum(1 for start in offsets[2:] if start <= position)  # whole entries before the damaged record
+    got = journal.recover("s")
+    assert got.turns == [e.token_ids for e in entries[:num_before]]
+    assert got.dropped_tail_bytes == size - offsets[1 + num_before]
