@@ -105,7 +105,7 @@ class RequestServer:
             log.exception("session %r request %r failed", session.session_id, request.request_id)
             self._reject(sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
         # Triton ends the sequence on END whatever happened; a rejected START leaves no session behind.
-        if request.end:
+        if request.end and self._residency.store.get(session.session_id) is session:
             self._close_session(session, "END")
         elif not served and request.start and not session.token_log:
             self._close_session(session, "its START request was rejected")
@@ -136,6 +136,8 @@ class RequestServer:
                 self._metrics.prepositioning_ended("invalidated")
             self._residency.accept(session, turn, session.last_role, session.last_choices)
         chunk = clock.chunk("", (), path.value, float("nan"), "closed" if path is ServedPath.CLOSE else "appended")
+        if request.end:  # closed (journal deleted) before the response acknowledges the END
+            self._close_session(session, "END")
         sink.send(chunk, final=True)
         self._metrics.request_served(path.value, None)
 
@@ -242,6 +244,8 @@ class RequestServer:
                 text += detok.flush()
                 if self._journaled:  # durable before the final response acknowledges the turn
                     accept()
+                    if request.end:  # and an END deletes the journal before it is acknowledged
+                        self._close_session(session, "END")
             sink.send(clock.chunk(text, emit, path.value, confidence, finish if done else ""), final=done)
             if done:
                 break

@@ -1,0 +1,139 @@
+"""Against the real server: a cancelled stream stops its engine work and leaves the session's log as it was;
+a request timeout is a deadline; a client that does not read its responses holds up no other session."""
+
+from __future__ import annotations
+
+import queue
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from prepos_client import Client
+
+from .conftest import start_server
+
+pytestmark = pytest.mark.integration
+
+SYSTEM = "You are a storyteller. Tell long stories."
+
+
+def metric(server, name: str, **labels) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def wait_for(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def inputs(text: str, max_tokens: int):
+    tensors = []
+    for name, array in (("text_input", np.array([text.encode()], dtype=np.object_)),
+                        ("max_tokens", np.array([max_tokens], dtype=np.int32))):
+        tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object else "INT32")
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("cancel"))
+    yield srv
+    srv.stop()
+
+
+def test_a_cancelled_stream_stops_generation_and_leaves_the_log_unchanged(server):
+    with Client(server.grpc_url) as client:
+        twin = client.session("twin")
+        twin.append(SYSTEM, role="system")
+        want = twin.ask("Say hello.", max_tokens=6, speculate=False)
+        twin.close()
+
+        session = client.session("victim")
+        session.append(SYSTEM, role="system")
+        session.detach()
+
+    cancelled_before = metric(server, "prepos_requests_abandoned_total", reason="cancelled")
+    results: queue.Queue = queue.Queue()
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    raw.start_stream(lambda result, error: results.put((result, error)))
+    raw.async_stream_infer("prepos", inputs("Tell me a very long story about a dragon.", 400), sequence_id="victim")
+    first, error = results.get(timeout=60)
+    assert error is None and first.as_numpy("path")[0] in (b"prepaid", b"prefix")
+    raw.stop_stream(cancel_requests=True)  # the client goes away mid-answer
+    raw.close()
+    wait_for(lambda: metric(server, "prepos_requests_abandoned_total", reason="cancelled") > cancelled_before)
+
+    with Client(server.grpc_url) as client:
+        session = client.session("victim", resume=True)
+        again = session.ask("Say hello.", max_tokens=6, speculate=False)
+        session.close()
+    assert again.token_ids == want.token_ids  # the cancelled turn never entered the log
+
+
+def test_a_request_timeout_is_a_deadline(server):
+    with Client(server.grpc_url) as client:
+        session = client.session("deadline")
+        session.append(SYSTEM, role="system")
+        session.detach()
+    results: queue.Queue = queue.Queue()
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    raw.start_stream(lambda result, error: results.put((result, error)))
+    raw.async_stream_infer("prepos", inputs("Tell me a very long story.", 400), sequence_id="deadline",
+                           timeout=300_000)  # microseconds: 0.3 s for 400 tokens at tens of ms each
+    num_chunks, error = 0, None
+    while error is None:
+        result, error = results.get(timeout=60)
+        if error is None:
+            num_chunks += 1
+            assert not result.as_numpy("finish_reason")[0], "finished before its deadline"
+    raw.stop_stream()
+    raw.close()
+    assert "timeout" in str(error) and "not accepted" in str(error)
+    assert num_chunks < 400
+    with Client(server.grpc_url) as client:
+        client.session("deadline", resume=True).close()
+
+
+def test_a_client_that_does_not_read_holds_up_no_other_session(server):
+    """The engine loop hands responses to Triton's queue and never waits for a client to read them."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    channel = grpc.insecure_channel(server.grpc_url)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    request = service_pb2.ModelInferRequest(model_name="prepos", id="slow")
+    request.parameters["sequence_id"].string_param = "slow-reader"
+    request.parameters["sequence_start"].bool_param = True
+    for name, datatype, value in (("text_input", "BYTES", None), ("max_tokens", "INT32", 60)):
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=[1])
+        if value is None:
+            text = "Count from one to sixty.".encode()
+            request.raw_input_contents.append(len(text).to_bytes(4, "little") + text)
+        else:
+            request.raw_input_contents.append(np.array([value], np.int32).tobytes())
+    stream = stub.ModelStreamInfer(iter([request]))  # never read while the other session is served
+    try:
+        with Client(server.grpc_url) as client, client.session() as other:
+            other.append(SYSTEM, role="system")
+            started = time.perf_counter()
+            answers = [other.ask(f"Give me the number {i}.", max_tokens=4, speculate=False) for i in range(3)]
+            elapsed = time.perf_counter() - started
+        assert all(a.finish_reason in ("stop", "length") for a in answers)
+        # the unread stream's request was being served meanwhile (both share the engine loop)
+        first = next(stream)
+        assert not first.error_message
+    finally:
+        stream.cancel()
+        channel.close()
+    assert elapsed < 60
+    with Client(server.grpc_url) as client:
+        client.session("slow-reader", resume=True).close()
