@@ -58,6 +58,7 @@ class CandidateResult:
     calibration: RiskControlResult
     held_out: HeldOutCheck
     agreement_rate: float  # calibration part: speculative first token equals the full path's, all points
+    aurc: float  # calibration part: area under the observed risk–coverage curve (lower ranks errors better)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,18 @@ def _score(record: DecisionRecord, variant: str, score: str) -> float:
     # The server's own scoring strategy on the recorded scan features.
     f = record.variants[variant]
     return GATE_SCORES[score]().score(ScanResult(f.token_id, f.p_max, f.margin, f.entropy, f.num_allowed))
+
+
+def aurc(scores: Sequence[float], agreed: Sequence[bool]) -> float:
+    """Area under the risk–coverage curve: the mean, over k = 1..n, of the false-accept rate among the k
+    highest-scored points (ties broken against the score, worst case). Lower is better; its floor, reached
+    when every error is ranked last, depends on the number of errors."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], agreed[i]))
+    errors, total = 0, 0.0
+    for k, i in enumerate(order, start=1):
+        errors += not agreed[i]
+        total += errors / k
+    return total / len(order) if order else 0.0
 
 
 def _held_out(records: Sequence[DecisionRecord], variant: str, score: str, threshold: float | None,
@@ -119,7 +132,8 @@ def calibrate(records: Sequence[DecisionRecord], *, epsilons: Sequence[float], d
                                       epsilon=epsilon, delta=delta / len(candidates), method=method)
             agreement = sum(r.variants[variant].agreed for r in cal) / len(cal)
             rows.append(CandidateResult(score, variant, result, _held_out(held, variant, score, result.threshold, delta),
-                                        agreement))
+                                        agreement, aurc([_score(r, variant, score) for r in cal],
+                                                        [r.variants[variant].agreed for r in cal])))
         open_rows = [r for r in rows if not r.calibration.gate_off]
         chosen = max(open_rows, key=lambda r: r.calibration.coverage, default=None)
         results.append(EpsilonResult(epsilon, delta, tuple(rows), chosen))
@@ -215,20 +229,24 @@ def _markdown(results: Sequence[EpsilonResult], records: Sequence[DecisionRecord
                       f"Held out: {h.num_accepted}/{h.num_points} answered (coverage {h.coverage:.3f}), "
                       f"{h.num_errors} false accepts, observed rate {h.rate:.4f}, "
                       f"{conf:.0%} interval [{h.interval[0]:.4f}, {h.interval[1]:.4f}].", ""]
-        lines += ["| score | delta | agreement (all points) | threshold | coverage | false accepts | bound | "
+        lines += ["| score | delta | agreement (all points) | AURC | threshold | coverage | false accepts | bound | "
                   "lowest bound on the grid (its coverage) | held-out coverage | held-out rate [interval] |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for cand in res.candidates:
             c, h = cand.calibration, cand.held_out
             thr = "gate off" if c.gate_off else f"{c.threshold:.6g}"
             held_rate = "-" if c.gate_off else f"{h.rate:.4f} [{h.interval[0]:.4f}, {h.interval[1]:.4f}]"
             low = min(c.curve, key=lambda p: (p.bound, -p.coverage))
-            lines.append(f"| {cand.score} | {cand.variant} | {cand.agreement_rate:.3f} | {thr} | {c.coverage:.3f} | "
+            lines.append(f"| {cand.score} | {cand.variant} | {cand.agreement_rate:.3f} | {cand.aurc:.4f} | {thr} | "
+                         f"{c.coverage:.3f} | "
                          f"{c.num_errors}/{c.num_accepted} | {c.bound:.4f} | {low.bound:.4f} ({low.coverage:.3f}) | "
                          f"{h.coverage:.3f} | {held_rate} |")
         lines.append("")
     lines += ["Each candidate is certified at delta / (number of candidates) with Bonferroni over a fixed grid of "
-              "thresholds (prepos.risk), so the chosen one's bound holds at the stated confidence.", ""]
+              "thresholds (prepos.risk), so the chosen one's bound holds at the stated confidence. "
+              "Agreement: the speculative first decision token equals the full path's (no threshold). AURC: area "
+              "under the observed risk–coverage curve on the calibration part, uncertified; it ranks scores and "
+              "variants even where none certifies.", ""]
     return "\n".join(lines)
 
 

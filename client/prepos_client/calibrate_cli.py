@@ -6,7 +6,8 @@
 
 Replays the trace against the engine (speculative and full path at every
 decision point), appending records to ``<out>/records.jsonl`` (a rerun resumes
-where it stopped), then writes ``report.md``, ``risk_coverage.csv``/``.png``
+where it stopped; ``--report-only`` reports on the records there without
+replaying; the report covers every record in the file), then writes ``report.md``, ``risk_coverage.csv``/``.png``
 and a ``gate_eps<epsilon>.pbtxt`` fragment per epsilon under ``--out``.
 Progress goes to stderr. Exit codes: 0 ok, 1 bad input (the message names it), 2 usage.
 """
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="JSONL trace (the load tests' format)")
     source.add_argument("--workload", help="built-in workload: bfcl, or bigbench[:TASK] (a BIG-bench yes/no task)")
+    source.add_argument("--report-only", action="store_true",
+                        help="no replay: report on the records already in the records file")
     parser.add_argument("--sessions", type=int, default=None, help="sessions to build from --workload (default: "
                         "the workload's all for bigbench, 100 for others)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
@@ -137,19 +140,24 @@ def main(argv: list[str] | None = None) -> int:
     placeholders = {} if args.no_placeholder else dict(args.placeholder or DEFAULT_PLACEHOLDERS)
     records_path = args.records or args.out / "records.jsonl"
     try:
-        sessions = load_sessions(args)
-        if not args.engine_dir.is_dir():
-            raise ValueError(f"--engine-dir: {args.engine_dir} is not a directory (make engine builds the default)")
-        summary = replay(args, sessions, placeholders, records_path)
-        log.info("recorded %d decision points (%d already there) in %.1f s", summary.num_recorded,
-                 summary.num_skipped, summary.elapsed_s)
-        _, records = read_records(records_path)
+        if not args.report_only:
+            sessions = load_sessions(args)
+            if not args.engine_dir.is_dir():
+                raise ValueError(f"--engine-dir: {args.engine_dir} is not a directory (make engine builds the default)")
+            summary = replay(args, sessions, placeholders, records_path)
+            log.info("recorded %d decision points (%d already there) in %.1f s", summary.num_recorded,
+                     summary.num_skipped, summary.elapsed_s)
+        header, records = read_records(records_path)
+        if args.report_only:
+            if not records:
+                raise ValueError(f"--report-only: no records in {records_path}")
+            placeholders = header.get("placeholders", {})
         results = calibrate(records, epsilons=args.epsilon, delta=args.delta, held_out_fraction=args.held_out,
                             method=args.method)
     except ValueError as error:
         print(f"prepos calibrate: error: {error}", file=sys.stderr)
         return EXIT_INVALID
-    title = args.workload or str(args.trace)
+    title = args.workload or str(args.trace or records_path)
     paths = write_report(args.out, records, results, title=title, placeholders=placeholders,
                          held_out_fraction=args.held_out)
     for res in results:

@@ -44,6 +44,12 @@ def test_calibrate_writes_report_and_resumes(setup, capsys):
     fragment = (out / "gate_eps0.1.pbtxt").read_text()
     assert 'key: "gate.speculate"' in fragment and 'key: "gate.epsilon" value: { string_value: "0.1" }' in fragment
 
+    # Report only: a new epsilon from the same records, no engine.
+    (out / "report.md").unlink()
+    assert calibrate_cli.main(["--report-only", "--epsilon", "0.2", "--out", str(out)]) == 0
+    assert (out / "gate_eps0.2.pbtxt").is_file() and "36 decision points" in (out / "report.md").read_text()
+    assert calibrate_cli.main(["--report-only", "--epsilon", "0.2", "--out", str(tmp_path / "empty")]) == 1
+
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--trace", "missing.jsonl"], "--trace"),

@@ -198,3 +198,14 @@ def test_turns_past_the_context_are_not_recorded(parts, tmp_path):
     _, records = read_records(tmp_path / "r.jsonl")
     assert [(r.session, r.turn) for r in records] == [("long", 0), ("b", 0), ("b", 1)]
     assert summary.num_recorded == 3
+
+
+def test_aurc_rewards_ranking_errors_last():
+    from prepos.calibration_report import aurc
+
+    # Error ranked last: risks 0, 0, 1/3.
+    assert aurc([0.9, 0.8, 0.1], [True, True, False]) == pytest.approx(1 / 9)
+    # Error ranked first: risks 1, 1/2, 1/3 over coverage 1/3, 2/3, 1.
+    assert aurc([0.9, 0.8, 0.1], [False, True, True]) == pytest.approx((1 + 1 / 2 + 1 / 3) / 3)
+    # A tie is counted against the score.
+    assert aurc([0.5, 0.5], [True, False]) == pytest.approx((1 + 1 / 2) / 2)
