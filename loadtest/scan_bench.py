@@ -123,7 +123,9 @@ def run(repeats: int, threads: int, temperature: float) -> dict:
 
 def _machine(threads: int) -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores ({threads} threads used), {gpu}"
+    used = f"{threads} thread{'s' if threads > 1 else ''} used"
+    load = f"load average {os.getloadavg()[0]:.1f}"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores ({used}, {load}), {gpu}"
 
 
 def table(results: dict) -> str:
