@@ -211,8 +211,9 @@ class TensorRTScan:
             for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
                                 ("uniform", min(uniform or 0.0, 0.99999994))):
                 self._scalars[name].fill_(value)
-            self._context.set_input_shape("logits", (vocab,))
-            self._context.set_input_shape("mask", (vocab,))
+            shaped = [self._context.set_input_shape(name, (vocab,)) for name in ("logits", "mask")]
+            if not all(shaped):
+                raise ValueError(f"logits: vocabulary {vocab} lies outside the engine's profile (see --max-vocab)")
             tensors = {"logits": logits, "mask": mask, **self._scalars, **self._outputs}
             for name, tensor in tensors.items():
                 self._context.set_tensor_address(name, tensor.data_ptr())
