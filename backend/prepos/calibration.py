@@ -39,6 +39,7 @@ log = logging.getLogger("prepos.calibration")
 
 RECORDS_FORMAT = 1
 EMPTY = "empty"  # the variant name of the empty speculative delta
+ENGINE_SESSION = "calibrate"  # the one engine session a replay uses, released when the run ends
 
 
 class StepLike(Protocol):
@@ -159,7 +160,9 @@ class CalibrationReplay:
     ``placeholders`` maps variant names to speculative delta texts; the empty
     delta (variant ``empty``) is always included. Decision points are the
     steps with ``max_tokens != 0`` and a non-empty delta; others only grow the
-    log. The engine session used for a replayed session is released at its end.
+    log. Records are written in the order sessions are replayed (sessions
+    sharing their opening turn together); the engine session used is
+    released when the run ends.
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, framing: Framing, *,
@@ -201,19 +204,24 @@ class CalibrationReplay:
         progress = _Progress(len(todo), progress_stream)
         records_path.parent.mkdir(parents=True, exist_ok=True)
         start, num_new = time.monotonic(), 0
-        with records_path.open("a", encoding="utf-8") as out:
-            if not header:
-                out.write(json.dumps({"header": self.header()}, sort_keys=True) + "\n")
-            for session in sessions:
-                if not any((session.name, i) in wanted and (session.name, i) not in done
-                           for i in range(len(session.steps))):
-                    continue
-                for record in self._replay_session(session, wanted, done):
-                    out.write(record.to_json() + "\n")
-                    out.flush()
-                    num_new += 1
-                    progress.step()
-        progress.close()
+        # Sessions that open with the same turn run one after another: the engine session keeps that prefix.
+        ordered = sorted(sessions, key=lambda s: (s.steps[0].role, s.steps[0].delta) if s.steps else ("", ""))
+        try:
+            with records_path.open("a", encoding="utf-8") as out:
+                if not header:
+                    out.write(json.dumps({"header": self.header()}, sort_keys=True) + "\n")
+                for session in ordered:
+                    if not any((session.name, i) in wanted and (session.name, i) not in done
+                               for i in range(len(session.steps))):
+                        continue
+                    for record in self._replay_session(session, wanted, done):
+                        out.write(record.to_json() + "\n")
+                        out.flush()
+                        num_new += 1
+                        progress.step()
+        finally:
+            self._engine.release(ENGINE_SESSION)
+            progress.close()
         return ReplaySummary(num_new, len(wanted) - len(todo), time.monotonic() - start)
 
     @staticmethod
@@ -223,39 +231,37 @@ class CalibrationReplay:
     def _replay_session(self, session: SessionLike, wanted: set, done: dict) -> Iterable[DecisionRecord]:
         framing, token_log = self._framing, []
         # One engine session for every sequence: each speculative prefill reuses the log, the full path then
-        # reuses log + entry, and the next turn reuses all of it (prefill keeps the longest common prefix).
-        engine_id = f"calibrate/{session.name}"
+        # reuses log + entry, the next turn reuses all of it, and the next replayed session its opening turn
+        # when they share it (prefill keeps the longest common prefix).
+        engine_id = ENGINE_SESSION
         last_wanted = max(i for i in range(len(session.steps)) if (session.name, i) in wanted)
-        try:
-            for index, step in enumerate(session.steps[:last_wanted + 1]):
-                opening = framing.opening_ids(not token_log, step.role)
-                entry = [*opening, *framing.entry_ids[step.role]]
-                delta_ids = self._tokenizer.encode(step.delta) if step.delta else []
-                if step.max_tokens == 0:
-                    if delta_ids:
-                        token_log += [*entry, *delta_ids, *framing.close_ids]
-                    continue
-                trie = ChoiceTrie(step.choices, self._tokenizer, self._terminator_id) if step.choices else None
-                forced = trie.forced_ids() if trie else []
-                key = (session.name, index)
-                longest = max((len(ids) for ids in trie.token_ids), default=0) + 1 if trie else self._max_answer_tokens
-                if len(token_log) + len(entry) + len(delta_ids) + len(framing.cue_ids) + longest > self._max_context:
-                    log.warning("session %s: turn %d does not fit the %d-token context; its remaining decision "
-                                "points are not recorded", session.name, index, self._max_context)
-                    return
-                if key in done:
-                    answer = list(done[key].answer_ids)
-                elif not delta_ids or key not in wanted:
-                    answer = self._answer(engine_id, [*token_log, *entry, *delta_ids, *framing.cue_ids], forced,
-                                          trie, step.max_tokens)
-                else:
-                    record = self._decision(session.name, index, token_log, entry, delta_ids, forced, trie, step,
-                                            engine_id)
-                    answer = list(record.answer_ids)
-                    yield record
-                token_log += [*entry, *delta_ids, *framing.cue_ids, *answer, *framing.closing_ids(answer)]
-        finally:
-            self._engine.release(engine_id)
+        for index, step in enumerate(session.steps[:last_wanted + 1]):
+            opening = framing.opening_ids(not token_log, step.role)
+            entry = [*opening, *framing.entry_ids[step.role]]
+            delta_ids = self._tokenizer.encode(step.delta) if step.delta else []
+            if step.max_tokens == 0:
+                if delta_ids:
+                    token_log += [*entry, *delta_ids, *framing.close_ids]
+                continue
+            trie = ChoiceTrie(step.choices, self._tokenizer, self._terminator_id) if step.choices else None
+            forced = trie.forced_ids() if trie else []
+            key = (session.name, index)
+            longest = max((len(ids) for ids in trie.token_ids), default=0) + 1 if trie else self._max_answer_tokens
+            if len(token_log) + len(entry) + len(delta_ids) + len(framing.cue_ids) + longest > self._max_context:
+                log.warning("session %s: turn %d does not fit the %d-token context; its remaining decision "
+                            "points are not recorded", session.name, index, self._max_context)
+                return
+            if key in done:
+                answer = list(done[key].answer_ids)
+            elif not delta_ids or key not in wanted:
+                answer = self._answer(engine_id, [*token_log, *entry, *delta_ids, *framing.cue_ids], forced,
+                                      trie, step.max_tokens)
+            else:
+                record = self._decision(session.name, index, token_log, entry, delta_ids, forced, trie, step,
+                                        engine_id)
+                answer = list(record.answer_ids)
+                yield record
+            token_log += [*entry, *delta_ids, *framing.cue_ids, *answer, *framing.closing_ids(answer)]
 
     def _scan_at(self, logits, trie: ChoiceTrie | None, answer: Sequence[int]) -> ScanResult:
         return self._scan(logits, allowed_ids=trie.allowed_ids(answer) if trie else None)
