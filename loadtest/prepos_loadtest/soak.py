@@ -52,7 +52,7 @@ class SoakOptions:
     spawn_rate: float = field(default=4.0, metadata={"help": "users started per second"})
     think_scale: float = field(default=1.0, metadata={"help": "multiplies the workload's think times"})
     sample_interval_s: float = field(default=5.0, metadata={"help": "seconds between memory/KV samples"})
-    warmup_s: float = field(default=60.0, metadata={
+    warmup_s: float = field(default=120.0, metadata={
         "help": "samples before this are warm-up; 'RSS at start' is the first one after it (at most half the run)"})
     request_timeout_s: float = field(default=120.0, metadata={"help": "seconds one request may take before it fails"})
 

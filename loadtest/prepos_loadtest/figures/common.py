@@ -68,9 +68,9 @@ class FiguresConfig:
 
     @classmethod
     def quick(cls) -> "FiguresConfig":
-        return cls(entry_lengths=(64, 256), repetitions=1, anatomy_length=64, ratios=(0.5, 2.0), monitor_updates=4,
-                   monitor_sessions=1, bfcl_sessions=2, bfcl_turns=2, throughput_users=2,
-                   throughput_duration_s=10.0)
+        return cls(entry_lengths=(64, 256), repetitions=1, anatomy_length=64, ratios=(0.5, 2.0), monitor_updates=3,
+                   monitor_sessions=1, bfcl_sessions=1, bfcl_turns=2, throughput_users=2,
+                   throughput_duration_s=8.0)
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ def plot(result: EntryLengthResult, config: FiguresConfig, png: Path) -> None:
         axis.plot(xs, predicted, "--", color=COLORS[path], label=f"{path}: model")
     axis.axhline(model.c0_ms, color="0.5", linestyle=":", label=f"transport floor c0 = {model.c0_ms:.1f} ms")
     axis.set_xscale("log", base=2)
+    axis.set_xticks(list(config.entry_lengths), [str(n) for n in config.entry_lengths])
     axis.set_yscale("log")
     axis.set_xlabel("entry length: tokens in the session's log before the request")
     axis.set_ylabel("first-token latency, client (ms, log scale)")
