@@ -39,15 +39,20 @@ class EngineConfig:
     num_threads: int = 0
     """Torch intra-op threads; 0 leaves torch's default."""
     scan: str = "torch"
-    """Vocabulary scan implementation: ``torch`` (on the logits' device), ``numpy`` (the reference) or
-    ``onnxruntime`` (the scan's ONNX graph on CPU)."""
+    """Vocabulary scan implementation: ``torch`` (on the logits' device), ``numpy`` (the reference),
+    ``onnxruntime`` (the scan's ONNX graph on CPU) or ``tensorrt`` (a scan engine with our plugin; CUDA only)."""
+    scan_engine: str = ""
+    """Scan engine file from ``python -m prepos_build.scan_tensorrt`` (relative: to the model's directory);
+    required when ``scan`` is ``tensorrt``."""
 
     def __post_init__(self) -> None:
         _check(self.name in ("torch", "trtllm"), "engine.name", f"unknown engine {self.name!r}; use torch or trtllm")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "engine.dtype", f"unknown dtype {self.dtype!r}")
         _check(self.num_threads >= 0, "engine.num_threads", "must be >= 0")
-        _check(self.scan in ("torch", "numpy", "onnxruntime"), "engine.scan",
-               f"unknown scan {self.scan!r}; use torch, numpy or onnxruntime")
+        _check(self.scan in ("torch", "numpy", "onnxruntime", "tensorrt"), "engine.scan",
+               f"unknown scan {self.scan!r}; use torch, numpy, onnxruntime or tensorrt")
+        _check(self.scan != "tensorrt" or bool(self.scan_engine), "engine.scan_engine",
+               "required with engine.scan = tensorrt (build one with python -m prepos_build.scan_tensorrt)")
 
 
 @dataclass(frozen=True)

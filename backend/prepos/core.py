@@ -62,7 +62,7 @@ class Core:
             framing=manifest.framing,
             config=config.scheduler,
             gate=Gate(config.gate),
-            scan=get_scan(config.engine.scan),
+            scan=self._scan(config, model_dir),
             metrics=self.metrics,
             max_sessions=config.memory.max_sessions,
             kv_budget_bytes=config.memory.resolved_budget(),
@@ -73,6 +73,15 @@ class Core:
         )
         log.info("prepos core ready: model %s, engine %s on %s, %d-token context",
                  manifest.model_name, self.engine.info.name, self.engine.info.device, self.engine.info.max_context)
+
+    @staticmethod
+    def _scan(config: PreposConfig, model_dir: str | Path):
+        if config.engine.scan == "tensorrt":
+            from prepos_build.scan_tensorrt import TensorRTScan
+
+            path = Path(config.engine.scan_engine)
+            return TensorRTScan(path if path.is_absolute() else Path(model_dir) / path, device=config.engine.device)
+        return get_scan(config.engine.scan)
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, str], model_dir: str | Path,

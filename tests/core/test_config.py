@@ -19,3 +19,13 @@ def test_parameters_and_environment_override_defaults():
 def test_bad_values_name_the_key(params, key):
     with pytest.raises(ConfigError, match=f"^{key}: "):
         read_config(params, environ={})
+
+
+def test_a_tensorrt_scan_needs_its_engine_file():
+    import pytest
+
+    from prepos.config import ConfigError, read_config
+
+    with pytest.raises(ConfigError, match="engine.scan_engine"):
+        read_config({"engine.scan": "tensorrt"}, environ={})
+    assert read_config({"engine.scan": "tensorrt", "engine.scan_engine": "scan.plan"}, environ={}).engine.scan_engine
