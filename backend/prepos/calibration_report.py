@@ -200,7 +200,7 @@ def _write_png(path: Path, results: Sequence[EpsilonResult], title: str) -> None
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_title(title + "\nsolid: observed; dotted: upper bound (Bonferroni level); star: chosen", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
