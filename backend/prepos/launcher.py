@@ -61,6 +61,11 @@ class ServerOptions:
     ready_timeout_s: float = 300.0
     """How long to wait for every model to load."""
     log_verbose: int = 0
+    exit_timeout_s: int = 10
+    """On stop, how long Triton waits for in-flight requests (open sessions are kept in their journals)."""
+    journal_dir: str = ""
+    """Session journal directory for ``prepos serve`` (empty: ``<run_dir>/journal``; ``off``: none), unless
+    PREPOS_JOURNAL_DIR is set."""
     access_token_file: str = ""
     """File holding the access token (surrounding whitespace ignored); empty: env PREPOS_ACCESS_TOKEN, and
     no token at all leaves the endpoints open."""
@@ -160,6 +165,7 @@ def server_command(options: ServerOptions, backend_dir: Path, access_token: str 
         "--allow-metrics=true",
         "--exit-on-error=true",
         f"--log-verbose={options.log_verbose}",
+        f"--exit-timeout-secs={options.exit_timeout_s}",
     ]
     if access_token:
         command += restriction_arguments(access_token)
@@ -280,8 +286,11 @@ def _interrupt(signum, frame) -> None:
 
 def serve(options: ServerOptions) -> int:
     """Start the server, print its addresses, and run until Ctrl-C/SIGTERM."""
+    env = {}
+    if "PREPOS_JOURNAL_DIR" not in os.environ and options.journal_dir != "off":
+        env["PREPOS_JOURNAL_DIR"] = str(Path(options.journal_dir or options.run_dir / "journal").resolve())
     try:
-        server = TritonServer(options)
+        server = TritonServer(options, env=env)
     except ValueError as err:
         print(f"prepos failed to start: {err}", file=sys.stderr)
         return 2
@@ -290,6 +299,7 @@ def serve(options: ServerOptions) -> int:
         with server:
             print(f"prepos is ready\n  gRPC     {server.grpc_url}\n  HTTP     {server.http_url}\n"
                   f"  metrics  {server.metrics_url}\n  log      {server.log_file}\n"
+                  f"  journal  {env.get('PREPOS_JOURNAL_DIR') or os.environ.get('PREPOS_JOURNAL_DIR') or 'off'}\n"
                   + (f"  access   token required: gRPC header {GRPC_ACCESS_TOKEN_HEADER}, HTTP header {ACCESS_TOKEN_HEADER}\n"
                      if server.access_token else "")
                   + "Press Ctrl-C to stop.", flush=True)
