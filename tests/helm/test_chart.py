@@ -322,17 +322,23 @@ def test_engine_storage_sources(chart):
     assert claim is None and volume["emptyDir"] == {}
 
 
-def test_journal_volume_only_when_enabled(chart):
-    statefulset = one(render(chart, with_minimal(journal={"enabled": True, "mountPath": "/journal", "size": "5Gi"})), "StatefulSet")
+def test_journal_volume_by_default_per_replica_or_shared(chart):
+    statefulset = one(render(chart, with_minimal(journal={"mountPath": "/journal", "size": "5Gi"})), "StatefulSet")
     c = container(statefulset, "triton")
     assert env_of(c)["PREPOS_JOURNAL_DIR"] == "/journal"
     assert {"name": "journal", "mountPath": "/journal"} in c["volumeMounts"]
     claims = {t["metadata"]["name"]: t["spec"] for t in statefulset["spec"]["volumeClaimTemplates"]}
     assert claims["journal"]["resources"]["requests"]["storage"] == "5Gi"
+    assert claims["journal"]["accessModes"] == ["ReadWriteOnce"]
 
-    statefulset = one(render(chart, MINIMAL), "StatefulSet")
+    shared = one(render(chart, with_minimal(journal={"existingClaim": "prepos-journal"})), "StatefulSet")
+    volumes = {v["name"]: v for v in shared["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["journal"]["persistentVolumeClaim"]["claimName"] == "prepos-journal"
+    assert "journal" not in {t["metadata"]["name"] for t in shared["spec"].get("volumeClaimTemplates", [])}
+
+    statefulset = one(render(chart, with_minimal(journal={"enabled": False})), "StatefulSet")
     assert "PREPOS_JOURNAL_DIR" not in env_of(container(statefulset, "triton"))
-    assert "journal" not in {t["metadata"]["name"] for t in statefulset["spec"]["volumeClaimTemplates"]}
+    assert "journal" not in {t["metadata"]["name"] for t in statefulset["spec"].get("volumeClaimTemplates", [])}
 
 
 def test_termination_drains_streams(chart):
