@@ -1,0 +1,120 @@
+"""Session-affine routing on loopback: two real replicas, the client-side ring hash, one replica lost.
+
+Both replicas share one session journal directory. Sessions are placed by the
+same ring hash as the chart's Envoy router; every request of a session must
+reach its replica (the other one would refuse it: Triton knows no sequence
+there). Then one replica is killed: the survivor's sessions go on untouched,
+and the lost replica's sessions move to the survivor (START with `resume`),
+which reopens each from its journal, rebuilds its KV (path `rebuild`) and
+answers exactly as a stateless prefill of the whole conversation would.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from prepos.journal import SessionJournal
+from prepos_client.ring import HashRing
+from prepos_client.routing import RoutedClient
+
+from .conftest import start_server
+from .test_crash_recovery import kill_hard
+from .test_server import SYSTEM, Conversation, check_answer, metric
+
+pytestmark = pytest.mark.integration
+
+NUM_SESSIONS_PER_REPLICA = 4
+QUESTIONS = ["Name a fruit.", "Name a color.", "Name an animal.", "Name a country."]
+
+
+@pytest.fixture(scope="module")
+def journal_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("journal")
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, journal_dir):
+    env = {"PREPOS_JOURNAL_DIR": str(journal_dir)}
+    run_dirs = [tmp_path_factory.mktemp(f"replica-{name}") for name in "ab"]
+    with ThreadPoolExecutor(2) as pool:  # both load the model at once
+        futures = [pool.submit(start_server, run_dir, env) for run_dir in run_dirs]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    started = [f.result() for f in futures if f.exception() is None]
+    if errors:
+        for server in started:
+            server.stop()
+        raise errors[0]
+    yield started
+    for server in started:
+        server.stop()
+
+
+def record(conv: Conversation, answer, text: str) -> None:
+    """Extend the expected log by a user turn and its answer, without checking the answer."""
+    conv.answered(conv.prompt("user", text), answer.token_ids, answer.finish_reason)
+
+
+def requests_served(server) -> float:
+    return metric(server, "prepos_requests_total")
+
+
+def test_sessions_stay_on_their_replica_and_only_the_lost_replicas_sessions_move(
+        replicas, journal_dir, engine_manifest, tokenizer, reference_model):
+    survivor, lost = replicas
+    addresses = [survivor.grpc_url, lost.grpc_url]
+    ring = HashRing(addresses)  # the chart's ring: default sizes, xxHash, keyed by ip:port
+    candidates = (f"routed-{i}" for i in range(1000))
+    by_replica: dict[str, list[str]] = {address: [] for address in addresses}
+    for session_id in candidates:
+        owner = by_replica[ring.lookup(session_id)]
+        if len(owner) < NUM_SESSIONS_PER_REPLICA:
+            owner.append(session_id)
+        if all(len(ids) == NUM_SESSIONS_PER_REPLICA for ids in by_replica.values()):
+            break
+
+    with RoutedClient(addresses, timeout_s=120) as client:
+        sessions, conversations = {}, {}
+        for address, session_ids in by_replica.items():
+            for session_id in session_ids:
+                sessions[session_id] = session = client.session(session_id)
+                conversations[session_id] = conv = Conversation(engine_manifest, tokenizer)
+                session.append(SYSTEM, role="system")
+                conv.append("system", SYSTEM)
+                question = QUESTIONS[len(sessions) % len(QUESTIONS)]
+                record(conv, session.ask(question, max_tokens=6, speculate=False), question)
+                assert session.replica == address and not session.failovers
+        # Server-side count: each replica served exactly its own sessions' requests (2 each).
+        assert requests_served(survivor) == 2 * NUM_SESSIONS_PER_REPLICA
+        assert requests_served(lost) == 2 * NUM_SESSIONS_PER_REPLICA
+        assert sorted(SessionJournal(journal_dir).session_ids()) == sorted(sessions)  # one shared directory
+
+        # The replica is lost abruptly (a node failure); a graceful stop would wait for the open streams.
+        kill_hard(lost)
+
+        served_before = requests_served(survivor)
+        for session_id in by_replica[survivor.grpc_url]:
+            session = sessions[session_id]
+            answer = session.ask("And another?", max_tokens=8, speculate=False)
+            assert answer.path in ("exact", "prepaid", "prefix") and session.replica == survivor.grpc_url
+            assert not session.failovers
+            check_answer(reference_model, conversations[session_id], answer, "user", "And another?", 8)
+
+        recovered_before = metric(survivor, "prepos_sessions_recovered_total")
+        for session_id in by_replica[lost.grpc_url]:
+            session = sessions[session_id]
+            answer = session.ask("And another?", max_tokens=8, speculate=False)
+            assert [(f.from_replica, f.to_replica) for f in session.failovers] == [(lost.grpc_url,
+                                                                                     survivor.grpc_url)]
+            assert session.replica == survivor.grpc_url
+            assert answer.path == "rebuild"
+            check_answer(reference_model, conversations[session_id], answer, "user", "And another?", 8)
+            # ... and it goes on there as any resident session.
+            answer = session.ask("Thanks.", max_tokens=6, speculate=False)
+            assert answer.path in ("exact", "prepaid", "prefix")
+            record(conversations[session_id], answer, "Thanks.")
+        assert client.replicas == (survivor.grpc_url,)
+        assert metric(survivor, "prepos_sessions_recovered_total") - recovered_before == NUM_SESSIONS_PER_REPLICA
+        assert requests_served(survivor) - served_before == 3 * NUM_SESSIONS_PER_REPLICA
+    assert SessionJournal(journal_dir).session_ids() == []  # END on the survivor deleted every journal
