@@ -71,6 +71,9 @@ def from_triton(error: InferenceServerException) -> PreposError:
     """Convert a tritonclient exception into the matching `PreposError`."""
     message = error.message() or str(error)
     status = error.status()
+    if "protocol is restricted" in message:  # Triton's answer to a missing or wrong access token
+        return PreposError(f"access token: missing or wrong (give it with token=, --token or PREPOS_ACCESS_TOKEN); "
+                           f"the server said: {message}", field="access token", status=status)
     if status in _UNREACHABLE_STATUSES:
         return PreposUnavailable(message, status=status)
     if status == "StatusCode.DEADLINE_EXCEEDED":

@@ -52,3 +52,10 @@ def test_other_stream_errors_keep_their_status():
     error = from_triton(InferenceServerException(msg="Locally cancelled", status="StatusCode.CANCELLED"))
     assert type(error) is PreposError
     assert error.status == "StatusCode.CANCELLED"
+
+
+def test_a_missing_access_token_says_so_and_is_not_unreachable():
+    message = "This protocol is restricted, expecting header 'triton-grpc-protocol-prepos-access-token'"
+    error = from_triton(InferenceServerException(msg=message, status="StatusCode.UNAVAILABLE"))
+    assert not isinstance(error, PreposUnavailable)
+    assert error.field == "access token" and "--token" in str(error)
