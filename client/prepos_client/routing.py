@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .client import DEFAULT_MODEL
+from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER
 from .errors import PreposError, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
@@ -66,7 +66,7 @@ class RoutedClient:
         replicas: gRPC addresses (`ip:port`) of the replicas, each weight 1,
             or a mapping of address to integer weight. Give the addresses
             Envoy's endpoints have (resolved IPs) to route exactly as the router.
-        model, timeout_s, headers: as for `Client`.
+        model, timeout_s, headers, token: as for `Client` (the same token on every replica).
         min_ring_size, max_ring_size: as the chart's `router.ringHash`.
 
     Raises:
@@ -82,12 +82,15 @@ class RoutedClient:
         *,
         timeout_s: float = 60.0,
         headers: Mapping[str, str] | None = None,
+        token: str | None = None,
         min_ring_size: int = DEFAULT_MIN_RING_SIZE,
         max_ring_size: int = DEFAULT_MAX_RING_SIZE,
     ):
         self.model = model
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})
+        if token:
+            self.headers[GRPC_ACCESS_TOKEN_HEADER] = token
         self._ring = HashRing(replicas, min_ring_size=min_ring_size, max_ring_size=max_ring_size)
         if not self._ring.hosts:
             raise ValueError("replicas: at least one replica is needed")

@@ -193,3 +193,15 @@ def test_without_a_journal_the_new_owner_refuses_the_moved_session(replicas):
         session.ask("two")
     assert error.value.field == "resume" and not isinstance(error.value, PreposUnavailable)
     assert session.replica == REPLICAS[1]
+
+
+def test_the_access_token_and_session_header_go_to_every_replica(replicas):
+    client = RoutedClient(REPLICAS[:2], timeout_s=2, token="secret")
+    (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    session = client.session(session_id)
+    session.ask("one")
+    replicas.dead.add(REPLICAS[0])
+    session.ask("two")
+    headers = [h for fake in replicas.created for h in fake.stream_headers]
+    assert len(headers) == 2 and all(h == {"triton-grpc-protocol-prepos-access-token": "secret",
+                                            "prepos-session-id": session_id} for h in headers)
