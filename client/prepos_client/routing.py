@@ -207,8 +207,12 @@ class RoutedSession:
         A failure before the first chunk moves the session and sends the
         request again; once a chunk was yielded, errors are raised as they are.
         """
-        session, chunks = self._call_with_session(lambda session: session.generate(text, **kwargs))
-        return self._stream(session, chunks, lambda session: session.generate(text, **kwargs))
+        def send(session: Session) -> Iterator[Chunk]:
+            return session.generate(text, **kwargs)
+
+        # Sent is not accepted: the session counts as opened only once a chunk arrives.
+        session, chunks = self._call_with_session(send, accepted=False)
+        return self._stream(session, chunks, send)
 
     def close(self, *, timeout_s: float | None = None) -> Update | None:
         """`Session.close` (END) on the session's replica, its new owner if that replica is lost.
@@ -246,7 +250,7 @@ class RoutedSession:
     def _call(self, send: Callable[[Session], _T]) -> _T:
         return self._call_with_session(send)[1]
 
-    def _call_with_session(self, send: Callable[[Session], _T]) -> tuple[Session, _T]:
+    def _call_with_session(self, send: Callable[[Session], _T], *, accepted: bool = True) -> tuple[Session, _T]:
         while True:
             session = self._session
             try:
@@ -254,7 +258,7 @@ class RoutedSession:
             except PreposUnavailable as error:
                 self._fail_over(session, error)
                 continue
-            self._opened = True
+            self._opened = self._opened or accepted
             return session, result
 
     def _stream(self, session: Session, chunks: Iterator[Chunk],
@@ -264,7 +268,7 @@ class RoutedSession:
                 first = next(chunks)
             except PreposUnavailable as error:
                 self._fail_over(session, error)
-                session, chunks = self._call_with_session(send)
+                session, chunks = self._call_with_session(send, accepted=False)
                 continue
             break
         self._opened = True

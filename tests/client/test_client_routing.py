@@ -205,3 +205,13 @@ def test_the_access_token_and_session_header_go_to_every_replica(replicas):
     headers = [h for fake in replicas.created for h in fake.stream_headers]
     assert len(headers) == 2 and all(h == {"triton-grpc-protocol-prepos-access-token": "secret",
                                             "prepos-session-id": session_id} for h in headers)
+
+
+def test_a_generate_that_never_answered_does_not_count_as_opening_the_session(replicas):
+    client = RoutedClient(REPLICAS[:2], timeout_s=2)
+    (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    session = client.session(session_id)
+    replicas.dead.add(REPLICAS[0])
+    assert [c.text for c in session.generate("hello")] == ["hello"]
+    (first,) = replicas.requests(REPLICAS[1], session_id)
+    assert first.sequence_start and "resume" not in first.inputs
