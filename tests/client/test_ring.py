@@ -203,15 +203,15 @@ def test_a_ring_is_never_changed_in_place():
 @pytest.mark.parametrize(
     ("kwargs", "error", "field"),
     [
-        (dict(hosts=["a:1", "a:1"]), ValueError, "hosts"),
-        (dict(hosts=[""]), ValueError, "hosts"),
-        (dict(hosts={"a:1": 0}), ValueError, "hosts"),
-        (dict(hosts={"a:1": 1.5}), TypeError, "hosts"),
-        (dict(hosts=[1]), TypeError, "hosts"),
-        (dict(hosts="a:1"), TypeError, "hosts"),
-        (dict(hosts=["a:1"], min_ring_size=0), ValueError, "min_ring_size"),
-        (dict(hosts=["a:1"], max_ring_size=2**24), ValueError, "max_ring_size"),
-        (dict(hosts=["a:1"], min_ring_size=20, max_ring_size=10), ValueError, "min_ring_size"),
+        ({"hosts": ["a:1", "a:1"]}, ValueError, "hosts"),
+        ({"hosts": [""]}, ValueError, "hosts"),
+        ({"hosts": {"a:1": 0}}, ValueError, "hosts"),
+        ({"hosts": {"a:1": 1.5}}, TypeError, "hosts"),
+        ({"hosts": [1]}, TypeError, "hosts"),
+        ({"hosts": "a:1"}, TypeError, "hosts"),
+        ({"hosts": ["a:1"], "min_ring_size": 0}, ValueError, "min_ring_size"),
+        ({"hosts": ["a:1"], "max_ring_size": 2**24}, ValueError, "max_ring_size"),
+        ({"hosts": ["a:1"], "min_ring_size": 20, "max_ring_size": 10}, ValueError, "min_ring_size"),
     ],
 )
 def test_bad_arguments_name_the_field(kwargs, error, field):

@@ -14,7 +14,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from prepos.journal import SessionJournal
 from prepos_client.ring import HashRing
 from prepos_client.routing import RoutedClient
