@@ -345,9 +345,11 @@ class Session:
         if self._router is not None and self._router.failure is None:
             return self._router
         if self._router is not None:
-            # The old stream ended (e.g. the server restarted); the session
-            # lives on the server, so a new stream continues it.
+            # The old stream ended (the server restarted, say, or a router moved us to another replica): the
+            # next request resumes the session, which the server still holds or reopens from its journal.
             self._stop_stream()
+            if not self._needs_start:
+                self._needs_start = self._resume = True
         router = ResponseRouter()
         try:
             self._triton.start_stream(callback=router.on_response, headers=self._headers)

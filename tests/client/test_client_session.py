@@ -287,3 +287,17 @@ def test_client_close_closes_sessions_still_open(fake_triton):
 
 def test_is_ready_is_false_for_an_unreachable_server():
     assert Client("127.0.0.1:1", timeout_s=2.0).is_ready() is False
+
+
+def test_after_a_lost_stream_an_opened_session_resumes_with_start(fake_triton):
+    session = open_session()
+    session.ask("hi")
+    fake_triton[0].responder = lambda request: [unavailable()]  # the server restarted under us, say
+    with pytest.raises(PreposUnavailable):
+        session.ask("lost")
+    fake_triton[0].responder = echo_responder
+    session.ask("again")
+    again = fake_triton[0].requests[-1]
+    assert again.sequence_start and again.inputs["resume"].tolist() == [True]
+    session.ask("then")
+    assert not fake_triton[0].requests[-1].sequence_start and "resume" not in fake_triton[0].requests[-1].inputs
