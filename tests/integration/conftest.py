@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 from pathlib import Path
 
+import psutil
 import pytest
 
 from prepos.launcher import REPO_ROOT, ServerOptions, TritonServer
@@ -35,6 +38,20 @@ def start_server(tmp_dir: Path, env: dict[str, str] | None = None, repositories=
     )
     server = TritonServer(options, env={"PREPOS_ENGINE_DIR": str(ENGINE_DIR), **(env or {})})
     return server.__enter__()
+
+
+def kill_hard(server) -> None:
+    """SIGKILL the server and its backend stub processes (ours: started by this test)."""
+    parent = psutil.Process(server.process.pid)
+    children = parent.children(recursive=True)
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=10)
 
 
 @pytest.fixture(scope="session")

@@ -114,7 +114,7 @@ def test_a_client_that_does_not_read_holds_up_no_other_session(server):
     request.parameters["sequence_id"].string_param = "slow-reader"
     request.parameters["sequence_start"].bool_param = True
     for name, datatype, value in (("text_input", "BYTES", None), ("max_tokens", "INT32", 60)):
-        tensor = request.inputs.add(name=name, datatype=datatype, shape=[1])
+        request.inputs.add(name=name, datatype=datatype, shape=[1])
         if value is None:
             text = "Count from one to sixty.".encode()
             request.raw_input_contents.append(len(text).to_bytes(4, "little") + text)

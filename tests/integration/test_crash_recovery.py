@@ -3,36 +3,19 @@ saw acknowledged is in its session's log, once, in order, and the sessions go on
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from prepos.journal import SessionJournal
 from prepos_client import Client, PreposError
 
-from .conftest import start_server
+from .conftest import kill_hard, start_server
 
 pytestmark = pytest.mark.integration
 
 NUM_SESSIONS = 4
-
-
-def kill_hard(server) -> None:
-    """SIGKILL the server and its backend stub processes (ours: started by this test)."""
-    parent = psutil.Process(server.process.pid)
-    children = parent.children(recursive=True)
-    os.kill(server.process.pid, signal.SIGKILL)
-    server.process.wait()
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(children, timeout=10)
 
 
 def client_load(server, index: int, acknowledged: list[str], stop: threading.Event, ready: threading.Event) -> None:

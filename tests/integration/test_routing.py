@@ -18,8 +18,7 @@ from prepos.journal import SessionJournal
 from prepos_client.ring import HashRing
 from prepos_client.routing import RoutedClient
 
-from .conftest import start_server
-from .test_crash_recovery import kill_hard
+from .conftest import kill_hard, start_server
 from .test_server import SYSTEM, Conversation, check_answer, metric
 
 pytestmark = pytest.mark.integration
