@@ -112,16 +112,25 @@ def _held_out(records: Sequence[DecisionRecord], variant: str, score: str, thres
 
 def calibrate(records: Sequence[DecisionRecord], *, epsilons: Sequence[float], delta: float,
               held_out_fraction: float = 0.5, method: str = "bonferroni",
-              scores: Sequence[str] = SCORES) -> list[EpsilonResult]:
+              scores: Sequence[str] = SCORES, variants: Sequence[str] | None = None) -> list[EpsilonResult]:
     """Calibrate every score and variant at each epsilon; choose the largest certified coverage.
 
-    Ties go to the earlier score in ``scores`` and to the empty delta.
-    Raises ``ValueError`` when there are no calibration records.
+    ``variants`` limits the speculative deltas compared (default: all recorded).
+    Fewer candidates fixed in advance give a tighter certificate (each is
+    tested at ``delta / number of candidates``). Ties go to the earlier score
+    in ``scores`` and to the empty delta. Raises ``ValueError`` naming the
+    argument when there are no calibration records or an unknown score or variant.
     """
     cal, held = split_sessions(records, held_out_fraction)
     if not cal:
         raise ValueError("records: no decision points in the calibration part (more sessions needed)")
-    variants = [EMPTY, *sorted(v for v in cal[0].variants if v != EMPTY)]
+    unknown = [s for s in scores if s not in GATE_SCORES]
+    if unknown or not scores:
+        raise ValueError(f"scores: unknown {unknown or 'empty'}; known: {', '.join(GATE_SCORES)}")
+    recorded = [EMPTY, *sorted(v for v in cal[0].variants if v != EMPTY)]
+    variants = recorded if variants is None else [v for v in recorded if v in variants]
+    if not variants:
+        raise ValueError(f"variants: none of them recorded; recorded: {', '.join(recorded)}")
     candidates = [(s, v) for v in variants for s in scores]
     results = []
     for epsilon in epsilons:
@@ -242,7 +251,8 @@ def _markdown(results: Sequence[EpsilonResult], records: Sequence[DecisionRecord
                          f"{c.num_errors}/{c.num_accepted} | {c.bound:.4f} | {low.bound:.4f} ({low.coverage:.3f}) | "
                          f"{h.coverage:.3f} | {held_rate} |")
         lines.append("")
-    lines += ["Each candidate is certified at delta / (number of candidates) with Bonferroni over a fixed grid of "
+    num = len(results[0].candidates) if results else 0
+    lines += [f"Each of the {num} candidates is certified at delta / {num} with Bonferroni over a fixed grid of "
               "thresholds (prepos.risk), so the chosen one's bound holds at the stated confidence. "
               "Agreement: the speculative first decision token equals the full path's (no threshold). AURC: area "
               "under the observed risk–coverage curve on the calibration part, uncertified; it ranks scores and "

@@ -64,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--placeholder", type=_placeholder, action="append", default=None, metavar="NAME=TEXT",
                         help="a placeholder speculative delta compared with the empty one (repeatable; default "
                         "one neutral placeholder)")
-    parser.add_argument("--no-placeholder", action="store_true", help="compare only the empty delta")
+    parser.add_argument("--no-placeholder", action="store_true", help="record only the empty delta")
+    parser.add_argument("--score", action="append", default=None, help="gate score to certify (repeatable; "
+                        "default all: p_max, margin, certainty); fewer candidates, tighter certificate")
+    parser.add_argument("--variant", action="append", default=None, help="speculative delta to certify: empty "
+                        "or a placeholder's name (repeatable; default all recorded)")
     parser.add_argument("--out", type=Path, required=True, help="report directory")
     parser.add_argument("--records", type=Path, default=None, help="records file (default OUT/records.jsonl)")
     parser.add_argument("--engine-dir", type=Path, default=Path(DEFAULT_ENGINE_DIR), help="engine directory "
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(format="prepos calibrate: %(message)s", level=logging.INFO)
     from prepos.calibration import read_records
-    from prepos.calibration_report import calibrate, write_report
+    from prepos.calibration_report import SCORES, calibrate, write_report
     from prepos.risk import METHODS
 
     if args.method not in METHODS:
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--report-only: no records in {records_path}")
             placeholders = header.get("placeholders", {})
         results = calibrate(records, epsilons=args.epsilon, delta=args.delta, held_out_fraction=args.held_out,
-                            method=args.method)
+                            method=args.method, scores=args.score or SCORES, variants=args.variant)
     except ValueError as error:
         print(f"prepos calibrate: error: {error}", file=sys.stderr)
         return EXIT_INVALID

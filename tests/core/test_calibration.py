@@ -181,9 +181,23 @@ def test_calibrate_chooses_and_writes_report_and_fragment(tmp_path):
     assert off.gate.speculate is False
 
 
-def test_calibrate_needs_calibration_records():
+def test_calibrate_needs_calibration_records_and_known_candidates():
     with pytest.raises(ValueError, match="records"):
         calibrate([], epsilons=[0.1], delta=0.1)
+    records = [_record(f"s{i}", 0, 0.9, True) for i in range(50)]
+    with pytest.raises(ValueError, match="scores"):
+        calibrate(records, epsilons=[0.1], delta=0.1, scores=["lead"])
+    with pytest.raises(ValueError, match="variants"):
+        calibrate(records, epsilons=[0.1], delta=0.1, variants=["other"])
+
+
+def test_fewer_candidates_fixed_in_advance_certify_at_a_larger_level():
+    records = [_record(f"s{i}", 0, 0.999, True) for i in range(400)]
+    six = calibrate(records, epsilons=[0.05], delta=0.1)[0]
+    one = calibrate(records, epsilons=[0.05], delta=0.1, scores=["p_max"], variants=[EMPTY])[0]
+    assert len(six.candidates) == 6 and len(one.candidates) == 1
+    assert one.chosen.calibration.bound < six.chosen.calibration.bound
+    assert one.chosen.calibration.delta == pytest.approx(0.1) and six.chosen.calibration.delta == pytest.approx(0.1 / 6)
 
 
 def test_records_round_trip_through_json():
