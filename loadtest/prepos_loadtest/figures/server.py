@@ -27,6 +27,7 @@ log = logging.getLogger("prepos.figures")
 
 ENGINE_DIR = REPO_ROOT / "engines" / "smollm2-135m-instruct"
 MAIN, PREFIX, REBUILD, FLOOR = "prepos", "prepos_prefix", "prepos_rebuild", "floor"
+GAUGE_REFRESH_S = 0.6  # a little over the scheduler's housekeeping interval, which refreshes prepos_sessions
 VARIANTS = {
     MAIN: {},
     PREFIX: {"scheduler.preposition": "false"},
@@ -87,9 +88,12 @@ class FigureServer:
     def wait_positioned(self, model: str, num_sessions: int = 1, timeout_s: float = 60.0) -> bool:
         """Wait until at least `num_sessions` open sessions of `model` are positioned, then for quiet background.
 
-        The gauge is refreshed by the server's housekeeping (every 0.5 s). Returns False on timeout; the
-        request that follows is then served by whatever path the server picks, and the samples say which.
+        The gauge is refreshed by the server's housekeeping (every 0.5 s), so it is read only after one
+        refresh has passed: before that it may still count a session that was closed just now. Returns
+        False on timeout; the request that follows is then served by whatever path the server picks, and
+        the samples say which.
         """
+        time.sleep(GAUGE_REFRESH_S)
         deadline = time.monotonic() + timeout_s
         while self.metric("prepos_sessions", model=model, state="positioned") < num_sessions:
             if time.monotonic() > deadline:
