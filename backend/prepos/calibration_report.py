@@ -90,15 +90,23 @@ def _score(record: DecisionRecord, variant: str, score: str) -> float:
 
 
 def aurc(scores: Sequence[float], agreed: Sequence[bool]) -> float:
-    """Area under the risk–coverage curve: the mean, over k = 1..n, of the false-accept rate among the k
-    highest-scored points (ties broken against the score, worst case). Lower is better; its floor, reached
-    when every error is ranked last, depends on the number of errors."""
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], agreed[i]))
-    errors, total = 0, 0.0
-    for k, i in enumerate(order, start=1):
-        errors += not agreed[i]
-        total += errors / k
-    return total / len(order) if order else 0.0
+    """Area under the risk–coverage curve: the false-accept rate among the answers accepted at each
+    distinct score (highest first), weighted by the coverage each adds. Tied scores are accepted together,
+    as a threshold must. Lower is better; its floor, reached when every error scores lowest, depends on
+    the number of errors."""
+    by_score: dict[float, list[int]] = {}
+    for score, ok in zip(scores, agreed):
+        counts = by_score.setdefault(score, [0, 0])
+        counts[0] += 1
+        counts[1] += not ok
+    accepted = errors = 0
+    area = 0.0
+    for score in sorted(by_score, reverse=True):
+        num, num_errors = by_score[score]
+        accepted += num
+        errors += num_errors
+        area += num * errors / accepted
+    return area / accepted if accepted else 0.0
 
 
 def _held_out(records: Sequence[DecisionRecord], variant: str, score: str, threshold: float | None,

@@ -225,5 +225,6 @@ def test_aurc_rewards_ranking_errors_last():
     assert aurc([0.9, 0.8, 0.1], [True, True, False]) == pytest.approx(1 / 9)
     # Error ranked first: risks 1, 1/2, 1/3 over coverage 1/3, 2/3, 1.
     assert aurc([0.9, 0.8, 0.1], [False, True, True]) == pytest.approx((1 + 1 / 2 + 1 / 3) / 3)
-    # A tie is counted against the score.
-    assert aurc([0.5, 0.5], [True, False]) == pytest.approx((1 + 1 / 2) / 2)
+    # Ties are accepted together: one point on the curve, at the tied group's rate.
+    assert aurc([0.5, 0.5], [True, False]) == pytest.approx(0.5)
+    assert aurc([0.9, 0.5, 0.5], [True, True, False]) == pytest.approx((0 + 2 * (1 / 3)) / 3)
