@@ -169,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         if chosen is None:
             print(f"epsilon {res.epsilon:g}: gate off — no threshold certifies it at confidence {1 - res.delta:g}")
         else:
-            h = chosen.held_out
-            print(f"epsilon {res.epsilon:g}: {chosen.score} ({chosen.variant} delta) {chosen.calibration.summary()}; "
+            c, h = chosen.calibration, chosen.held_out
+            print(f"epsilon {res.epsilon:g}: score {chosen.score}, {chosen.variant} delta, threshold {c.threshold:.6g}: "
+                  f"coverage {c.coverage:.3f} ({c.num_accepted}/{c.num_points}), {c.num_errors} false accepts, "
+                  f"bound {c.bound:.4f} at confidence {1 - res.delta:g} over {len(res.candidates)} candidates; "
                   f"held out {h.num_errors}/{h.num_accepted} false accepts, rate {h.rate:.4f} "
                   f"[{h.interval[0]:.4f}, {h.interval[1]:.4f}]")
     print("report: " + ", ".join(str(p) for p in paths))
