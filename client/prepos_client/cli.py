@@ -1,4 +1,4 @@
-"""The `prepos` command line: `chat`, `ask`, `append`, `close`, `serve`, `build`.
+"""The `prepos` command line: `chat`, `ask`, `append`, `close`, `serve`, `build`, `calibrate`.
 
 Subcommands live in the `COMMANDS` registry. `register_command` adds one
 defined here or in any module imported before `main` runs;
