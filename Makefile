@@ -57,7 +57,7 @@ SOAK_ARGS ?=
 soak: $(ENGINE)
 	PYTHONPATH=loadtest $(PY) -m prepos_loadtest.soak $(SOAK_ARGS)
 
-# Gate calibration, offline with the model in process (docs/gate_calibration.md): replays a trace,
+# Gate calibration, offline with the model in process (README: Calibrating the gate): replays a trace,
 # certifies a threshold per epsilon, writes report + config fragment under out/calibration/; reruns resume. E.g.
 #   make calibrate CALIBRATE_ARGS="--workload bigbench:causal_judgment --epsilon 0.05 --out out/calibration/cj"
 CALIBRATE_ARGS ?= --workload bfcl --sessions 120 --epsilon 0.05 --epsilon 0.13 --delta 0.1 --out out/calibration/bfcl

@@ -5,7 +5,7 @@ point before the delta arrived) and fires when the score reaches the threshold.
 Scores are one-method strategies chosen by name; all lie in [0, 1]; ``certainty``
 is the entropy score (1 - entropy / log of the number of allowed tokens).
 A threshold with a certified false-accept rate, and the score to use, come from
-``prepos calibrate`` (prepos.calibration, prepos.risk; docs/gate_calibration.md).
+``prepos calibrate`` (prepos.calibration, prepos.risk; README: Calibrating the gate).
 """
 
 from __future__ import annotations
