@@ -176,16 +176,14 @@ class Scheduler:
 
         Returns whether any work was done. Callers hold the loop lock (or are the only thread).
         """
-        self._admit_queued()
+        self._admit_queued()  # first: a session with a request waiting is not idle
+        now = self._clock()
+        if now >= self._next_housekeeping:  # also under sustained load: gauges stay fresh, idle sessions close
+            self._housekeeping(now)
         if self._ready:
             self._step_foreground()
             return True
-        if self._step_prepositioning():
-            return True
-        now = self._clock()
-        if now >= self._next_housekeeping:
-            self._housekeeping(now)
-        return False
+        return self._step_prepositioning()
 
     def _admit_queued(self) -> None:
         while True:

@@ -139,3 +139,12 @@ def test_five_hundred_sessions_under_a_small_budget_all_answer_like_a_stateless_
     assert h.metrics.sink.get("prepos_requests_total", path="rebuild") >= num_sessions  # second round: all rebuilt
     assert 0 < peak <= ledger.budget_bytes
     assert h.metrics.sink.get("prepos_requests_total", path="prepaid") > 0  # pre-positioned sessions were served
+
+
+def test_idle_sessions_time_out_even_while_the_loop_is_always_busy(tmp_path):
+    h = Harness(tmp_path, idle_timeout_s=5.0)
+    open_session(h, sid="abandoned")
+    open_session(h, sid="busy")
+    h.clock.t += 6.0  # "abandoned" has been idle past the timeout
+    h.serve(h.request("busy", "still here", max_tokens=3))  # every step does foreground work
+    assert h.sched.store.get("abandoned") is None and h.sched.store.get("busy") is not None
