@@ -99,7 +99,7 @@ def replay(url: str, model: str, traces: list[SessionTrace], workload: str,
                         continue
                     answer = session.ask(step.delta, role=step.role, max_tokens=step.max_tokens,
                                          choices=list(step.choices) if step.choices else None,
-                                         gate_threshold=gate_threshold)
+                                         gate_threshold=gate_threshold, speculate=True)
                     samples.append(Sample(model, workload, trace.name, index, answer.path, len(step.delta),
                                           answer.ttft_ms, answer.first_token_ms, answer.total_ms, answer.text,
                                           step.expected))

@@ -113,7 +113,8 @@ def test_multi_turn_session_paths_match_stateless_prefill(server, engine_manifes
 
         wait_positioned(server, completed)
         completed = metric(server, "prepos_prepositionings_total", result="completed")
-        gated = session.ask("Which tool tells me if I need an umbrella?", choices=TOOLS, gate_threshold=0.0)
+        gated = session.ask("Which tool tells me if I need an umbrella?", choices=TOOLS, gate_threshold=0.0,
+                            speculate=True)
         assert gated.path == "gated" and gated.text in TOOLS
         # Server-side anatomy of the first token: a scan and no engine work on the gated path; prefill on prepaid.
         assert gated.prefill_ms == 0 and gated.decode_ms == 0 and 0 < gated.scan_ms <= gated.compute_ms
@@ -223,7 +224,12 @@ def test_metrics_on_the_metrics_port(server):
         session.append("Answer yes or no.", role="system")
         wait_positioned(server, completed)
         session.ask("", choices=["yes", "no"])
-        session.ask("Is the sky blue?", choices=["yes", "no"], gate_threshold=0.0)
+        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        session.ask("Is the sky blue?", choices=["yes", "no"], gate_threshold=0.0, speculate=True)
+        # The shipped configuration keeps the uncertified gate off: without speculate=true, no gated answer.
+        wait_positioned(server, completed)
+        assert session.ask("Is the grass green?", choices=["yes", "no"], gate_threshold=0.0).path == "prepaid"
+        assert metric(server, "prepos_gate_decisions_total", outcome="disabled") >= 1
         time.sleep(0.6)  # gauges refresh every half second
         assert metric(server, "prepos_requests_total", path="exact") >= 1
         assert metric(server, "prepos_first_token_ms_count", path="exact") >= 1

@@ -69,7 +69,7 @@ def measure(server: FigureServer, config: FiguresConfig) -> tuple[list[DecisionP
                     time.sleep(config.gap_s)
                     choices = list(step.choices) if step.choices else None
                     guess = speculative.ask(step.delta, role=step.role, max_tokens=step.max_tokens, choices=choices,
-                                            gate_threshold=0.0)
+                                            gate_threshold=0.0, speculate=True)
                     truth = full.ask(step.delta, role=step.role, max_tokens=step.max_tokens, choices=choices,
                                      speculate=False)
                     if guess.path != "gated" or guess.confidence is None:

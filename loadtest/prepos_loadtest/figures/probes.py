@@ -35,7 +35,7 @@ def positioned(server: FigureServer, counter: TokenCounter, figure: str, length:
     text = counter.filler(length)
     entry = counter.update_turn(text)
     question = "" if mode == "exact" else QUESTION
-    options = {"gated": {"gate_threshold": 0.0}, "prepaid": {"speculate": False}, "exact": {}}[mode]
+    options = {"gated": {"gate_threshold": 0.0, "speculate": True}, "prepaid": {"speculate": False}, "exact": {}}[mode]
     with Client(server.url, model=MAIN) as client, client.session() as session:
         session.append(text, role="system")
         server.wait_positioned(MAIN)
