@@ -19,8 +19,6 @@ import json
 import logging
 import os
 import platform
-import re
-import shutil
 import statistics
 import sys
 import time
@@ -33,6 +31,7 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import ServerOptions, TritonServer  # noqa: E402
 from prepos_client import Client  # noqa: E402
+from prepos_loadtest.repository import variant_repository  # noqa: E402
 from prepos_loadtest.workloads import SessionTrace, Step, bfcl_sessions, monitor_sessions  # noqa: E402
 
 log = logging.getLogger("prepos.bench")
@@ -59,23 +58,6 @@ class Sample:
     expected: str | None
     queue_ms: float | None = None  # server: arrival to the engine loop picking it up
     compute_ms: float | None = None  # server: engine-loop time spent on it
-
-
-def build_repository(run_dir: Path) -> Path:
-    """A model repository with prepos's variants and the floor model."""
-    repo = run_dir / "bench_repository"
-    shutil.rmtree(repo, ignore_errors=True)
-    repo.mkdir(parents=True)
-    source = (ROOT / "model_repository" / "prepos" / "config.pbtxt").read_text()
-    for name, params in VARIANTS.items():
-        (repo / name).mkdir()
-        (repo / name / "1").symlink_to(ROOT / "model_repository" / "prepos" / "1")
-        config = re.sub(r'^name: "prepos"', f'name: "{name}"', source, flags=re.M)
-        extra = "".join(f'\n  {{ key: "{k}" value: {{ string_value: "{v}" }} }},' for k, v in params.items())
-        config = config.replace("parameters [", "parameters [" + extra, 1)
-        (repo / name / "config.pbtxt").write_text(config)
-    (repo / "floor").symlink_to(ROOT / "loadtest" / "floor_repository" / "floor")
-    return repo
 
 
 def pct(values: list[float], q: float) -> float:
@@ -304,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = ROOT / ".run" / "bench"
-    repo = build_repository(run_dir)
+    repo = variant_repository(run_dir, "bench_repository", VARIANTS)
     options = ServerOptions(model_repositories=(repo,), grpc_port=args.grpc_port, http_port=args.grpc_port + 1,
                             metrics_port=args.grpc_port + 2, run_dir=run_dir)
     bfcl = bfcl_sessions(args.sessions, think_time_s=args.think_time, max_turns=args.turns)

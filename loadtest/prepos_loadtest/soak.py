@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import run as loadtest_run
-from .soak_probe import free_loopback_ports, metric_sum, pid_listening_on, scrape, tree_memory
+from .repository import free_loopback_ports
+from .soak_probe import metric_sum, pid_listening_on, scrape, tree_memory
 from .soak_report import SoakSummary, summarize, write_plot
 
 log = logging.getLogger("prepos.soak")

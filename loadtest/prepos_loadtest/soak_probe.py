@@ -6,7 +6,6 @@ Used by the soak, and by the figures for their metric deltas. Nothing here sends
 from __future__ import annotations
 
 import logging
-import socket
 import urllib.request
 from dataclasses import dataclass
 
@@ -34,19 +33,6 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
         if all(f'{key}="{value}"' in rest for key, value in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def free_loopback_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on 127.0.0.1 at the time of the call."""
-    sockets, ports = [], []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-        ports.append(s.getsockname()[1])
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @dataclass(frozen=True)

@@ -5,33 +5,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 from pathlib import Path
 
 import psutil
 import pytest
 
 from prepos.launcher import REPO_ROOT, ServerOptions, TritonServer
+from prepos_loadtest.repository import free_loopback_ports
 
 ENGINE_DIR = REPO_ROOT / "engines" / "smollm2-135m-instruct"
-
-
-def free_ports(count: int) -> list[int]:
-    sockets, ports = [], []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-        ports.append(s.getsockname()[1])
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def start_server(tmp_dir: Path, env: dict[str, str] | None = None, repositories=None) -> TritonServer:
     if not (ENGINE_DIR / "prepos_engine.json").is_file():
         pytest.fail(f"{ENGINE_DIR} is missing: run `make engine` (make test builds it first)")
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics = free_loopback_ports(3)
     options = ServerOptions(
         model_repositories=tuple(repositories or (REPO_ROOT / "model_repository",)),
         http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=tmp_dir, ready_timeout_s=240,

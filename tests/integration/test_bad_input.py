@@ -21,8 +21,9 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from prepos.launcher import ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER, ServerOptions, TritonServer
 from prepos_client import Client, PreposError
+from prepos_loadtest.repository import free_loopback_ports
 
-from .conftest import ENGINE_DIR, free_ports, start_server
+from .conftest import ENGINE_DIR, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -225,7 +226,7 @@ def http_status(url, path, headers=None, data=None) -> int:
 
 
 def test_access_token_gates_inference_and_repository_control(tmp_path):
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics = free_loopback_ports(3)
     run_dir = tmp_path
     token_file = run_dir / "token"
     token_file.write_text(TOKEN + "\n")

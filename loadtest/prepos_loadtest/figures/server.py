@@ -13,45 +13,26 @@ Its model repository holds, all on the same engine directory:
 from __future__ import annotations
 
 import logging
-import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from prepos.launcher import REPO_ROOT, ServerOptions, TritonServer
 
-from ..soak_probe import free_loopback_ports, metric_sum, scrape
+from .. import repository
+from ..repository import free_loopback_ports, variant_repository
+from ..soak_probe import metric_sum, scrape
 
 log = logging.getLogger("prepos.figures")
 
 ENGINE_DIR = REPO_ROOT / "engines" / "smollm2-135m-instruct"
-MAIN, PREFIX, REBUILD, FLOOR = "prepos", "prepos_prefix", "prepos_rebuild", "floor"
+MAIN, PREFIX, REBUILD, FLOOR = "prepos", "prepos_prefix", "prepos_rebuild", repository.FLOOR
 GAUGE_REFRESH_S = 0.6  # a little over the scheduler's housekeeping interval, which refreshes prepos_sessions
 VARIANTS = {
     MAIN: {},
     PREFIX: {"scheduler.preposition": "false"},
     REBUILD: {"scheduler.preposition": "false", "memory.kv_budget_bytes": "1"},
 }
-
-
-def build_repository(run_dir: Path) -> Path:
-    """Write the model repository of the table above under `run_dir`; returns its path."""
-    repo = run_dir / "figures_repository"
-    shutil.rmtree(repo, ignore_errors=True)
-    repo.mkdir(parents=True)
-    source = (REPO_ROOT / "model_repository" / "prepos" / "config.pbtxt").read_text()
-    for name, params in VARIANTS.items():
-        (repo / name).mkdir()
-        (repo / name / "1").symlink_to(REPO_ROOT / "model_repository" / "prepos" / "1")
-        config = re.sub(r'^name: "prepos"', f'name: "{name}"', source, flags=re.M)
-        extra = "".join(f'\n  {{ key: "{k}" value: {{ string_value: "{v}" }} }},' for k, v in params.items())
-        if params and "parameters [" not in config:
-            raise RuntimeError("model_repository/prepos/config.pbtxt has no `parameters [` block to extend")
-        config = config.replace("parameters [", "parameters [" + extra, 1)
-        (repo / name / "config.pbtxt").write_text(config)
-    (repo / FLOOR).symlink_to(REPO_ROOT / "loadtest" / "floor_repository" / FLOOR)
-    return repo
 
 
 @dataclass
@@ -65,7 +46,7 @@ class FigureServer:
     def __enter__(self) -> "FigureServer":
         if not (self.engine_dir / "prepos_engine.json").is_file():
             raise RuntimeError(f"{self.engine_dir} has no engine: run `make engine` first")
-        repo = build_repository(self.run_dir)
+        repo = variant_repository(self.run_dir, "figures_repository", VARIANTS)
         http, grpc, metrics = free_loopback_ports(3)
         options = ServerOptions(model_repositories=(repo,), http_port=http, grpc_port=grpc, metrics_port=metrics,
                                 run_dir=self.run_dir, ready_timeout_s=300)

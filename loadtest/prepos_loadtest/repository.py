@@ -1,0 +1,45 @@
+"""Servers for measurements: model repositories of prepos variants side by side, and free loopback ports."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+from pathlib import Path
+from typing import Mapping
+
+from prepos.launcher import REPO_ROOT
+
+FLOOR = "floor"
+
+
+def variant_repository(run_dir: Path, folder: str, variants: Mapping[str, Mapping[str, str]]) -> Path:
+    """Write ``run_dir/folder``: one model per variant (prepos's own ``model.py`` and ``config.pbtxt`` with the
+    variant's parameters added, as model name -> {key: value}) plus the ``floor`` no-op model; returns its path."""
+    repo = run_dir / folder
+    shutil.rmtree(repo, ignore_errors=True)
+    repo.mkdir(parents=True)
+    source = (REPO_ROOT / "model_repository" / "prepos" / "config.pbtxt").read_text()
+    if "parameters [" not in source:
+        raise RuntimeError("model_repository/prepos/config.pbtxt has no `parameters [` block to extend")
+    for name, params in variants.items():
+        (repo / name).mkdir()
+        (repo / name / "1").symlink_to(REPO_ROOT / "model_repository" / "prepos" / "1")
+        config = re.sub(r'^name: "prepos"', f'name: "{name}"', source, flags=re.M)
+        extra = "".join(f'\n  {{ key: "{k}" value: {{ string_value: "{v}" }} }},' for k, v in params.items())
+        (repo / name / "config.pbtxt").write_text(config.replace("parameters [", "parameters [" + extra, 1))
+    (repo / FLOOR).symlink_to(REPO_ROOT / "loadtest" / "floor_repository" / FLOOR)
+    return repo
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 at the time of the call."""
+    sockets, ports = [], []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
