@@ -108,7 +108,16 @@ def scan_torch(
     top_p: float = 1.0,
     uniform: float | None = None,
 ) -> ScanResult:
-    """Torch implementation on the logits' device; one host sync at the end."""
+    """Torch implementation on the logits' device; one host sync at the end.
+
+    A greedy scan over a small allowed set (a ``choices`` decision) reads those
+    logits once and finishes on the host in float64: a dozen tiny tensor
+    operations would cost more than the numbers they handle.
+    """
+    if allowed_ids is not None and temperature == 0.0 and 0 < len(allowed_ids) <= SMALL_ALLOWED_SET:
+        ids = allowed_ids.tolist() if isinstance(allowed_ids, torch.Tensor) else list(allowed_ids)
+        index = torch.as_tensor(ids, dtype=torch.long, device=logits.device)
+        return _scan_small(logits.index_select(0, index).tolist(), ids)
     # x: [allowed] float32
     x = logits.float()
     ids = None
@@ -144,6 +153,25 @@ def scan_torch(
     margin = p_max - stats[2] if k > 1 else p_max
     # float32 holds every integer below 2**24, far above any vocabulary size
     return ScanResult(token_id=int(stats[0]), p_max=p_max, margin=margin, entropy=max(0.0, stats[3]), num_allowed=x.numel())
+
+
+SMALL_ALLOWED_SET = 64
+
+
+def _scan_small(values: list[float], ids: list[int]) -> ScanResult:
+    """Greedy scan of a few allowed logits on the host, in float64 like the reference."""
+    top = max(values)
+    if not math.isfinite(top):
+        raise ValueError("scan: no finite logit among the allowed tokens")
+    exps = [math.exp(v - top) for v in values]
+    total = math.fsum(exps)
+    probs = [e / total for e in exps]
+    first = values.index(top)  # the first maximal one in allowed order, as the reference's stable sort
+    second = max((p for i, p in enumerate(probs) if i != first), default=None)
+    p_max = probs[first]
+    entropy = -math.fsum(p * math.log(p) for p in probs if p > 0)
+    margin = p_max - second if second is not None else p_max
+    return ScanResult(token_id=ids[first], p_max=p_max, margin=margin, entropy=max(0.0, entropy), num_allowed=len(ids))
 
 
 def scan_onnxruntime(logits, **kwargs) -> ScanResult:

@@ -92,3 +92,28 @@ def test_errors_are_clear():
         scan_numpy(np.zeros(3, dtype=np.float32), temperature=1.0)
     with pytest.raises(ValueError, match="unknown scan"):
         get_scan("cuda-magic")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.sampled_from([-np.inf, -3.0, 0.0, 0.5, 2.0, 7.25]), min_size=1, max_size=70),
+    seed=st.integers(0, 2**16),
+)
+def test_small_choice_sets_take_the_host_path_and_agree_with_reference(values, seed):
+    """Greedy scans over up to 64 allowed tokens (ties and -inf included) skip the tensor path."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=300).astype(np.float32)
+    ids = rng.choice(300, size=len(values), replace=False)
+    if not rng.integers(2):
+        ids = np.sort(ids)
+    logits[ids] = values
+    if not np.isfinite(logits[ids]).any():
+        with pytest.raises(ValueError):
+            scan_torch(torch.from_numpy(logits), allowed_ids=ids.tolist())
+        return
+    want = scan_numpy(logits, allowed_ids=ids.tolist())
+    got = scan_torch(torch.from_numpy(logits), allowed_ids=ids.tolist())
+    assert got.token_id == want.token_id and got.num_allowed == want.num_allowed
+    assert got.p_max == pytest.approx(want.p_max, abs=1e-9)
+    assert got.margin == pytest.approx(want.margin, abs=1e-9)
+    assert got.entropy == pytest.approx(want.entropy, abs=1e-9)
