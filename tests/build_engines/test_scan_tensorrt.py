@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scan_cases import CASE, check_against_reference, make_logits
 from prepos.scan import scan_numpy
 from prepos_build import scan_tensorrt
 from prepos_build.scan_tensorrt import TensorRTUnavailable, scan_tensors
@@ -31,31 +32,11 @@ def _plugin_scan(logits: np.ndarray, allowed, temperature, top_k, top_p, u):
 
 
 @settings(max_examples=50, deadline=None)
-@given(vocab=st.integers(1, 200), seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from([np.float32, np.float16]),
-       ties=st.booleans(), masked=st.booleans(), temperature=st.sampled_from([0.0, 0.0, 0.7, 1.5]),
-       top_k=st.sampled_from([0, 2, 40]), top_p=st.sampled_from([1.0, 0.8]), u=st.floats(0.0, 0.999))
+@given(dtype=st.sampled_from([np.float32, np.float16]), **CASE)
 def test_plugin_maths_agree_with_reference(vocab, seed, dtype, ties, masked, temperature, top_k, top_p, u):
-    rng = np.random.default_rng(seed)
-    logits = (rng.integers(-2, 3, vocab) if ties else rng.normal(0, 3, vocab)).astype(dtype)
-    logits[rng.random(vocab) < 0.2] = -np.inf
-    logits[rng.integers(vocab)] = 2.0
-    size = int(rng.integers(1, vocab + 1))
-    allowed = sorted(rng.choice(vocab, size=size, replace=False).tolist()) if masked else None
+    logits, allowed = make_logits(vocab, seed, ties, masked, dtype)
     kw = dict(allowed_ids=allowed, temperature=temperature, top_k=top_k, top_p=top_p, uniform=u)
-    token, p_max, margin, entropy = _plugin_scan(logits, allowed, temperature, top_k, top_p, u)
-    finite = np.isfinite(logits if allowed is None else logits[allowed]).any()
-    if not finite:
-        assert math.isnan(p_max)
-        return
-    ref = scan_numpy(logits, **kw)
-    for got, want in ((p_max, ref.p_max), (margin, ref.margin), (entropy, ref.entropy)):
-        assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
-    if temperature == 0.0:
-        assert token == ref.token_id
-    elif token != ref.token_id:  # a draw or top_p on a float-rounding boundary of the cumulative mass
-        near = {scan_numpy(logits, **{**kw, "uniform": min(0.999999, max(0.0, u + du)), "top_p": top_p + dp}).token_id
-                for du in (-1e-5, 0.0, 1e-5) for dp in ((-1e-6, 0.0, 1e-6) if top_p < 1.0 else (0.0,))}
-        assert token in near
+    check_against_reference(logits, kw, _plugin_scan(logits, allowed, temperature, top_k, top_p, u))
 
 
 def test_greedy_ties_and_single_token():
