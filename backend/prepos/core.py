@@ -15,7 +15,6 @@ import numpy as np
 
 from prepos.config import ConfigError, EngineConfig, PreposConfig, read_config
 from prepos.engines.base import Engine
-from prepos.gate import Gate
 from prepos.metrics import Metrics, MetricsSink
 from prepos.protocol import Rejection, Request, ResponseSink, parse_request
 from prepos.scan import get_scan
@@ -61,7 +60,6 @@ class Core:
             tokenizer=self.tokenizer,
             framing=manifest.framing,
             config=config.scheduler,
-            gate=Gate(config.gate),
             scan=self._scan(config, model_dir),
             metrics=self.metrics,
             max_sessions=config.memory.max_sessions,

@@ -56,7 +56,7 @@ class Scheduler:
         tokenizer: Tokenizer,
         framing: Framing,
         config: SchedulerConfig,
-        gate: Gate,
+        gate_config: GateConfig,
         scan: ScanFn,
         metrics: Metrics,
         max_sessions: int,
@@ -64,7 +64,6 @@ class Scheduler:
         eviction_policy: str = "lru",
         max_log_tokens: int = 0,
         journal: SessionJournal | None = None,
-        gate_config: GateConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self._engine = engine
@@ -87,14 +86,14 @@ class Scheduler:
         self._watch = GateWatch(gate_config, metrics)
         self._audits: deque[Audit] = deque()
         self._server = RequestServer(
-            engine=engine, tokenizer=tokenizer, framing=framing, turns=self._turns, gate=gate, scan=scan,
+            engine=engine, tokenizer=tokenizer, framing=framing, turns=self._turns, gate=Gate(gate_config), scan=scan,
             metrics=metrics, residency=self._residency, config=config, clock=clock, journaled=journal is not None,
             is_inline=lambda: self._inline, close_session=self._close, reject=self._reject,
             watch=self._watch, request_audit=self._audits.append,
         )
         self._idle_policy = IDLE_POLICIES[config.idle_policy]()
-        gate_config = gate_config or GateConfig()
-        self._speculative_delta_ids = tuple(tokenizer.encode(gate_config.speculative_delta)) if gate_config.speculative_delta else ()
+        spec_delta = gate_config.speculative_delta
+        self._speculative_delta_ids = tuple(tokenizer.encode(spec_delta)) if spec_delta else ()
         self._inbox: queue.SimpleQueue[tuple[Request | Rejection, ResponseSink]] = queue.SimpleQueue()
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one token per submit: wakes the loop
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps

@@ -9,7 +9,6 @@ import pytest
 
 from fakes import IM_END, CollectSink, FakeClock, FakeEngine, char_tokenizer, chatml_framing, hashed_logits
 from prepos.config import GateConfig, SchedulerConfig
-from prepos.gate import Gate
 from prepos.metrics import Metrics
 from prepos.protocol import Request, Sampling, Status
 from prepos.scan import scan_numpy
@@ -33,7 +32,7 @@ class Harness:
             engine=self.engine, tokenizer=self.tok, framing=self.framing,
             config=SchedulerConfig(chunk_tokens=chunk_tokens, retain_kv=retain_kv, background_delay_ms=background_delay_ms,
                                    context_overflow=context_overflow, session_idle_timeout_s=idle_timeout_s),
-            gate=Gate(GateConfig(threshold=threshold, **gate_kw)), scan=scan_numpy, metrics=self.metrics,
+ scan=scan_numpy, metrics=self.metrics,
             max_sessions=max_sessions, kv_budget_bytes=kv_budget, clock=self.clock, max_log_tokens=max_log_tokens,
             journal=journal, gate_config=GateConfig(threshold=threshold, speculative_delta=speculative_delta, **gate_kw),
         )
