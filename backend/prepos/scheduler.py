@@ -203,11 +203,7 @@ class Scheduler:
             if request.start and existing is not None and any(r.end for r, _ in existing.pending):
                 session = existing  # the id is reused right after an END: it opens once that END is served
             elif request.start and request.resume:
-                session = existing or self._residency.recover(request.session_id)
-                if session is None:
-                    raise ProtocolError("resume", f"session {request.session_id!r} is not open on this server and has "
-                                        "no journal to reopen it from; send START without resume to begin a new "
-                                        "session", Status.NOT_FOUND)
+                session = existing or self._open_or_resume(request)
             elif request.start:
                 if existing is not None and self._expired(existing, self._clock()):
                     self._close(existing, "idle timeout")
@@ -226,6 +222,17 @@ class Scheduler:
         if session.task is None:
             session.task = self._serve_session(session)
             self._ready.append(session)
+
+    def _open_or_resume(self, request: Request) -> Session:
+        """The session a START opens: a new one, or (with ``resume``) the one its journal holds."""
+        if not request.resume:
+            return self._residency.open(request.session_id)
+        session = self._residency.recover(request.session_id)
+        if session is None:
+            raise ProtocolError("resume", f"session {request.session_id!r} is not open on this server and has no "
+                                "journal to reopen it from; send START without resume to begin a new session",
+                                Status.NOT_FOUND)
+        return session
 
     def _step_foreground(self) -> None:
         session = self._ready.popleft()
@@ -320,10 +327,10 @@ class Scheduler:
     def _serve_session(self, session: Session) -> Iterator[None]:
         while session.pending:
             request, sink = session.pending.popleft()
-            if self.store.get(session.session_id) is not session:
-                if request.start and not request.resume and not isinstance(request, Rejection):  # a new session, same id
+            if self.store.get(session.session_id) is not session:  # closed while this request waited
+                if request.start and not isinstance(request, Rejection):  # a new session (or the journal's), same id
                     try:
-                        successor = self._residency.open(session.session_id)
+                        successor = self._open_or_resume(request)
                     except ProtocolError as err:
                         self._reject(sink, err)
                         continue

@@ -95,3 +95,14 @@ def test_dropping_turns_rewrites_the_journal(tmp_path):
     recovered = h.sched._residency._journal.recover("s1")
     assert recovered.token_log == h.log("s1")
     assert [list(t) for t in recovered.turns] == h.sched.store.lookup("s1").turns()
+
+
+def test_a_resume_queued_behind_a_closing_request_names_resume(tmp_path):
+    h = Harness(tmp_path)
+    first = h.submit(h.request("s1", "hi", start=True, role="wizard"))  # rejected START: no session stays
+    resumed = h.submit(h.request("s1", None, start=True, resume=True, end=True, max_tokens=0))
+    while not (first.done and resumed.done):
+        h.sched.run_once()
+    assert first.error.field == "role"
+    assert resumed.error.field == "resume" and resumed.error.status is Status.NOT_FOUND
+    assert h.sched.store.get("s1") is None
