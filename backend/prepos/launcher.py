@@ -236,9 +236,16 @@ class TritonServer:
             return ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM, then wait (Triton drains in-flight requests), then SIGKILL if it hangs."""
+        """SIGTERM, then wait (Triton drains in-flight requests), then SIGKILL if it hangs. Backend stub
+        processes still alive afterwards (a killed server leaves them behind) are killed too."""
         if self.process is None or self.process.poll() is not None:
             return
+        import psutil
+
+        try:
+            stubs = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            stubs = []
         self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(timeout_s)
@@ -246,6 +253,10 @@ class TritonServer:
             log.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
             self.process.kill()
             self.process.wait()
+        _, alive = psutil.wait_procs(stubs, timeout=5)
+        for stub in alive:
+            log.warning("backend stub %d outlived tritonserver; killing it", stub.pid)
+            stub.kill()
 
     def __enter__(self) -> "TritonServer":
         self.start()

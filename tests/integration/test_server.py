@@ -223,9 +223,11 @@ def test_metrics_on_the_metrics_port(server):
         completed = metric(server, "prepos_prepositionings_total", result="completed")
         session.append("Answer yes or no.", role="system")
         wait_positioned(server, completed)
-        session.ask("", choices=["yes", "no"])
         completed = metric(server, "prepos_prepositionings_total", result="completed")
-        session.ask("Is the sky blue?", choices=["yes", "no"], gate_threshold=0.0, speculate=True)
+        assert session.ask("", choices=["yes", "no"]).path == "exact"
+        wait_positioned(server, completed)
+        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        assert session.ask("Is the sky blue?", choices=["yes", "no"], gate_threshold=0.0, speculate=True).path == "gated"
         # The shipped configuration keeps the uncertified gate off: without speculate=true, no gated answer.
         wait_positioned(server, completed)
         assert session.ask("Is the grass green?", choices=["yes", "no"], gate_threshold=0.0).path == "prepaid"
