@@ -218,7 +218,9 @@ class TritonServer:
                 raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=1) as response:
-                    if response.status == 200:
+                    ready = response.status == 200
+                if ready:  # the metrics endpoint too: scrapers and tests read it right away
+                    with urllib.request.urlopen(self.metrics_url, timeout=1):
                         return
             except OSError:
                 pass

@@ -227,7 +227,8 @@ def test_metrics_on_the_metrics_port(server):
         assert session.ask("", choices=["yes", "no"]).path == "exact"
         wait_positioned(server, completed)
         completed = metric(server, "prepos_prepositionings_total", result="completed")
-        assert session.ask("Is the sky blue?", choices=["yes", "no"], gate_threshold=0.0, speculate=True).path == "gated"
+        gated = session.ask("Is the sky blue?", choices=["yes", "no"], gate_threshold=0.0, speculate=True)
+        assert gated.path == "gated"
         # The shipped configuration keeps the uncertified gate off: without speculate=true, no gated answer.
         wait_positioned(server, completed)
         assert session.ask("Is the grass green?", choices=["yes", "no"], gate_threshold=0.0).path == "prepaid"
