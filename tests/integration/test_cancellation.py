@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import queue
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -14,16 +13,11 @@ import tritonclient.grpc as grpcclient
 from prepos_client import Client, PreposError
 
 from .conftest import start_server
+from .test_server import metric
 
 pytestmark = pytest.mark.integration
 
 SYSTEM = "You are a storyteller. Tell long stories."
-
-
-def metric(server, name: str, **labels) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
 
 
 def wait_for(condition, timeout_s=30.0):
