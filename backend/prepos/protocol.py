@@ -60,9 +60,12 @@ class Sampling:
         return self.temperature == 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Request:
-    """One validated request of a session. Fields are as sent, defaults applied."""
+    """One validated request of a session. Fields are as sent, defaults applied; nothing changes them.
+
+    Not frozen: a frozen dataclass's ``__init__`` costs several times more, on the path to every first token.
+    """
 
     session_id: str | int
     request_id: str
@@ -73,7 +76,7 @@ class Request:
     delta_text: str | None = None
     delta_ids: tuple[int, ...] | None = None
     choices: tuple[str, ...] | None = None
-    sampling: Sampling = Sampling()
+    sampling: Sampling = Sampling()  # greedy
     stop: tuple[str, ...] = ()
     speculate: bool | None = None
     gate_threshold: float | None = None
@@ -90,9 +93,10 @@ class Request:
         return bool(self.delta_text) or bool(self.delta_ids)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ResponseChunk:
-    """One streamed response. The last one of a request has a non-empty ``finish_reason``."""
+    """One streamed response. The last one of a request has a non-empty ``finish_reason``. Not frozen, like
+    :class:`Request`: one is built per token."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -141,7 +145,8 @@ class ResponseSink(Protocol):
         ...
 
 
-def _scalar(inputs: Mapping[str, np.ndarray], name: str, kinds: str) -> np.generic | None:
+def _scalar(inputs: Mapping[str, np.ndarray], name: str, kinds: str) -> bool | int | float | bytes | str | None:
+    """The one value of input ``name`` as a Python object, checked for count and kind (None when absent)."""
     value = inputs.get(name)
     if value is None:
         return None
@@ -149,7 +154,7 @@ def _scalar(inputs: Mapping[str, np.ndarray], name: str, kinds: str) -> np.gener
         raise ProtocolError(name, f"expected one value, got shape {list(value.shape)}")
     if value.dtype.kind not in kinds:
         raise ProtocolError(name, f"wrong type {value.dtype}")
-    return value.reshape(-1)[0]
+    return value.item()
 
 
 def _utf8(name: str, raw: object, max_bytes: int, what: str = "") -> str:
@@ -166,15 +171,36 @@ def _utf8(name: str, raw: object, max_bytes: int, what: str = "") -> str:
         raise ProtocolError(name, f"{what}not valid UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})") from None
 
 
+_MAX_DECODED_LISTS = 256
+_decoded_lists: dict[tuple, tuple[str, ...]] = {}  # (max_bytes, *raw entries) -> the valid list they decode to
+
+
 def _string_list(inputs: Mapping[str, np.ndarray], name: str, max_count: int, max_bytes: int) -> tuple[str, ...] | None:
     value = inputs.get(name)
     if value is None:
         return None
     if value.dtype.kind not in "OSU":
         raise ProtocolError(name, f"wrong type {value.dtype}; expected BYTES")
-    items = list(value.reshape(-1))
+    items = value.reshape(-1).tolist()
     if len(items) > max_count:
         raise ProtocolError(name, f"{len(items)} entries; at most {max_count} allowed")
+    key = (max_bytes, *items)  # clients send the same lists again and again (a session's tool names)
+    try:
+        decoded = _decoded_lists.get(key)
+    except TypeError:  # an entry no BYTES tensor holds; named below
+        decoded = None
+    if decoded is not None:
+        return decoded
+    if all(type(raw) is bytes and 0 < len(raw) <= max_bytes for raw in items):
+        try:  # the common case in one pass; any problem is named entry by entry below
+            decoded = tuple([raw.decode("utf-8") for raw in items])
+        except UnicodeDecodeError:
+            pass
+        else:
+            if len(_decoded_lists) >= _MAX_DECODED_LISTS:
+                _decoded_lists.clear()
+            _decoded_lists[key] = decoded
+            return decoded
     strings = []
     for i, raw in enumerate(items):
         text = _utf8(name, raw, max_bytes, f"entry {i}: ")
@@ -184,13 +210,33 @@ def _string_list(inputs: Mapping[str, np.ndarray], name: str, max_count: int, ma
     return tuple(strings)
 
 
-def _finite(name: str, value: np.generic | None, low: float, high: float, default: float) -> float:
+def _finite(name: str, value: float | None, low: float, high: float, default: float) -> float:
     if value is None:
         return default
     number = float(value)
     if not math.isfinite(number) or not low <= number <= high:
         raise ProtocolError(name, f"must be a finite number in [{low}, {high}], got {number}")
     return number
+
+
+_SAMPLING_NAMES = ("temperature", "top_p", "top_k", "seed")
+GREEDY = Sampling()
+
+
+def _sampling(inputs: Mapping[str, np.ndarray], limits: LimitsConfig) -> Sampling:
+    sampling = Sampling(
+        temperature=_finite("temperature", _scalar(inputs, "temperature", "f"), 0.0, 100.0, 0.0),
+        top_p=_finite("top_p", _scalar(inputs, "top_p", "f"), 0.0, 1.0, 1.0),
+        top_k=int(_scalar(inputs, "top_k", "iu") or 0),
+        seed=None if (seed := _scalar(inputs, "seed", "iu")) is None else int(seed),
+    )
+    if sampling.top_p == 0.0:
+        raise ProtocolError("top_p", "must be > 0")
+    if not 0 <= sampling.top_k <= limits.max_top_k:
+        raise ProtocolError("top_k", f"must be in [0, {limits.max_top_k}] (0 = no cut), got {sampling.top_k}")
+    if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
+        raise ProtocolError("seed", f"must be in [0, 2**64), got {sampling.seed}")
+    return sampling
 
 
 def parse_request(
@@ -256,18 +302,7 @@ def parse_request(
             raise ProtocolError("choices", "needs max_tokens >= 1 (max_tokens=0 is an append)")
     stop = _string_list(inputs, "stop", limits.max_stops, limits.max_stop_bytes) or ()
 
-    sampling = Sampling(
-        temperature=_finite("temperature", _scalar(inputs, "temperature", "f"), 0.0, 100.0, 0.0),
-        top_p=_finite("top_p", _scalar(inputs, "top_p", "f"), 0.0, 1.0, 1.0),
-        top_k=int(_scalar(inputs, "top_k", "iu") or 0),
-        seed=None if (seed := _scalar(inputs, "seed", "iu")) is None else int(seed),
-    )
-    if sampling.top_p == 0.0:
-        raise ProtocolError("top_p", "must be > 0")
-    if not 0 <= sampling.top_k <= limits.max_top_k:
-        raise ProtocolError("top_k", f"must be in [0, {limits.max_top_k}] (0 = no cut), got {sampling.top_k}")
-    if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
-        raise ProtocolError("seed", f"must be in [0, 2**64), got {sampling.seed}")
+    sampling = GREEDY if inputs.keys().isdisjoint(_SAMPLING_NAMES) else _sampling(inputs, limits)
 
     speculate = _scalar(inputs, "speculate", "b")
     resume = _scalar(inputs, "resume", "b")

@@ -191,17 +191,23 @@ class RequestServer:
         first: ScanResult | None = None
         prompt: list[int] | None = None  # log + turn, built once the delta's tokens are known
         kv_len = -1  # tokens of prompt + answer the KV is known to hold exactly
+        gate_outcome = ""  # a fired gate is counted once its first token is out: nothing else goes before it
         if pos is not None:
-            greedy_match = request.sampling.greedy and pos.choices == request.choices and pos.greedy_scan is not None
-            with clock.measure("scan"):
-                first = pos.greedy_scan if greedy_match else self._scan_at(pos.logits, trie, forced, request, rng)
+            if request.sampling.greedy and pos.choices == request.choices and pos.greedy_scan is not None:
+                first = pos.greedy_scan  # scanned when it was positioned
+            else:
+                with clock.measure("scan"):
+                    first = self._scan_at(pos.logits, trie, forced, request, rng)
             if not has_delta and not pos.delta_ids:  # the request's turn is exactly the positioned one
                 path, logits, kv_len = ServedPath.EXACT, pos.logits, len(session.token_log) + len(pos.spec_ids)
             else:
                 speculate = False if self._watch.suspended else request.speculate
                 decision = self._gate.decide(first, speculate=speculate, threshold=request.gate_threshold)
-                self._metrics.gate_decided(decision.outcome)
                 path = ServedPath.GATED if decision.fired else ServedPath.PREPAID
+                if decision.fired:  # its first token goes out next, in this step
+                    gate_outcome = decision.outcome
+                else:
+                    self._metrics.gate_decided(decision.outcome)
         else:
             path = ServedPath.REBUILD if session.evicted else ServedPath.PREFIX
         if path not in (ServedPath.EXACT, ServedPath.GATED):
@@ -247,6 +253,9 @@ class RequestServer:
                     if request.end:  # and an END deletes the journal before it is acknowledged
                         self._close_session(session, "END")
             sink.send(clock.chunk(text, emit, path.value, confidence, finish if done else ""), final=done)
+            if gate_outcome:
+                self._metrics.gate_decided(gate_outcome)
+                gate_outcome = ""
             if done:
                 break
             clock.pause()

@@ -53,17 +53,31 @@ class Framing:
         return terminator
 
 
+_MAX_CACHED_DECODES = 4096
+_CACHED_DECODE_LENGTH = 8
+
+
 class Tokenizer:
     """Text <-> token ids with the engine's tokenizer (no special tokens added)."""
 
     def __init__(self, path: str | Path):
         self._tok = HFTokenizer.from_file(str(path))
+        # Short answers repeat (a choice, yes/no): their text is looked up, not decoded, on the first-token path.
+        self._decoded: dict[tuple[int, ...], str] = {}
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        if len(ids) > _CACHED_DECODE_LENGTH:
+            return self._tok.decode(list(ids), skip_special_tokens=False)
+        key = tuple(ids)
+        text = self._decoded.get(key)
+        if text is None:
+            if len(self._decoded) >= _MAX_CACHED_DECODES:
+                self._decoded.clear()
+            text = self._decoded[key] = self._tok.decode(list(ids), skip_special_tokens=False)
+        return text
 
 
 @dataclass(frozen=True)

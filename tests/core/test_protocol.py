@@ -144,3 +144,24 @@ def test_oversize_errors_say_the_size_and_the_limit():
 def test_new_limits_are_validated(field):
     with pytest.raises(ValueError, match=f"limits.{field}"):
         LimitsConfig(**{field: 0})
+
+
+def test_a_list_sent_again_parses_the_same_under_the_limits_in_force():
+    first = parse(choices=b("get_weather", "é" * 8), max_tokens=np.array([4], np.int32))
+    again = parse(choices=b("get_weather", "é" * 8), max_tokens=np.array([4], np.int32))
+    assert first.choices == again.choices == ("get_weather", "é" * 8)
+    # the same list is checked against another server's smaller limit, not answered from the first one's
+    tight = LimitsConfig(max_choice_bytes=15)
+    with pytest.raises(ProtocolError, match=r"choices: entry 1: 16 bytes; at most 15 allowed"):
+        parse_request({"choices": b("get_weather", "é" * 8)}, session_id="s", request_id="r", limits=tight,
+                      default_max_tokens=4)
+    # one entry changed to invalid UTF-8 is named, whatever was accepted before
+    with pytest.raises(ProtocolError, match=r"choices: entry 1: not valid UTF-8"):
+        parse(choices=b("get_weather", b"\xc3" * 8), max_tokens=np.array([4], np.int32))
+
+
+def test_an_unhashable_list_entry_is_named_not_a_crash():
+    choices = np.empty(2, dtype=np.object_)
+    choices[0], choices[1] = b"a", [1, 2]
+    with pytest.raises(ProtocolError, match=r"choices: entry 1: expected bytes, got list"):
+        parse(choices=choices)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fakes import IM_END, hashed_logits
@@ -48,13 +50,13 @@ def test_a_request_past_its_deadline_stops_with_a_deadline_error(tmp_path):
     open_session(h)
     log_before = h.log("s1")
     request = h.request("s1", "count to fifty", max_tokens=50)
-    request = type(request)(**{**request.__dict__, "deadline_s": h.clock() + 0.05})
+    request = dataclasses.replace(request, deadline_s=h.clock() + 0.05)
     sink = run_until(h, h.submit(request))
     assert sink.error.status is Status.DEADLINE_EXCEEDED and sink.error.field == "timeout"
     assert 0 < len(sink.chunks) < 50  # it streamed until the deadline, then stopped
     assert h.log("s1") == log_before
     late = h.request("s1", "too late", max_tokens=5)
-    late = type(late)(**{**late.__dict__, "deadline_s": h.clock() - 1})
+    late = dataclasses.replace(late, deadline_s=h.clock() - 1)
     calls = len(h.engine.calls)
     assert h.serve(late).error.status is Status.DEADLINE_EXCEEDED
     assert len(h.engine.calls) == calls  # expired before it started: no engine work

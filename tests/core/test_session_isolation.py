@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -56,7 +57,7 @@ def test_control_characters_in_ids_never_reach_a_log_line_raw(tmp_path, caplog, 
     with caplog.at_level(logging.DEBUG, logger="prepos"):
         open_session(h, sid=evil)
         request = h.request(evil, "hi", max_tokens=2)
-        request = type(request)(**{**request.__dict__, "request_id": evil})
+        request = dataclasses.replace(request, request_id=evil)
         h.serve(request)
         h.serve(h.request(evil, "hi", role="no\nsuch\x1brole", max_tokens=2))  # rejected: unknown role
         # a torn last write, then a restart: a second scheduler reopens the session from the journal
