@@ -104,13 +104,8 @@ def measure_floor(url: str, payloads: list[Step], gap_s: float, label: str) -> l
 
 def _wait_background_idle(server: TritonServer, model: str, quiet_s: float = 1.0, timeout_s: float = 120) -> None:
     """Wait until the model's background prefill counter stops moving (pre-positioning finished)."""
-    import urllib.request
-
     def background_tokens() -> float:
-        text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("prepos_prefill_tokens_total{") and f'model="{model}"' in line
-                   and 'where="background"' in line)
+        return server.metric("prepos_prefill_tokens_total", model=model, where="background")
 
     deadline, last, still_since = time.monotonic() + timeout_s, -1.0, time.monotonic()
     while time.monotonic() < deadline:

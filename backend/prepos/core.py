@@ -15,7 +15,7 @@ import numpy as np
 
 from prepos.config import ConfigError, EngineConfig, PreposConfig, read_config
 from prepos.engines.base import Engine
-from prepos.metrics import Metrics, MetricsSink
+from prepos.metrics import BufferedSink, Metrics, MetricsSink
 from prepos.protocol import Rejection, Request, ResponseSink, parse_request
 from prepos.scan import get_scan
 from prepos.scheduler import Scheduler
@@ -45,7 +45,8 @@ class Core:
         manifest = EngineManifest.load(engine_dir)
         self.tokenizer = Tokenizer(engine_dir / "tokenizer.json")
         self.engine = engine if engine is not None else create_engine(config.engine, engine_dir)
-        self.metrics = Metrics(metrics_sink)
+        # Requests record into memory; the engine loop publishes to the sink off the path of any request.
+        self.metrics = Metrics(BufferedSink(metrics_sink) if metrics_sink is not None else None)
         self.framing = manifest.framing
         journal = None
         journal_dir = config.journal_dir(model_dir)

@@ -194,6 +194,17 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
 
+    def metric(self, name: str, **labels: str) -> float:
+        """A metric's current value on the metrics port, summed over the samples whose labels include ``labels``.
+
+        Requests record metrics in memory; the engine loop publishes them when it goes idle and at least every
+        half second, so a value read right after a response may not count that response yet.
+        """
+        from prepos.metrics import metric_sum
+
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
+            return metric_sum(response.read().decode(), name, **labels)
+
     def start(self) -> "TritonServer":
         backend_dir = prepare_backend_dir(self.options.run_dir)
         command = server_command(self.options, backend_dir, self.access_token)

@@ -149,6 +149,7 @@ class Scheduler:
             except queue.Empty:
                 break
             sink.send_error(ProtocolError("model", "server is shutting down", Status.UNAVAILABLE))
+        self._metrics.flush()
 
     def _run(self) -> None:
         while self._running:
@@ -159,6 +160,7 @@ class Scheduler:
                 log.exception("engine loop step failed")
                 continue
             if not busy:
+                self._metrics.flush()  # idle: publish what the requests just served recorded
                 # Sleep until a submit, the end of the background grace, or the next housekeeping.
                 pause = HOUSEKEEPING_INTERVAL_S
                 if self._idle or self._prep is not None:
@@ -317,6 +319,7 @@ class Scheduler:
                 self._close(session, "idle timeout")
         self._metrics.sessions({state.value: n for state, n in self.store.count_by_state().items()})
         self._metrics.kv(self._residency.kv.used_bytes, self._residency.kv.budget_bytes)
+        self._metrics.flush()  # under sustained load too
 
     def _expired(self, session: Session, now: float) -> bool:
         idle = not session.serving and not session.pending

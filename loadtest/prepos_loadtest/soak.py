@@ -28,9 +28,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from prepos.metrics import metric_sum
+
 from . import run as loadtest_run
 from .repository import free_loopback_ports
-from .soak_probe import metric_sum, pid_listening_on, scrape, tree_memory
+from .soak_probe import pid_listening_on, scrape, tree_memory
 from .soak_report import SoakSummary, summarize, write_plot
 
 log = logging.getLogger("prepos.soak")

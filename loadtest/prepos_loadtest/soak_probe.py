@@ -18,23 +18,6 @@ def scrape(metrics_url: str, timeout_s: float = 5.0) -> str:
         return response.read().decode()
 
 
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of metric `name` whose labels include all of `labels` (0 when there is none).
-
-    `name` matches exactly: `prepos_kv_bytes` does not pick up `prepos_kv_bytes_total`.
-    """
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        rest = line[len(name):]
-        if not (rest.startswith("{") or rest.startswith(" ")):
-            continue
-        if all(f'{key}="{value}"' in rest for key, value in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 @dataclass(frozen=True)
 class TreeMemory:
     """Resident memory of a process and all its descendants (the Python backend stubs of Triton)."""

@@ -13,18 +13,11 @@ import tritonclient.grpc as grpcclient
 from prepos_client import Client, PreposError
 
 from .conftest import start_server
-from .test_server import metric
+from .test_server import eventually
 
 pytestmark = pytest.mark.integration
 
 SYSTEM = "You are a storyteller. Tell long stories."
-
-
-def wait_for(condition, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
 
 
 def inputs(text: str, max_tokens: int):
@@ -55,7 +48,7 @@ def test_a_cancelled_stream_stops_generation_and_leaves_the_log_unchanged(server
         session.append(SYSTEM, role="system")
         session.detach()
 
-    cancelled_before = metric(server, "prepos_requests_abandoned_total", reason="cancelled")
+    cancelled_before = server.metric("prepos_requests_abandoned_total", reason="cancelled")
     results: queue.Queue = queue.Queue()
     raw = grpcclient.InferenceServerClient(server.grpc_url)
     raw.start_stream(lambda result, error: results.put((result, error)))
@@ -64,7 +57,7 @@ def test_a_cancelled_stream_stops_generation_and_leaves_the_log_unchanged(server
     assert error is None and first.as_numpy("path")[0] in (b"prepaid", b"prefix")
     raw.stop_stream(cancel_requests=True)  # the client goes away mid-answer
     raw.close()
-    wait_for(lambda: metric(server, "prepos_requests_abandoned_total", reason="cancelled") > cancelled_before)
+    eventually(lambda: server.metric("prepos_requests_abandoned_total", reason="cancelled") > cancelled_before, 30)
 
     with Client(server.grpc_url) as client:
         session = client.session("victim", resume=True)

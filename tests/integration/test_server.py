@@ -6,7 +6,6 @@ import math
 import queue
 import re
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -29,18 +28,17 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def metric(server, name: str, **labels) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def eventually(condition, timeout_s: float = 10.0) -> None:
+    """Wait for ``condition()`` (metrics are published when the server's engine loop goes idle)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
 
 
 def wait_positioned(server, completed_before: float, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
-    while metric(server, "prepos_prepositionings_total", result="completed") <= completed_before:
+    while server.metric("prepos_prepositionings_total", result="completed") <= completed_before:
         assert time.monotonic() < deadline, "the idle session was never pre-positioned"
         time.sleep(0.1)
 
@@ -91,7 +89,7 @@ def check_answer(model, conv, answer, role, text, max_tokens):
 def test_multi_turn_session_paths_match_stateless_prefill(server, engine_manifest, tokenizer, reference_model):
     conv = Conversation(engine_manifest, tokenizer)
     with Client(server.grpc_url) as client, client.session() as session:
-        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        completed = server.metric("prepos_prepositionings_total", result="completed")
         assert session.append(SYSTEM, role="system").path == "append"
         conv.append("system", SYSTEM)
 
@@ -100,19 +98,19 @@ def test_multi_turn_session_paths_match_stateless_prefill(server, engine_manifes
         check_answer(reference_model, conv, first, "user", "What is the capital of France?", 12)
 
         wait_positioned(server, completed)
-        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        completed = server.metric("prepos_prepositionings_total", result="completed")
         exact = session.ask("", max_tokens=12)
         assert exact.path == "exact"
         check_answer(reference_model, conv, exact, "user", "", 12)
 
         wait_positioned(server, completed)
-        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        completed = server.metric("prepos_prepositionings_total", result="completed")
         prepaid = session.ask("And of Germany?", max_tokens=12, speculate=False)
         assert prepaid.path == "prepaid"
         check_answer(reference_model, conv, prepaid, "user", "And of Germany?", 12)
 
         wait_positioned(server, completed)
-        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        completed = server.metric("prepos_prepositionings_total", result="completed")
         gated = session.ask("Which tool tells me if I need an umbrella?", choices=TOOLS, gate_threshold=0.0,
                             speculate=True)
         assert gated.path == "gated" and gated.text in TOOLS
@@ -152,7 +150,7 @@ def test_rebuild_after_eviction_matches_stateless_prefill(tmp_path, engine_manif
             rebuilt = a.ask("Name another one.", max_tokens=8)
             assert rebuilt.path == "rebuild"
             check_answer(reference_model, conv, rebuilt, "user", "Name another one.", 8)
-        assert metric(srv, "prepos_kv_evictions_total") >= 1
+        eventually(lambda: srv.metric("prepos_kv_evictions_total") >= 1)
     finally:
         srv.stop()
 
@@ -220,24 +218,24 @@ def test_bad_input_names_the_field_and_changes_nothing(server, engine_manifest, 
 
 def test_metrics_on_the_metrics_port(server):
     with Client(server.grpc_url) as client, client.session() as session:
-        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        completed = server.metric("prepos_prepositionings_total", result="completed")
         session.append("Answer yes or no.", role="system")
         wait_positioned(server, completed)
-        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        completed = server.metric("prepos_prepositionings_total", result="completed")
         assert session.ask("", choices=["yes", "no"]).path == "exact"
         wait_positioned(server, completed)
-        completed = metric(server, "prepos_prepositionings_total", result="completed")
+        completed = server.metric("prepos_prepositionings_total", result="completed")
         gated = session.ask("Is the sky blue?", choices=["yes", "no"], gate_threshold=0.0, speculate=True)
         assert gated.path == "gated"
         # The shipped configuration keeps the uncertified gate off: without speculate=true, no gated answer.
         wait_positioned(server, completed)
         assert session.ask("Is the grass green?", choices=["yes", "no"], gate_threshold=0.0).path == "prepaid"
-        assert metric(server, "prepos_gate_decisions_total", outcome="disabled") >= 1
-        time.sleep(0.6)  # gauges refresh every half second
-        assert metric(server, "prepos_requests_total", path="exact") >= 1
-        assert metric(server, "prepos_first_token_ms_count", path="exact") >= 1
-        assert metric(server, "prepos_gate_decisions_total", outcome="fired") >= 1
-        assert metric(server, "prepos_sessions", state="positioned") + metric(server, "prepos_sessions",
-                                                                             state="resident") >= 1
-        assert metric(server, "prepos_kv_bytes") > 0
-        assert not math.isnan(metric(server, "prepos_kv_budget_bytes"))
+        # Counters are published when the engine loop goes idle, gauges at its housekeeping (every half second).
+        eventually(lambda: server.metric("prepos_gate_decisions_total", outcome="disabled") >= 1)
+        eventually(lambda: server.metric("prepos_requests_total", path="exact") >= 1)
+        eventually(lambda: server.metric("prepos_first_token_ms_count", path="exact") >= 1)
+        eventually(lambda: server.metric("prepos_gate_decisions_total", outcome="fired") >= 1)
+        eventually(lambda: server.metric("prepos_sessions", state="positioned")
+                   + server.metric("prepos_sessions", state="resident") >= 1)
+        eventually(lambda: server.metric("prepos_kv_bytes") > 0)
+        assert not math.isnan(server.metric("prepos_kv_budget_bytes"))

@@ -13,7 +13,7 @@ import pytest
 
 from prepos_loadtest.figures import anatomy, entry_length, gate_curve
 from prepos_loadtest.figures.common import FiguresConfig, Sample
-from prepos_loadtest.soak_probe import metric_sum
+from prepos.metrics import metric_sum
 
 LOADTEST_DIR = Path(__file__).resolve().parents[2] / "loadtest"
 

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,12 +37,6 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
-def server_metric(server, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
-
-
 def wait_for(condition, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -54,7 +47,7 @@ def wait_for(condition, timeout_s: float = 10.0) -> bool:
 
 
 def test_headless_run_reports_latency_by_served_path(server, tmp_path):
-    closes_before = server_metric(server, "prepos_requests_total", path="close")
+    closes_before = server.metric("prepos_requests_total", path="close")
     done = run_loadtest(server, tmp_path, "--workload", "monitor", "--users", "2", "--spawn-rate", "2",
                         "--run-time", "10s", "--think-scale", "0.1", "--workload-sessions", "4")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -76,8 +69,8 @@ def test_headless_run_reports_latency_by_served_path(server, tmp_path):
     # Every session a user opened was ended (END), each END measured once, and none is left open.
     closes = sum(int(row["Request Count"]) for row in rows if row["Type"] == "TOTAL" and row["Name"] == "close")
     assert closes >= 2
-    assert wait_for(lambda: server_metric(server, "prepos_requests_total", path="close") - closes_before == closes)
-    assert wait_for(lambda: server_metric(server, "prepos_sessions") == 0)
+    assert wait_for(lambda: server.metric("prepos_requests_total", path="close") - closes_before == closes)
+    assert wait_for(lambda: server.metric("prepos_sessions") == 0)
 
 
 def test_error_rate_above_the_bound_fails_the_run(server, tmp_path):
@@ -104,4 +97,4 @@ def test_error_rate_above_the_bound_fails_the_run(server, tmp_path):
     assert summary["locust_exit_status"] == 0 and summary["passed"] is False
     # One bad request in three per session, so about a quarter of all requests (END included) fail.
     assert 0.1 < summary["error_rate"] < 0.5
-    assert wait_for(lambda: server_metric(server, "prepos_sessions") == 0)
+    assert wait_for(lambda: server.metric("prepos_sessions") == 0)

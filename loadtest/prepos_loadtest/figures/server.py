@@ -21,7 +21,6 @@ from prepos.launcher import REPO_ROOT, ServerOptions, TritonServer
 
 from .. import repository
 from ..repository import free_loopback_ports, variant_repository
-from ..soak_probe import metric_sum, scrape
 
 log = logging.getLogger("prepos.figures")
 
@@ -64,7 +63,7 @@ class FigureServer:
 
     def metric(self, name: str, **labels: str) -> float:
         """Current value of a server metric, summed over the samples matching `labels` (e.g. model=...)."""
-        return metric_sum(scrape(self.server.metrics_url), name, **labels)
+        return self.server.metric(name, **labels)
 
     def wait_positioned(self, model: str, num_sessions: int = 1, timeout_s: float = 60.0) -> bool:
         """Wait until at least `num_sessions` open sessions of `model` are positioned, then for quiet background.

@@ -1,0 +1,79 @@
+"""Buffered metrics: what requests record reaches the sink once, summed, when the engine loop publishes it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prepos.metrics import BufferedSink, MemorySink
+from test_scheduler import Harness, open_session
+
+
+def test_a_buffered_sink_publishes_sums_last_values_and_every_observation_once():
+    target = MemorySink()
+    sink = BufferedSink(target)
+    sink.inc("requests", {"path": "gated"}, 1)
+    sink.inc("requests", {"path": "gated"}, 2)
+    sink.inc("requests", {"path": "exact"}, 1)
+    sink.set("kv", {}, 10)
+    sink.set("kv", {}, 7)
+    sink.observe("ttft", {"path": "gated"}, 0.2)
+    sink.observe("ttft", {"path": "gated"}, 0.3)
+    assert target.values == {} and target.observations == {}  # nothing before the flush
+    sink.flush()
+    assert target.get("requests", path="gated") == 3 and target.get("requests", path="exact") == 1
+    assert target.get("kv") == 7
+    assert target.observations["ttft", (("path", "gated"),)] == [0.2, 0.3]
+    sink.flush()  # a second flush publishes nothing again
+    assert target.get("requests", path="gated") == 3 and len(target.observations["ttft", (("path", "gated"),)]) == 2
+
+
+def test_increments_racing_a_flush_are_neither_lost_nor_counted_twice():
+    target = MemorySink()
+    sink = BufferedSink(target)
+    done = threading.Event()
+
+    def record():
+        for _ in range(5000):
+            sink.inc("requests", {"path": "exact"}, 1)
+
+    def publish():
+        while not done.is_set():
+            sink.flush()
+
+    flusher = threading.Thread(target=publish)
+    flusher.start()
+    workers = [threading.Thread(target=record) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    done.set()
+    flusher.join()
+    sink.flush()
+    assert target.get("requests", path="exact") == 20_000
+
+
+def test_the_loop_publishes_at_housekeeping_under_load_and_when_it_goes_idle(tmp_path):
+    h = Harness(tmp_path)
+    target = MemorySink()
+    h.metrics.sink = BufferedSink(target)
+    open_session(h)
+    h.serve(h.request("s1", "hello", max_tokens=2))
+    assert target.get("prepos_requests_total", path="prefix") == 0  # recorded, not yet published
+    h.clock.t += 1.0  # past the next housekeeping: the loop publishes even while it has work
+    h.sched.run_once()
+    assert target.get("prepos_requests_total", path="prefix") == 1
+    assert target.get("prepos_kv_bytes") > 0
+
+    h.sched.start()  # the loop thread: it publishes as soon as it has nothing left to do
+    try:
+        sink = h.submit(h.request("s1", "again", max_tokens=2))
+        deadline = time.monotonic() + 10
+        while target.get("prepos_requests_total", path="prepaid") + target.get("prepos_requests_total",
+                                                                                 path="prefix") < 2:
+            assert time.monotonic() < deadline, "the idle loop never published the second request"
+            time.sleep(0.01)
+        assert sink.done
+    finally:
+        h.sched.stop()
