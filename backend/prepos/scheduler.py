@@ -12,6 +12,14 @@ is a generator that yields after each layer of each chunk of at most
 ``chunk_tokens`` tokens. Before every step the loop admits new requests, and a
 foreground step always goes before background work: a new request waits at
 most one layer of one chunk (or one foreground step of another session).
+
+Between background steps the idle policy may prefer another session (with
+``most_recent``, the one just served). At a chunk boundary the running
+pre-positioning goes back to the candidates (its KV holds every finished
+chunk); inside a chunk it is set aside whole and resumed once the preferred
+one is positioned, so a long pre-positioning neither delays a short one by a
+chunk nor loses the layers it has done. One pre-positioning at most is set
+aside at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from prepos.config import GateConfig, SchedulerConfig
@@ -44,6 +53,19 @@ log = logging.getLogger("prepos.scheduler")
 
 HOUSEKEEPING_INTERVAL_S = 0.5
 _CHUNK_BOUNDARY = object()  # what a pre-positioning task yields between chunks (engine steps yield None)
+
+
+@dataclass
+class _Background:
+    """A background task of one session: its pre-positioning, or the audit of its gated answer."""
+
+    session: Session
+    task: Iterator[object]
+    positioning: bool
+    at_chunk_boundary: bool = False
+
+    def stop(self) -> None:
+        self.task.close()
 
 
 class Scheduler:
@@ -100,9 +122,9 @@ class Scheduler:
         self._inline = False  # the current step runs on a submitting thread: no engine work
         self._ready: deque[Session] = deque()
         self._idle: dict[str | int, Session] = {}  # idle sessions that are not positioned
-        self._prep: tuple[Session, Iterator[None]] | None = None
+        self._prep: _Background | None = None  # the background task the loop steps
+        self._paused: _Background | None = None  # a pre-positioning set aside inside a chunk, resumed next
         self._stepping_prep = False
-        self._prep_at_chunk_boundary = False
         self._background_after_s = 0.0  # no background work before this time (see background_delay_ms)
         self._next_housekeeping = 0.0
         self._thread: threading.Thread | None = None
@@ -163,7 +185,7 @@ class Scheduler:
                 self._metrics.flush()  # idle: publish what the requests just served recorded
                 # Sleep until a submit, the end of the background grace, or the next housekeeping.
                 pause = HOUSEKEEPING_INTERVAL_S
-                if self._idle or self._prep is not None:
+                if self._idle or self._prep is not None or self._paused is not None:
                     pause = min(pause, max(1e-4, self._background_after_s - self._clock()))
                 try:
                     self._wake.get(timeout=pause)
@@ -217,9 +239,7 @@ class Scheduler:
             return
         session.pending.append((request, sink))
         self._idle.pop(session.session_id, None)
-        if self._prep is not None and self._prep[0] is session:
-            self._prep[1].close()
-            self._prep = None
+        if self._drop_background(session):
             self._metrics.prepositioning_ended("preempted")
         if session.task is None:
             session.task = self._serve_session(session)
@@ -254,27 +274,32 @@ class Scheduler:
     def _step_prepositioning(self) -> bool:
         if self._clock() < self._background_after_s:
             return False
-        if self._prep is None and self._start_audit():
+        if self._prep is None and self._paused is not None:
+            self._prep, self._paused = self._paused, None  # resumed where it was set aside
+        elif self._prep is None and self._start_audit():
             pass
         elif self._prep is None:
             if not (self._config.preposition and self._config.retain_kv and self._idle):
                 return False
             self._start_prepositioning(self._idle_policy.pick(list(self._idle.values())))
-        elif self._prep_at_chunk_boundary and self._idle:
-            # Between chunks the policy may prefer a session that went idle meanwhile (the one just
-            # served, say): the current one goes back to the candidates and resumes from its KV later.
-            current, task = self._prep
-            preferred = self._idle_policy.pick([*self._idle.values(), current])
-            if preferred is not current:
-                task.close()
-                self._metrics.prepositioning_ended("preempted")
-                self._idle[current.session_id] = current
-                self._start_prepositioning(preferred)
-        session, task = self._prep
+        elif self._idle and self._prep.positioning:
+            # The policy may prefer a session that went idle meanwhile (the one just served, say).
+            current = self._prep
+            preferred = self._idle_policy.pick([*self._idle.values(), current.session])
+            if preferred is not current.session:
+                if current.at_chunk_boundary:  # back to the candidates: it goes on from its KV later
+                    current.stop()
+                    self._metrics.prepositioning_ended("preempted")
+                    self._idle[current.session.session_id] = current.session
+                    self._start_prepositioning(preferred)
+                elif self._paused is None:  # inside a chunk: set aside whole, resumed after the preferred one
+                    self._paused = current
+                    self._start_prepositioning(preferred)
+        background = self._prep
         self._stepping_prep = True
         began = self._clock()
         try:
-            self._prep_at_chunk_boundary = next(task) is _CHUNK_BOUNDARY
+            background.at_chunk_boundary = next(background.task) is _CHUNK_BOUNDARY
         except StopIteration:
             self._prep = None
         finally:
@@ -284,8 +309,7 @@ class Scheduler:
 
     def _start_prepositioning(self, session: Session) -> None:
         del self._idle[session.session_id]
-        self._prep = (session, self._preposition(session))
-        self._prep_at_chunk_boundary = False
+        self._prep = _Background(session, self._preposition(session), positioning=True)
 
     def _start_audit(self) -> bool:
         """Start the oldest audit whose session is still as the audited answer left it (others are void)."""
@@ -294,8 +318,7 @@ class Scheduler:
             session = audit.session
             if self.store.get(session.session_id) is session and len(session.token_log) == audit.log_length \
                     and not session.pending and not session.serving:
-                self._prep = (session, self._audit(audit))
-                self._prep_at_chunk_boundary = False
+                self._prep = _Background(session, self._audit(audit), positioning=False)
                 return True
         return False
 
@@ -401,16 +424,26 @@ class Scheduler:
     def _stop_work_for(self, victim: Session) -> None:
         """Before a session's KV is evicted: a running pre-positioning of it stops (one evicting its own
         KV sees ``has_kv`` go False and stops by itself), and it is no longer an idle candidate."""
-        if self._prep is not None and self._prep[0] is victim and not self._stepping_prep:
-            self._prep[1].close()
-            self._prep = None
+        if self._drop_background(victim, running=not self._stepping_prep):
             self._metrics.prepositioning_ended("preempted")
         self._idle.pop(victim.session_id, None)
 
-    def _close(self, session: Session, reason: str) -> None:
-        if self._prep is not None and self._prep[0] is session:
-            self._prep[1].close()
+    def _drop_background(self, session: Session, running: bool = True) -> bool:
+        """Stop the session's background task, the one set aside included (``running``: the one being
+        stepped too); returns whether one was stopped."""
+        stopped = False
+        if self._paused is not None and self._paused.session is session:
+            self._paused.stop()
+            self._paused = None
+            stopped = True
+        if running and self._prep is not None and self._prep.session is session:
+            self._prep.stop()
             self._prep = None
+            stopped = True
+        return stopped
+
+    def _close(self, session: Session, reason: str) -> None:
+        self._drop_background(session)
         self._idle.pop(session.session_id, None)
         self._residency.close(session, reason)
 

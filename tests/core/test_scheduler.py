@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -442,6 +443,68 @@ def test_a_session_that_goes_idle_takes_over_the_background_between_chunks(tmp_p
     assert h.sched.store.lookup("long").state is not SessionState.POSITIONED
     h.idle()
     assert h.sched.store.lookup("long").state is SessionState.POSITIONED
+
+
+def test_a_session_that_goes_idle_inside_a_chunk_goes_first_and_the_chunk_is_resumed_not_redone(tmp_path):
+    h = Harness(tmp_path, chunk_tokens=16, num_layers=4)
+    open_session(h, "long", "z" * 300)
+    open_session(h, "short")
+    h.idle()
+    started, finished = Counter(), Counter()
+    real_prefill_steps = h.engine.prefill_steps
+
+    def counted(session_id, token_ids):
+        started[session_id] += 1
+        logits = yield from real_prefill_steps(session_id, token_ids)
+        finished[session_id] += 1
+        return logits
+
+    h.engine.prefill_steps = counted
+    h.serve(h.request("long", "w" * 300, max_tokens=0))  # many chunks of background work
+    for _ in range(7):
+        h.sched.run_once()
+    assert started["long"] == finished["long"] + 1  # inside a chunk
+    chunks_done = finished["long"]
+    h.clock.t += 1
+    h.serve(h.request("short", "hi", max_tokens=1))  # short is now the most recently active
+    for steps in range(1, 100):
+        h.sched.run_once()
+        if h.sched.store.lookup("short").state is SessionState.POSITIONED:
+            break
+    assert finished["long"] == chunks_done  # long's chunk waited: short did not wait for it
+    assert steps == 2 * (4 + 1)  # short's own two chunks of four layers (and a boundary each), nothing else
+    h.idle()
+    assert h.sched.store.lookup("long").state is SessionState.POSITIONED
+    assert started["long"] == finished["long"]  # the chunk set aside was finished, not closed and redone
+    assert h.engine.kv["long"] == [*h.log("long"), *h.sched.store.lookup("long").positioned.spec_ids]
+
+
+@pytest.mark.parametrize("then", ["request", "eviction"])
+def test_a_pre_positioning_set_aside_stops_cleanly_for_its_sessions_request_or_eviction(tmp_path, then):
+    h = Harness(tmp_path, chunk_tokens=16, num_layers=4)
+    open_session(h, "long", "z" * 300)
+    open_session(h, "short")
+    h.idle()
+    h.serve(h.request("long", "w" * 300, max_tokens=0))
+    for _ in range(7):
+        h.sched.run_once()
+    h.clock.t += 1
+    h.serve(h.request("short", "hi", max_tokens=1))
+    h.sched.run_once()
+    h.sched.run_once()  # short's pre-positioning runs; long's is set aside inside a chunk
+    if then == "eviction":
+        h.sched._residency.evict(h.sched.store.lookup("long"))
+        h.idle()  # nothing resumes the dropped chunk
+        assert h.sched.store.lookup("long").state is SessionState.EVICTED
+    else:
+        want = expected(h, "long", "next?", 4)
+        sink = h.serve(h.request("long", "next?", max_tokens=4))
+        assert sink.error is None and sink.path == "prefix" and sink.ids == want
+        h.idle()
+        assert h.sched.store.lookup("long").state is SessionState.POSITIONED
+    assert h.sched.store.lookup("short").state is SessionState.POSITIONED
+    want = expected(h, "long", "and now?", 3)
+    assert h.serve(h.request("long", "and now?", max_tokens=3)).ids == want
 
 
 def test_gated_answer_is_sent_before_the_delta_is_tokenized(tmp_path):
