@@ -118,30 +118,34 @@ def _wait_background_idle(server: TritonServer, model: str, quiet_s: float = 1.0
 
 
 def measure_interference(server: TritonServer, model: str, num: int, think_s: float) -> list[Sample]:
-    """The same requests of session B, with and without session A's long update being pre-positioned meanwhile.
+    """Pairs of the same request of session B: once with nothing in the background, once while another
+    session's long update is being pre-positioned.
 
-    Both runs are on one model, so B's own work (including its own pre-positioning
-    between its requests) is identical; only A's background work differs.
+    The two conditions alternate, so a drift of the machine's speed during the run
+    reaches both alike. Before each request the background is idle, so B is
+    positioned either way (the request is served ``prepaid``); in the second of a
+    pair a fresh session A appends a long document just before B asks, and its
+    pre-positioning (seconds of work) runs while B's request arrives and is served.
     """
     def document(tag: str) -> str:
-        return " ".join(f"{tag} line {i}: sensor {i % 7} reported value {i * 37 % 101}." for i in range(90))
+        return " ".join(f"{tag} line {i}: sensor {i % 7} reported value {i * 37 % 101}." for i in range(40))
 
     samples = []
-    with Client(server.grpc_url, model=model) as client, client.session() as a, client.session() as b:
+    with Client(server.grpc_url, model=model) as client, client.session() as b:
         b.append("You answer with one word.", role="system")
-        a.append(document("Warm-up"), role="user")
-        _wait_background_idle(server, model)
-        for condition in ("off", "on"):
-            if condition == "on":
-                a.append(document("Fresh"), role="user")  # A's pre-positioning now runs for many chunks
-            else:
+        for index in range(num):
+            for condition in ("off", "on"):
                 _wait_background_idle(server, model)
-            for index in range(num):
+                a = client.session() if condition == "on" else None
+                if a is not None:
+                    a.append(document(f"Pair {index}"), role="user")  # its pre-positioning starts now
                 time.sleep(think_s)
                 answer = b.ask(f"Question {index}: pick a color.", max_tokens=1, speculate=False)
                 samples.append(Sample(model, f"interference-{condition}", "b", index, answer.path, 0, answer.ttft_ms,
                                       answer.first_token_ms, answer.total_ms, answer.text, None,
                                       answer.queue_ms, answer.compute_ms))
+                if a is not None:
+                    a.close()
     return samples
 
 
