@@ -249,6 +249,11 @@ class RequestServer:
             if done:
                 text += detok.flush()
                 if self._journaled:  # durable before the final response acknowledges the turn
+                    if clock.first_token_ms is None and (text or emit):
+                        # An answer complete in one step goes out now; only its acknowledgement (the final,
+                        # empty response) waits for the journal write and the delta's tokenizing.
+                        sink.send(clock.chunk(text, emit, path.value, confidence, ""), final=False)
+                        text, emit = "", []
                     accept()
                     if request.end:  # and an END deletes the journal before it is acknowledged
                         self._close_session(session, "END")

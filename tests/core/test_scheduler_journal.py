@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fakes import IM_END
+from fakes import IM_END, CollectSink
 from prepos.journal import SessionJournal
 from prepos.protocol import Status
 from test_scheduler import Harness, open_session
@@ -106,3 +106,26 @@ def test_a_resume_queued_behind_a_closing_request_names_resume(tmp_path):
     assert first.error.field == "role"
     assert resumed.error.field == "resume" and resumed.error.status is Status.NOT_FOUND
     assert h.sched.store.get("s1") is None
+
+
+def test_a_one_step_answer_goes_out_before_its_turn_is_journaled_and_is_acknowledged_after(tmp_path):
+    h = restarted(tmp_path, tmp_path / "journal", threshold=0.0)  # every positioned request with a delta is gated
+    journal = h.sched._residency._journal
+    open_session(h)
+    h.idle()
+    seen = []  # per response: (final, text, entries in the journal when it was sent)
+
+    class Recording(CollectSink):
+        def send(self, chunk, final):
+            seen.append((final, chunk.text, chunk.finish_reason, journal.recover("s1").num_entries))
+            super().send(chunk, final)
+
+    before = journal.recover("s1").num_entries
+    sink = Recording()
+    h.sched.submit(h.request("s1", "a new question", max_tokens=1), sink)
+    h.sched.run_once()
+    assert sink.done and sink.path == "gated"
+    (first_final, first_text, first_finish, first_entries), (last_final, last_text, last_finish, last_entries) = seen
+    assert not first_final and first_text and first_finish == "" and first_entries == before  # not yet journaled
+    assert last_final and last_text == "" and last_finish == "length" and last_entries == before + 1
+    assert sink.text == first_text and journal.recover("s1").token_log == h.log("s1")
