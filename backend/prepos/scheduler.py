@@ -122,6 +122,7 @@ class Scheduler:
         self._inline = False  # the current step runs on a submitting thread: no engine work
         self._ready: deque[Session] = deque()
         self._idle: dict[str | int, Session] = {}  # idle sessions that are not positioned
+        self._went_idle = False  # a session joined _idle since the policy last chose
         self._prep: _Background | None = None  # the background task the loop steps
         self._paused: _Background | None = None  # a pre-positioning set aside inside a chunk, resumed next
         self._stepping_prep = False
@@ -282,8 +283,9 @@ class Scheduler:
             if not (self._config.preposition and self._config.retain_kv and self._idle):
                 return False
             self._start_prepositioning(self._idle_policy.pick(list(self._idle.values())))
-        elif self._idle and self._prep.positioning:
+        elif self._idle and self._prep.positioning and (self._went_idle or self._prep.at_chunk_boundary):
             # The policy may prefer a session that went idle meanwhile (the one just served, say).
+            self._went_idle = False
             current = self._prep
             preferred = self._idle_policy.pick([*self._idle.values(), current.session])
             if preferred is not current.session:
@@ -380,6 +382,7 @@ class Scheduler:
                 session.last_active_s = self._clock()
         if self.store.get(session.session_id) is session and session.token_log and not session.positioned_valid():
             self._idle[session.session_id] = session
+            self._went_idle = True
 
     # --- pre-positioning -----------------------------------------------
 
