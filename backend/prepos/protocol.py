@@ -60,6 +60,9 @@ class Sampling:
         return self.temperature == 0.0
 
 
+GREEDY = Sampling()  # what a request without sampling inputs gets; shared, it is frozen
+
+
 @dataclass(slots=True)
 class Request:
     """One validated request of a session. Fields are as sent, defaults applied; nothing changes them.
@@ -76,7 +79,7 @@ class Request:
     delta_text: str | None = None
     delta_ids: tuple[int, ...] | None = None
     choices: tuple[str, ...] | None = None
-    sampling: Sampling = Sampling()  # greedy
+    sampling: Sampling = GREEDY
     stop: tuple[str, ...] = ()
     speculate: bool | None = None
     gate_threshold: float | None = None
@@ -220,7 +223,6 @@ def _finite(name: str, value: float | None, low: float, high: float, default: fl
 
 
 _SAMPLING_NAMES = ("temperature", "top_p", "top_k", "seed")
-GREEDY = Sampling()
 
 
 def _sampling(inputs: Mapping[str, np.ndarray], limits: LimitsConfig) -> Sampling:

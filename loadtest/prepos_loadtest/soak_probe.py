@@ -1,6 +1,6 @@
 """Reading a running prepos server from the outside: its metrics endpoint and its processes' memory.
 
-Used by the soak, and by the figures for their metric deltas. Nothing here sends inference traffic.
+Used by the soak (metric values are read with ``prepos.metrics.metric_sum``). Nothing here sends inference traffic.
 """
 
 from __future__ import annotations
