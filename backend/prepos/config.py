@@ -26,6 +26,9 @@ def _check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+SCAN_NAMES = ("auto", "torch", "triton", "numpy", "onnxruntime", "tensorrt")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     name: str = "torch"
@@ -38,8 +41,9 @@ class EngineConfig:
     """Weight and KV dtype: ``float32``, ``bfloat16`` or ``float16``."""
     num_threads: int = 0
     """Torch intra-op threads; 0 leaves torch's default."""
-    scan: str = "torch"
-    """Vocabulary scan implementation: ``torch`` (on the logits' device), ``numpy`` (the reference),
+    scan: str = "auto"
+    """Vocabulary scan implementation: ``auto`` (``triton`` on a CUDA device, else ``torch``), ``torch`` (on the
+    logits' device), ``triton`` (the OpenAI Triton kernel; CUDA only), ``numpy`` (the reference),
     ``onnxruntime`` (the scan's ONNX graph on CPU) or ``tensorrt`` (a scan engine with our plugin; CUDA only)."""
     scan_engine: str = ""
     """Scan engine file from ``python -m prepos_build.scan_tensorrt`` (relative: to the model's directory);
@@ -49,8 +53,9 @@ class EngineConfig:
         _check(self.name in ("torch", "trtllm"), "engine.name", f"unknown engine {self.name!r}; use torch or trtllm")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "engine.dtype", f"unknown dtype {self.dtype!r}")
         _check(self.num_threads >= 0, "engine.num_threads", "must be >= 0")
-        _check(self.scan in ("torch", "numpy", "onnxruntime", "tensorrt"), "engine.scan",
-               f"unknown scan {self.scan!r}; use torch, numpy, onnxruntime or tensorrt")
+        _check(self.scan in SCAN_NAMES, "engine.scan", f"unknown scan {self.scan!r}; use {', '.join(SCAN_NAMES)}")
+        _check(self.scan != "triton" or self.device.startswith("cuda"), "engine.scan",
+               f"triton runs on CUDA only; engine.device is {self.device!r} (use auto or torch)")
         _check(self.scan != "tensorrt" or bool(self.scan_engine), "engine.scan_engine",
                "required with engine.scan = tensorrt (build one with python -m prepos_build.scan_tensorrt)")
 

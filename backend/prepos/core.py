@@ -80,6 +80,17 @@ class Core:
 
             path = Path(config.engine.scan_engine)
             return TensorRTScan(path if path.is_absolute() else Path(model_dir) / path, device=config.engine.device)
+        if config.engine.scan in ("auto", "triton"):
+            from prepos.scan_triton import TritonScan, TritonUnavailable
+
+            if config.engine.scan == "triton":
+                return TritonScan(config.engine.device)
+            if config.engine.device.startswith("cuda"):
+                try:
+                    return TritonScan(config.engine.device)
+                except TritonUnavailable as exc:
+                    log.warning("engine.scan auto: the Triton scan kernel is not usable (%s); using torch", exc)
+            return get_scan("torch")
         return get_scan(config.engine.scan)
 
     @classmethod

@@ -29,3 +29,14 @@ def test_a_tensorrt_scan_needs_its_engine_file():
     with pytest.raises(ConfigError, match="engine.scan_engine"):
         read_config({"engine.scan": "tensorrt"}, environ={})
     assert read_config({"engine.scan": "tensorrt", "engine.scan_engine": "scan.plan"}, environ={}).engine.scan_engine
+
+
+def test_the_triton_scan_is_for_cuda_and_auto_picks_by_device():
+    from prepos.core import Core
+    from prepos.scan import scan_torch
+
+    with pytest.raises(ConfigError, match="^engine.scan: triton runs on CUDA only"):
+        read_config({"engine.scan": "triton"}, environ={})
+    assert read_config({"engine.scan": "triton", "engine.device": "cuda:1"}, environ={}).engine.scan == "triton"
+    config = read_config({}, environ={})
+    assert config.engine.scan == "auto" and Core._scan(config, ".") is scan_torch  # CPU: torch's scan
