@@ -7,46 +7,12 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from prepos.engines.torch_llama import TorchLlamaEngine
 
 ATOL = 1e-4
 BLOCK = 16
-
-
-def _make_checkpoint(path, *, tie: bool) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(1234)
-    model = LlamaForCausalLM(config).eval()
-    # Default init gives near-uniform logits; widen them so mismatches cannot hide in noise.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return model
-
-
-@pytest.fixture(scope="module")
-def tied(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-tied")
-    return str(path), _make_checkpoint(path, tie=True)
-
-
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-untied")
-    return str(path), _make_checkpoint(path, tie=False)
 
 
 def _hf_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:

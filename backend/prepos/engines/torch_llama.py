@@ -105,6 +105,10 @@ class TorchLlamaEngine(Engine):
             torch.set_num_threads(num_threads)
         cfg = _read_config(model_dir)
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            # cuDNN's attention builds a plan per new shape (hundreds of ms): every new delta length would pay
+            # it. Flash and memory-efficient attention need none. (Process-wide, like torch's own switch.)
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.dtype = _DTYPES[dtype]
         self.kv_block_tokens = kv_block_tokens
         self.num_computed_tokens = 0
@@ -295,15 +299,38 @@ class TorchLlamaEngine(Engine):
         # The ids shrink first, so a generator closed part-way leaves a consistent prefix.
         del s.ids[keep:]
         new = ids[keep:]
-        self._ensure_capacity(s, len(ids))
-        kv = s.kv
+        kv = self._reserve(s, len(ids))
         logits = yield from self._prefill_forward(kv, keep, torch.tensor(new, device=self.device))
         if self._sessions.get(session_id) is s:
-            if s.kv is not kv or len(s.ids) != keep:
+            if not self._still_reserved(s, kv) or len(s.ids) != keep:
                 raise RuntimeError(f"session {session_id!r} was changed while its prefill was under way")
             s.ids.extend(new)
         self.num_computed_tokens += len(new)
         return logits
+
+    def _reserve(self, s: _Session, n_tokens: int) -> torch.Tensor:
+        """Room for ``n_tokens`` in the session's KV; returns the handle ``_prefill_forward`` writes through."""
+        self._ensure_capacity(s, n_tokens)
+        return s.kv
+
+    def _still_reserved(self, s: _Session, kv: torch.Tensor) -> bool:
+        """Whether ``kv`` (from ``_reserve``) is still the session's KV: nothing truncated or regrew it since."""
+        return s.kv is kv
+
+    def _store_kv(self, kv: torch.Tensor, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``/``v`` ``[seq, KV, hd]`` at positions ``start..`` of ``layer``."""
+        end = start + k.shape[0]
+        kv[layer, 0, :, start:end] = k.transpose(0, 1)
+        kv[layer, 1, :, start:end] = v.transpose(0, 1)
+
+    def _load_kv(self, kv: torch.Tensor, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions ``0..end-1`` of ``layer``, each ``[1, KV, end, hd]``."""
+        return kv[layer, 0, None, :, :end], kv[layer, 1, None, :, :end]
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Prefill attention: ``q [1, H, seq, hd]`` over ``k``/``v`` ``[1, KV, end, hd]``, query i at position
+        ``end - seq + i`` seeing keys up to it (``mask``, or plain causal when there is no prefix)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.group > 1)
 
     def _rms_scale(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` times ``rsqrt(sum(x^2) + hidden*eps)`` per row, i.e. RMSNorm without its weight and
@@ -319,7 +346,7 @@ class TorchLlamaEngine(Engine):
         Yields after each layer; returns float32 logits ``[vocab]`` of the last token only.
         """
         n, end = tokens.shape[0], start + tokens.shape[0]
-        H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         inter = self.intermediate
         cos = self.cos[start:end, None, :]  # [seq, 1, hd]
         sin = self.sin_signed[start:end, None, :]  # [seq, 1, hd]
@@ -335,12 +362,11 @@ class TorchLlamaEngine(Engine):
             qkv = self._mm(self._rms_scale(x), self.wqkv[i]).view(n, H + 2 * KV, hd)  # [seq, H+2KV, hd]
             qk = qkv[:, : H + KV]  # [seq, H+KV, hd]: RoPE q and k in one go
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
-            kv[i, 0, :, start:end] = qk[:, H:].transpose(0, 1)  # [KV, seq, hd]
-            kv[i, 1, :, start:end] = qkv[:, H + KV :].transpose(0, 1)
+            self._store_kv(kv, i, start, qk[:, H:], qkv[:, H + KV :])  # [seq, KV, hd] each
             q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # q: [1, H, seq, hd]
-            k, v = kv[i, 0, None, :, :end], kv[i, 1, None, :, :end]  # [1, KV, start+seq, hd]
+            k, v = self._load_kv(kv, i, end)  # [1, KV, start+seq, hd]
             # 4-D inputs keep SDPA on its CPU flash kernel (3-D ones take the slow math path).
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=G > 1)
+            a = self._attend(q, k, v, mask)
             x = x + self._mm(a[0].transpose(0, 1).reshape(n, H * hd), self.wo[i])  # a: [1, H, seq, hd]
             gu = self._mm(self._rms_scale(x), self.wgu[i])  # [seq, 2*inter]
             x = x + self._mm(F.silu(gu[:, :inter]) * gu[:, inter:], self.wdown[i])

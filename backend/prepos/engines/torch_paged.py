@@ -1,0 +1,277 @@
+"""The torch engine on CUDA: a static, paged KV pool and a decode step captured once as a CUDA graph.
+
+On a GPU the plain torch engine's decode is launch-bound: a few hundred small
+kernels per token, each a few microseconds of host time, for a step whose
+weight reads take well under a millisecond. This engine removes that overhead:
+
+- **Static KV.** One pool ``[layers, 2, pages * PAGE, KV, hd]`` is allocated at
+  start; a session owns a list of pages (``page_tokens`` positions each) and
+  frees them on truncate/release. Addresses never move, so a graph can hold them.
+- **Captured decode.** The decode step reads its token, position, write slot and
+  the session's block table from one small device buffer (``meta``) and runs the
+  decode attention as an OpenAI Triton kernel over the pool
+  (``prepos._attention_kernel``), so one CUDA graph, captured on the first
+  decode, serves every session at every length. A step is then one host-to-device
+  copy of ``meta``, one graph replay and one copy of the logits out of the
+  graph's buffer (they must outlive the next session's step).
+- **The distribution stays on the device**; the server's scan of it runs on the
+  GPU (``prepos.scan_triton``, ``engine.scan = auto``).
+
+Prefill is eager (it is one large batch of tokens): its K/V are written into
+the session's pages and attention reads the session's positions gathered from
+the pool. Page 0 is scratch (the graph's capture writes there) and never
+belongs to a session.
+
+Off CUDA (tests), the same code runs without a graph, the kernel under Triton's
+interpreter (``TRITON_INTERPRET=1``): that checks the paging and the kernel
+against the stateless forward on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from prepos.engines.torch_llama import TorchLlamaEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PagedSession:
+    pages: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    epoch: int = 0  # bumped when pages are freed, so a prefill under way can tell
+
+
+class KVPoolExhausted(RuntimeError):
+    """No free KV page for a session's new tokens; the message gives the pool's size."""
+
+
+class PagedTorchLlamaEngine(TorchLlamaEngine):
+    """:class:`TorchLlamaEngine` over a paged KV pool, decode captured as a CUDA graph on CUDA devices.
+
+    ``kv_pool_bytes`` sizes the pool (0: half the device memory free after the
+    weights on CUDA, 256 MiB elsewhere). ``page_tokens`` and ``splits`` (pages
+    walked in parallel by the decode attention) must be powers of two.
+    """
+
+    def __init__(self, model_dir: str, *, device: str = "cuda", dtype: str = "float32",
+                 num_threads: int | None = None, kv_pool_bytes: int = 0, page_tokens: int = 64,
+                 splits: int = 32, cuda_graph: bool | None = None) -> None:
+        for name, value in (("page_tokens", page_tokens), ("splits", splits)):
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        try:
+            import triton
+
+            from prepos import _attention_kernel
+        except ImportError as exc:
+            raise RuntimeError(f"the paged torch engine needs OpenAI Triton ({exc})") from None
+        if triton.knobs.runtime.interpret != (torch.device(device).type == "cpu"):
+            raise ValueError(f"the decode attention kernel runs on CUDA, or on CPU under Triton's interpreter "
+                             f"(TRITON_INTERPRET=1 before Triton is imported); not on {device} in this process")
+        super().__init__(model_dir, device=device, dtype=dtype, num_threads=num_threads,
+                         kv_block_tokens=page_tokens)
+        if self.head_dim & (self.head_dim - 1):
+            raise ValueError(f"{model_dir}: head_dim {self.head_dim} is not a power of two (the decode kernel's)")
+        self._kernels = _attention_kernel
+        self._inv_root_n = torch.full((self.hidden,), self.hidden ** -0.5, dtype=self.dtype, device=self.device)
+        self.page_tokens, self.splits = page_tokens, splits
+        page_bytes = self.info.kv_bytes_per_token * page_tokens
+        if not kv_pool_bytes:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_pool_bytes = free // 2
+            else:
+                kv_pool_bytes = 256 << 20
+        n_pages = kv_pool_bytes // page_bytes
+        if n_pages < 2:
+            raise ValueError(f"kv_pool_bytes {kv_pool_bytes} holds fewer than 2 pages of {page_bytes} bytes")
+        self.num_pages = n_pages
+        # pool[layer, 0 or 1]: [pages * PAGE, KV, hd], one flat row per (position, kv head)
+        self.pool = torch.zeros(self.n_layers, 2, n_pages * page_tokens, self.n_kv_heads, self.head_dim,
+                                dtype=self.dtype, device=self.device)
+        self._free = list(range(n_pages - 1, 0, -1))  # page 0 is scratch; pop() hands out low pages first
+        self.kv_capacity_bytes = (n_pages - 1) * page_bytes
+        self._max_pages = -(-self.info.max_context // page_tokens)
+        # decode step inputs: token, position, flat slot of the position, block table
+        self._meta = torch.zeros(3 + self._max_pages, dtype=torch.int32, device=self.device)
+        pin = self.device.type == "cuda"
+        self._meta_host = torch.zeros(3 + self._max_pages, dtype=torch.int32, pin_memory=pin)
+        self._meta_np = self._meta_host.numpy()
+        H = self.n_heads
+        self._part_acc = torch.empty(splits, H, self.head_dim, dtype=torch.float32, device=self.device)
+        self._part_ml = torch.empty(splits, H, 2, dtype=torch.float32, device=self.device)
+        self._attn = torch.empty(H, self.head_dim, dtype=self.dtype, device=self.device)
+        self._use_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_logits: torch.Tensor | None = None
+        self.info = dataclasses.replace(self.info, name="torch-paged")
+        log.info("paged KV pool: %d pages x %d tokens (%.1f MB), decode %s", n_pages, page_tokens,
+                 self.pool.numel() * self.pool.element_size() / 1e6,
+                 "captured as a CUDA graph" if self._use_graph else "eager")
+
+    # ---- pages ---------------------------------------------------------------------------
+
+    def _session(self, session_id: str) -> _PagedSession:
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = _PagedSession()
+        return s
+
+    def _grow(self, s: _PagedSession, n_tokens: int) -> None:
+        need = -(-n_tokens // self.page_tokens) - len(s.pages)
+        if need > len(self._free):
+            raise KVPoolExhausted(f"KV pool exhausted: {need} more pages of {self.page_tokens} tokens needed, "
+                                  f"{len(self._free)} of {self.num_pages - 1} free")
+        for _ in range(need):
+            s.pages.append(self._free.pop())
+
+    def _slots(self, s: _PagedSession, start: int, end: int) -> torch.Tensor:
+        """Flat pool rows of positions ``start..end-1`` (int64, on the device)."""
+        P = self.page_tokens
+        pages = torch.tensor(s.pages[start // P: -(-end // P)], dtype=torch.int64)
+        rows = (pages[:, None] * P + torch.arange(P)).view(-1)[start % P: start % P + end - start]
+        return rows.to(self.device)
+
+    def truncate(self, session_id: str, num_tokens: int) -> None:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        s = self._sessions.get(session_id)
+        if s is None or num_tokens >= len(s.ids):
+            return
+        del s.ids[num_tokens:]
+        keep = -(-num_tokens // self.page_tokens)
+        if keep < len(s.pages):
+            self._free.extend(reversed(s.pages[keep:]))
+            del s.pages[keep:]
+            s.epoch += 1
+
+    def release(self, session_id: str) -> None:
+        s = self._sessions.pop(session_id, None)
+        if s is not None:
+            self._free.extend(reversed(s.pages))
+            s.pages.clear()
+            s.epoch += 1
+
+    def kv_bytes(self, session_id: str) -> int:
+        s = self._sessions.get(session_id)
+        return 0 if s is None else len(s.pages) * self.page_tokens * self.info.kv_bytes_per_token
+
+    # ---- prefill: the base forward, K/V through the pages ----------------------------------
+
+    def _reserve(self, s: _PagedSession, n_tokens: int):
+        self._grow(s, n_tokens)
+        return (s, s.epoch, self._slots(s, 0, n_tokens))
+
+    def _still_reserved(self, s: _PagedSession, kv) -> bool:
+        return kv[0] is s and kv[1] == s.epoch
+
+    def _store_kv(self, kv, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = kv[2][start:start + k.shape[0]]
+        self.pool[layer, 0].index_copy_(0, rows, k)
+        self.pool[layer, 1].index_copy_(0, rows, v)
+
+    def _load_kv(self, kv, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = kv[2][:end]
+        k = self.pool[layer, 0].index_select(0, rows)  # [end, KV, hd]
+        v = self.pool[layer, 1].index_select(0, rows)
+        return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+    def _attend(self, q, k, v, mask):
+        if self.device.type != "cuda":
+            return super()._attend(q, k, v, mask)
+        # On CUDA: kv heads repeated for the query heads and the causal offset as a lower-right causal bias,
+        # so SDPA runs flash or memory-efficient attention (no explicit mask, no per-shape plan).
+        seq, end = q.shape[2], k.shape[2]
+        if self.group > 1:
+            k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(seq, end))
+
+    # ---- decode: one graph for every session -----------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, session_id: str, token_id: int) -> torch.Tensor:
+        s = self._sessions.get(session_id)
+        if s is None or not s.ids:
+            raise ValueError(f"session {session_id!r} has no KV; prefill it first")
+        token_id = int(token_id)
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} not in [0, {self.vocab_size})")
+        pos = len(s.ids)
+        if pos >= self.info.max_context:
+            raise ValueError(f"session {session_id!r} is at max_context {self.info.max_context}")
+        self._grow(s, pos + 1)
+        P = self.page_tokens
+        meta = self._meta_np
+        meta[0], meta[1], meta[2] = token_id, pos, s.pages[pos // P] * P + pos % P
+        meta[3:3 + len(s.pages)] = s.pages
+        self._meta.copy_(self._meta_host, non_blocking=True)
+        if self._use_graph:
+            if self._graph is None:
+                self._capture()
+            self._graph.replay()
+            logits = self._graph_logits.clone()  # the graph's buffer is the next step's too
+        else:
+            logits = self._decode_step()
+        s.ids.append(token_id)
+        self.num_computed_tokens += 1
+        return logits
+
+    def _capture(self) -> None:
+        """Warm up (compiles the Triton kernels) and capture the decode step; its scratch writes go to page 0."""
+        saved = self._meta.clone()
+        self._meta.zero_()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._decode_step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._graph_logits = self._decode_step()
+        self._graph = graph
+        self._meta.copy_(saved)
+        log.info("decode step captured as a CUDA graph (%d layers)", self.n_layers)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        """``_rms_scale`` as one fused RMSNorm: its weight, the constant 1/sqrt(hidden), undoes the sqrt(hidden)
+        folded into the matrices with the norms' own weights."""
+        return F.rms_norm(x, (self.hidden,), self._inv_root_n, self.eps)
+
+    def _decode_step(self) -> torch.Tensor:
+        """One token from ``self._meta`` through every layer; float32 logits ``[vocab]``. Graph-capturable:
+        no host reads, fixed shapes."""
+        H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
+        inter = self.intermediate
+        meta = self._meta.long()
+        token, pos, slot = meta[0:1], meta[1:2], meta[2:3]
+        cos, sin = self.cos.index_select(0, pos), self.sin_signed.index_select(0, pos)  # [1, hd]
+        x = self._embed(token).reshape(1, self.hidden)  # [1, hidden]
+        scale = hd ** -0.5
+        gp = 1 << (G - 1).bit_length()
+        for i, (wqkv, wo, wgu, wdown) in enumerate(self._layers):
+            qkv = self._mm(self._norm(x), wqkv).view(H + 2 * KV, hd)
+            qk = qkv[: H + KV]
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # RoPE at pos
+            self.pool[i, 0].index_copy_(0, slot, qk[H:][None])
+            self.pool[i, 1].index_copy_(0, slot, qkv[H + KV:][None])
+            q = qk[:H].contiguous()
+            self._kernels.decode_attention_splits[(KV, self.splits)](
+                q, self.pool[i, 0], self.pool[i, 1], self._meta, self._part_acc, self._part_ml, scale,
+                KV=KV, G=G, GP=gp, HD=hd, PAGE=self.page_tokens, CHUNK=min(16, self.page_tokens), SPLITS=self.splits)
+            self._kernels.merge_splits[(H,)](self._part_acc, self._part_ml, self._attn, H=H, HD=hd,
+                                             SPLITS=self.splits)
+            x = x + self._mm(self._attn.view(1, H * hd), wo)
+            gu = self._mm(self._norm(x), wgu)  # [1, 2*inter]
+            x = x + self._mm(F.silu(gu[:, :inter]) * gu[:, inter:], wdown)
+        h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
+        return self._mm(h, self.lm_head)[0].float()  # [vocab]
+
