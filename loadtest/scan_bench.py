@@ -9,8 +9,10 @@ timings are cold-cache reads, like the bound.
 
 Implementations: ``numpy`` (reference), ``torch`` (CPU), ``onnxruntime`` (the
 standard ONNX form, one thread as served; more with ``--threads``), and where CUDA is
-present ``torch-cuda`` (the torch scan on the GPU) and ``tensorrt`` (the plugin
-engine from ``prepos_build.scan_tensorrt``, needs TensorRT). Greedy scans
+present ``torch-cuda`` (the torch scan on the GPU), ``triton-kernel`` (the OpenAI
+Triton kernel of ``prepos.scan_triton``) and ``tensorrt`` (the plugin engine from
+``prepos_build.scan_tensorrt``, needs TensorRT). These times are host-side: launch,
+kernel and the one sync; ``loadtest/gpu_bench.py`` times the kernel on the device. Greedy scans
 without choices unless ``--temperature`` is given.
 
     python loadtest/scan_bench.py --repeats 300 --json out/scan_bench.json
@@ -68,6 +70,12 @@ def _implementations(threads: int) -> dict[str, tuple[str, Callable]]:
     if torch.cuda.is_available():
         impls["torch-cuda"] = ("cuda", scan_torch)
         try:
+            from prepos.scan_triton import TritonScan, TritonUnavailable
+
+            impls["triton-kernel"] = ("cuda", TritonScan("cuda"))
+        except (ImportError, TritonUnavailable) as exc:
+            log.warning("triton-kernel left out: %s", exc)
+        try:
             from prepos_build.scan_tensorrt import TensorRTScan, TensorRTUnavailable, build_engine
 
             path = build_engine(Path(tempfile.mkdtemp()) / "scan.engine", max_vocab=max(VOCAB_SIZES))
@@ -109,7 +117,7 @@ def run(repeats: int, threads: int, temperature: float) -> dict:
         results["rows"].setdefault("bandwidth bound", {})[vocab] = {"median_us": bound_us, "p99_us": bound_us}
         for name, (device, scan) in impls.items():
             if device == "cuda":
-                pool = [torch.from_numpy(x).cuda() for x in pool_np[:64]]
+                pool = [torch.from_numpy(x).cuda() for x in pool_np]
             elif name.startswith("torch"):
                 pool = [torch.from_numpy(x) for x in pool_np]
             else:

@@ -180,11 +180,15 @@ _default: dict[torch.device, TritonScan] = {}
 _default_lock = threading.Lock()
 
 
-def scan_triton(logits: torch.Tensor, **kwargs) -> ScanResult:
-    """The scan through the kernel on ``logits``' device, one shared :class:`TritonScan` per device."""
-    device = logits.device
+def shared_scan(device: torch.device) -> TritonScan:
+    """The one :class:`TritonScan` of ``device`` in this process (created on first use)."""
     with _default_lock:
         scan = _default.get(device)
         if scan is None:
             scan = _default[device] = TritonScan(device)
-    return scan(logits, **kwargs)
+    return scan
+
+
+def scan_triton(logits: torch.Tensor, **kwargs) -> ScanResult:
+    """The scan through the kernel on ``logits``' device (see :func:`shared_scan`)."""
+    return shared_scan(logits.device)(logits, **kwargs)

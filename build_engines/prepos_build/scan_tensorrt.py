@@ -61,8 +61,16 @@ def scan_tensors(
     ``logits``/``mask`` are ``[V]``; ``top_p``/``uniform`` are float32 ``[1]`` tensors
     on the same device; ``temperature`` and ``top_k`` are host numbers. Same
     semantics as the standard ONNX form (and so as ``prepos.scan``); no host sync.
+    A greedy scan of CUDA logits runs the OpenAI Triton kernel of ``prepos.scan_triton``
+    (where Triton is installed); the rest is torch.
     With no finite allowed logit ``p_max`` is NaN.
     """
+    if temperature <= 0.0 and logits.is_cuda:
+        kernel = _kernel_scan(logits.device)
+        if kernel is not None:  # greedy on the GPU: the OpenAI Triton kernel, one launch
+            f = kernel.features(logits.masked_fill(~mask, float("-inf")))[0]  # [5]
+            p_max = torch.where(torch.isfinite(f[4:5]), f[1:2], torch.full_like(f[1:2], float("nan")))
+            return f[0:1].to(torch.int64), p_max, p_max - f[2:3], f[3:4].clamp_min(0.0)
     # allowed: [V] float32, -inf where masked
     allowed = logits.float().masked_fill(~mask, float("-inf"))
     vocab = allowed.numel()
@@ -94,6 +102,18 @@ def scan_tensors(
         index = torch.minimum(((cum2 <= target) & kept).sum(), keep - 1)
         token = order.gather(0, index.reshape(1))
     return token.to(torch.int64), p_max, p_max - p_second, entropy
+
+
+def _kernel_scan(device: torch.device):
+    """The process's Triton scan kernel on ``device``, or None where it cannot run (then torch does the scan)."""
+    try:
+        from prepos.scan_triton import TritonUnavailable, shared_scan
+    except ImportError:
+        return None
+    try:
+        return shared_scan(device)
+    except TritonUnavailable:
+        return None
 
 
 def register_plugin() -> None:

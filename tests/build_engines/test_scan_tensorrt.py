@@ -22,11 +22,12 @@ needs_tensorrt = pytest.mark.skipif(not (HAS_TENSORRT and torch.cuda.is_availabl
                                     reason="needs TensorRT 10.7+ (tensorrt.plugin) and a CUDA device")
 
 
-def _plugin_scan(logits: np.ndarray, allowed, temperature, top_k, top_p, u):
+def _plugin_scan(logits: np.ndarray, allowed, temperature, top_k, top_p, u, device="cpu"):
     mask = torch.zeros(len(logits), dtype=torch.bool)
     mask[allowed if allowed is not None else slice(None)] = True
-    token, p_max, margin, entropy = scan_tensors(torch.from_numpy(logits), mask, temperature, top_k,
-                                                 torch.tensor([top_p]), torch.tensor([u]))
+    token, p_max, margin, entropy = scan_tensors(torch.from_numpy(logits).to(device), mask.to(device), temperature,
+                                                 top_k, torch.tensor([top_p], device=device),
+                                                 torch.tensor([u], device=device))
     assert token.dtype == torch.int64 and token.shape == p_max.shape == margin.shape == entropy.shape == (1,)
     return int(token), float(p_max), float(margin), float(entropy)
 
@@ -37,6 +38,17 @@ def test_plugin_maths_agree_with_reference(vocab, seed, dtype, ties, masked, tem
     logits, allowed = make_logits(vocab, seed, ties, masked, dtype)
     kw = dict(allowed_ids=allowed, temperature=temperature, top_k=top_k, top_p=top_p, uniform=u)
     check_against_reference(logits, kw, _plugin_scan(logits, allowed, temperature, top_k, top_p, u))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.gpu
+@settings(max_examples=50, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float16]), **CASE)
+def test_plugin_maths_on_cuda_agree_with_reference(vocab, seed, dtype, ties, masked, temperature, top_k, top_p, u):
+    """On CUDA a greedy scan goes through the Triton kernel, sampling through torch; both agree."""
+    logits, allowed = make_logits(vocab, seed, ties, masked, dtype)
+    kw = dict(allowed_ids=allowed, temperature=temperature, top_k=top_k, top_p=top_p, uniform=u)
+    check_against_reference(logits, kw, _plugin_scan(logits, allowed, temperature, top_k, top_p, u, "cuda"))
 
 
 def test_greedy_ties_and_single_token():
