@@ -48,11 +48,18 @@ class EngineConfig:
     scan_engine: str = ""
     """Scan engine file from ``python -m prepos_build.scan_tensorrt`` (relative: to the model's directory);
     required when ``scan`` is ``tensorrt``."""
+    page_tokens: int = 64
+    """KV page size in tokens of the torch engine on CUDA (a power of two); its KV pool is
+    ``memory.kv_budget_bytes``, or half the GPU memory free after the weights when that is 0."""
+    cuda_graph: bool = True
+    """Torch engine on CUDA: capture the decode step once as a CUDA graph (off: eager decode, for debugging)."""
 
     def __post_init__(self) -> None:
         _check(self.name in ("torch", "trtllm"), "engine.name", f"unknown engine {self.name!r}; use torch or trtllm")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "engine.dtype", f"unknown dtype {self.dtype!r}")
         _check(self.num_threads >= 0, "engine.num_threads", "must be >= 0")
+        _check(1 <= self.page_tokens <= 4096 and not self.page_tokens & (self.page_tokens - 1), "engine.page_tokens",
+               f"must be a power of two in [1, 4096], got {self.page_tokens}")
         _check(self.scan in SCAN_NAMES, "engine.scan", f"unknown scan {self.scan!r}; use {', '.join(SCAN_NAMES)}")
         _check(self.scan != "triton" or self.device.startswith("cuda"), "engine.scan",
                f"triton runs on CUDA only; engine.device is {self.device!r} (use auto or torch)")
@@ -121,7 +128,8 @@ class GateConfig:
 @dataclass(frozen=True)
 class MemoryConfig:
     kv_budget_bytes: int = 0
-    """KV bytes all sessions may hold; over it, idle sessions' KV is evicted (LRU). 0 = a quarter of physical memory."""
+    """KV bytes all sessions may hold; over it, idle sessions' KV is evicted (LRU). 0 = a quarter of physical memory
+    (on CUDA: what the engine's KV pool holds, less one full context of headroom)."""
     max_sessions: int = 4096
     """Open sessions at most; a START beyond it is rejected."""
     eviction_policy: str = "lru"

@@ -13,7 +13,7 @@ from typing import Mapping
 
 import numpy as np
 
-from prepos.config import ConfigError, EngineConfig, PreposConfig, read_config
+from prepos.config import ConfigError, EngineConfig, MemoryConfig, PreposConfig, read_config
 from prepos.engines.base import Engine
 from prepos.metrics import BufferedSink, Metrics, MetricsSink
 from prepos.protocol import Rejection, Request, ResponseSink, parse_request
@@ -24,8 +24,18 @@ from prepos.template import EngineManifest, Tokenizer
 log = logging.getLogger("prepos.core")
 
 
-def create_engine(config: EngineConfig, engine_dir: Path) -> Engine:
-    """The engine named by ``config.name``, loaded from ``engine_dir``."""
+def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int = 0) -> Engine:
+    """The engine named by ``config.name``, loaded from ``engine_dir``.
+
+    The torch engine on CUDA is the paged one (static KV pool of ``kv_budget_bytes``, 0 = half the free GPU
+    memory; decode as a CUDA graph); on CPU the plain one (KV grows per session on demand).
+    """
+    if config.name == "torch" and config.device.startswith("cuda"):
+        from prepos.engines.torch_paged import PagedTorchLlamaEngine
+
+        return PagedTorchLlamaEngine(str(engine_dir), device=config.device, dtype=config.dtype,
+                                     kv_pool_bytes=kv_budget_bytes, page_tokens=config.page_tokens,
+                                     cuda_graph=config.cuda_graph)
     if config.name == "torch":
         from prepos.engines.torch_llama import TorchLlamaEngine
 
@@ -33,6 +43,24 @@ def create_engine(config: EngineConfig, engine_dir: Path) -> Engine:
             str(engine_dir), device=config.device, dtype=config.dtype, num_threads=config.num_threads or None
         )
     raise ConfigError(f"engine.name: {config.name!r} is not available in this build; use torch")
+
+
+def kv_budget_bytes(memory: MemoryConfig, engine: Engine) -> int:
+    """The KV budget the scheduler evicts against.
+
+    An engine with a fixed pool can hold no more than the pool; the budget keeps one full context of it
+    free, because the scheduler counts a session's KV after a step: the step that crosses the budget must
+    still find pages.
+    """
+    if engine.kv_capacity_bytes is None:
+        return memory.resolved_budget()
+    headroom = engine.info.max_context * engine.info.kv_bytes_per_token
+    usable = engine.kv_capacity_bytes - headroom
+    if usable <= 0:
+        raise ConfigError(f"memory.kv_budget_bytes: the engine's KV pool ({engine.kv_capacity_bytes} bytes) does not "
+                          f"hold one full context ({headroom} bytes for {engine.info.max_context} tokens) and more; "
+                          "raise it, or 0 for half the free GPU memory")
+    return usable
 
 
 class Core:
@@ -44,7 +72,8 @@ class Core:
         engine_dir = config.engine_dir(model_dir)
         manifest = EngineManifest.load(engine_dir)
         self.tokenizer = Tokenizer(engine_dir / "tokenizer.json")
-        self.engine = engine if engine is not None else create_engine(config.engine, engine_dir)
+        self.engine = engine if engine is not None else create_engine(config.engine, engine_dir,
+                                                                     config.memory.kv_budget_bytes)
         # Requests record into memory; the engine loop publishes to the sink off the path of any request.
         self.metrics = Metrics(BufferedSink(metrics_sink) if metrics_sink is not None else None)
         self.framing = manifest.framing
@@ -64,7 +93,7 @@ class Core:
             scan=self._scan(config, model_dir),
             metrics=self.metrics,
             max_sessions=config.memory.max_sessions,
-            kv_budget_bytes=config.memory.resolved_budget(),
+            kv_budget_bytes=kv_budget_bytes(config.memory, self.engine),
             eviction_policy=config.memory.eviction_policy,
             max_log_tokens=config.memory.max_log_tokens,
             journal=journal,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from prepos.config import GateConfig, SchedulerConfig
-from prepos.engines.base import Engine, common_prefix_length
+from prepos.engines.base import Engine, KVCapacityError, common_prefix_length
 from prepos.gate import Gate
 from prepos.gate_watch import Audit, GateWatch
 from prepos.metrics import Metrics
@@ -304,6 +304,11 @@ class Scheduler:
             background.at_chunk_boundary = next(background.task) is _CHUNK_BOUNDARY
         except StopIteration:
             self._prep = None
+        except KVCapacityError as err:  # the session stays as it was; it is served from its log when asked
+            log.warning("pre-positioning of session %r abandoned: %s", background.session.session_id, err)
+            self._prep = None
+            if background.positioning:
+                self._metrics.prepositioning_ended("abandoned")
         finally:
             self._stepping_prep = False
             self._metrics.engine_time("background", self._clock() - began)

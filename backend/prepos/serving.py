@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from prepos.config import SchedulerConfig
-from prepos.engines.base import Engine, common_prefix_length
+from prepos.engines.base import Engine, KVCapacityError, common_prefix_length
 from prepos.gate import Gate
 from prepos.gate_watch import Audit, GateWatch
 from prepos.metrics import Metrics
@@ -101,6 +101,10 @@ class RequestServer:
             self._metrics.request_abandoned(abandoned.reason)
             log.info("session %r request %r stopped: %s", session.session_id, request.request_id, abandoned)
             sink.send_error(abandoned.error)
+        except KVCapacityError as err:
+            log.error("session %r request %r: %s", session.session_id, request.request_id, err)
+            self._reject(sink, ProtocolError("model", f"no KV memory left for this session ({err})",
+                                             Status.RESOURCE_EXHAUSTED))
         except Exception:
             log.exception("session %r request %r failed", session.session_id, request.request_id)
             self._reject(sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))

@@ -10,6 +10,7 @@ import pytest
 
 from fakes import IM_END, CollectSink, FakeClock, FakeEngine, char_tokenizer, chatml_framing, hashed_logits
 from prepos.config import GateConfig, SchedulerConfig
+from prepos.engines.base import KVCapacityError
 from prepos.metrics import Metrics
 from prepos.protocol import Request, Sampling, Status
 from prepos.scan import scan_numpy
@@ -552,3 +553,54 @@ def test_first_token_timings_split_engine_time_by_phase(tmp_path):
     gated = h.serve(h.request("s1", "what now", max_tokens=1))
     assert gated.path == "gated"
     assert gated.chunks[0].prefill_ms == 0 and gated.chunks[0].decode_ms == 0
+
+
+class _PoolFull:
+    """Makes the fake engine's prefills fail as a full KV pool does, while ``full`` is set."""
+
+    def __init__(self, engine):
+        self.full = False
+        self.engine = engine
+        self._prefill, self._steps = engine.prefill, engine.prefill_steps
+        engine.prefill, engine.prefill_steps = self.prefill, self.prefill_steps
+
+    def prefill(self, session_id, token_ids):
+        if self.full:
+            raise KVCapacityError("KV pool exhausted: 3 more pages needed, 0 free")
+        return self._prefill(session_id, token_ids)
+
+    def prefill_steps(self, session_id, token_ids):
+        if self.full:
+            raise KVCapacityError("KV pool exhausted: 3 more pages needed, 0 free")
+        return (yield from self._steps(session_id, token_ids))
+
+
+def test_a_full_kv_pool_answers_resource_exhausted_and_leaves_the_log_unchanged(h):
+    open_session(h)
+    h.idle()
+    h.serve(h.request("s1", "hi", max_tokens=2))
+    before = h.log("s1")
+    pool = _PoolFull(h.engine)
+    pool.full = True
+    h.engine.release("s1")  # its KV is gone, so the next request must prefill
+    sink = h.serve(h.request("s1", "what now", max_tokens=2))
+    assert sink.error is not None and sink.error.status is Status.RESOURCE_EXHAUSTED
+    assert sink.error.field == "model" and "KV pool exhausted" in sink.error.problem
+    assert h.log("s1") == before
+    pool.full = False
+    want = expected(h, "s1", "what now", max_tokens=2)
+    again = h.serve(h.request("s1", "what now", max_tokens=2))
+    assert again.error is None and again.ids == want
+
+
+def test_a_full_kv_pool_abandons_pre_positioning_and_the_loop_goes_on(tmp_path):
+    h = Harness(tmp_path)
+    open_session(h)
+    pool = _PoolFull(h.engine)
+    pool.full = True
+    h.idle()  # pre-positioning of s1 starts and meets the full pool
+    assert h.metrics.sink.get("prepos_prepositionings_total", result="abandoned") == 1
+    assert h.sched.store.lookup("s1").positioned is None
+    pool.full = False
+    sink = h.serve(h.request("s1", "hi", max_tokens=2))
+    assert sink.error is None and sink.chunks[0].path == "prefix"

@@ -27,6 +27,10 @@ class EngineInfo:
     device: str  # "cpu", "cuda", "cuda:0", ...
 
 
+class KVCapacityError(RuntimeError):
+    """The engine's KV memory has no room for a session's new tokens; the message gives the sizes."""
+
+
 class Engine(abc.ABC):
     """Per-session KV cache plus forward passes.
 
@@ -36,6 +40,9 @@ class Engine(abc.ABC):
     """
 
     info: EngineInfo
+    kv_capacity_bytes: int | None = None
+    """KV bytes of a pool the engine allocated up front (sessions beyond it cannot grow), or None where
+    KV memory is allocated on demand."""
 
     @abc.abstractmethod
     def prefill(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor:
@@ -59,7 +66,7 @@ class Engine(abc.ABC):
         before the call. This default runs the whole prefill as one step.
         """
         return self.prefill(session_id, token_ids)
-        yield  # noqa: unreachable; makes this a generator
+        yield  # unreachable; makes this a generator
 
     @abc.abstractmethod
     def decode(self, session_id: str, token_id: int) -> torch.Tensor:

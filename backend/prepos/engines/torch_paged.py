@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from prepos.engines.base import KVCapacityError
 from prepos.engines.torch_llama import TorchLlamaEngine
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class _PagedSession:
     epoch: int = 0  # bumped when pages are freed, so a prefill under way can tell
 
 
-class KVPoolExhausted(RuntimeError):
+class KVPoolExhausted(KVCapacityError):
     """No free KV page for a session's new tokens; the message gives the pool's size."""
 
 
