@@ -72,6 +72,14 @@ SCAN_BENCH_ARGS ?=
 bench-scan: $(VENV)/.installed
 	$(PY) loadtest/scan_bench.py $(SCAN_BENCH_ARGS)
 
+# GPU benchmark (needs a CUDA device): the scan kernel against the memory bound, and the torch engine on CUDA
+# with random weights of a real architecture (decode vs bound, prefix vs gated first token), e.g.
+#   make gpu-bench GPU_BENCH_ARGS="--arch llama-3.2-1b --arch llama-3.1-8b --json out/gpu_bench.json"
+GPU_BENCH_ARGS ?= --json out/gpu_bench.json --markdown out/gpu_bench.md
+.PHONY: gpu-bench
+gpu-bench: $(VENV)/.installed
+	$(PY) loadtest/gpu_bench.py $(GPU_BENCH_ARGS)
+
 # The paper's four figures on one server started for the run (prefix-cache, rebuild and floor models beside
 # prepos), as PNG + CSV + out/figures/summary.md; about 10 minutes on 2 CPU cores (FIGURES_ARGS=--quick: ~2-3).
 FIGURES_ARGS ?=
