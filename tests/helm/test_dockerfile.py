@@ -47,6 +47,12 @@ def test_project_installed_without_dependencies_the_base_provides():
     assert "torch" not in install
 
 
+
+def test_the_build_checks_that_the_base_provides_torch_and_openai_triton():
+    checks = [run for run in arguments("RUN") if "import" in run]
+    assert any("torch" in run and "triton" in run for run in checks)
+
+
 def test_entrypoint_serves_the_copied_model_repository():
     (entrypoint,) = arguments("ENTRYPOINT")
     command = json.loads(entrypoint)
