@@ -53,11 +53,21 @@ class EngineConfig:
     ``memory.kv_budget_bytes``, or half the GPU memory free after the weights when that is 0."""
     cuda_graph: bool = True
     """Torch engine on CUDA: capture the decode step once as a CUDA graph (off: eager decode, for debugging)."""
+    trtllm_free_gpu_memory_fraction: float = 0.85
+    """TensorRT-LLM engine: share of the free GPU memory its executor takes for the KV block pool."""
+    trtllm_retention_priority: int = 80
+    """TensorRT-LLM engine: KV retention priority (0-100; TensorRT-LLM's default is 35) of a session's blocks, held
+    for ``scheduler.session_idle_timeout_s`` after each request, so session prefixes outlive other traffic."""
 
     def __post_init__(self) -> None:
         _check(self.name in ("torch", "trtllm"), "engine.name", f"unknown engine {self.name!r}; use torch or trtllm")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "engine.dtype", f"unknown dtype {self.dtype!r}")
         _check(self.num_threads >= 0, "engine.num_threads", "must be >= 0")
+        _check(0.0 < self.trtllm_free_gpu_memory_fraction <= 1.0, "engine.trtllm_free_gpu_memory_fraction",
+               "must lie in (0, 1]")
+        _check(0 <= self.trtllm_retention_priority <= 100, "engine.trtllm_retention_priority", "must lie in [0, 100]")
+        _check(self.name != "trtllm" or self.device.startswith("cuda"), "engine.device",
+               f"the trtllm engine runs on CUDA; engine.device is {self.device!r}")
         _check(1 <= self.page_tokens <= 4096 and not self.page_tokens & (self.page_tokens - 1), "engine.page_tokens",
                f"must be a power of two in [1, 4096], got {self.page_tokens}")
         _check(self.scan in SCAN_NAMES, "engine.scan", f"unknown scan {self.scan!r}; use {', '.join(SCAN_NAMES)}")

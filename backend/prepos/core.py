@@ -24,12 +24,20 @@ from prepos.template import EngineManifest, Tokenizer
 log = logging.getLogger("prepos.core")
 
 
-def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int = 0) -> Engine:
+def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int = 0,
+                  session_idle_timeout_s: float = 600.0) -> Engine:
     """The engine named by ``config.name``, loaded from ``engine_dir``.
 
     The torch engine on CUDA is the paged one (static KV pool of ``kv_budget_bytes``, 0 = half the free GPU
-    memory; decode as a CUDA graph); on CPU the plain one (KV grows per session on demand).
+    memory; decode as a CUDA graph); on CPU the plain one (KV grows per session on demand). The TensorRT-LLM
+    engine keeps a session's KV blocks at high retention priority for ``session_idle_timeout_s``.
     """
+    if config.name == "trtllm":
+        from prepos.engines.trtllm import TrtllmEngine
+
+        return TrtllmEngine(engine_dir, free_gpu_memory_fraction=config.trtllm_free_gpu_memory_fraction,
+                            retention_priority=config.trtllm_retention_priority,
+                            retention_s=session_idle_timeout_s, device=config.device)
     if config.name == "torch" and config.device.startswith("cuda"):
         from prepos.engines.torch_paged import PagedTorchLlamaEngine
 
@@ -42,7 +50,7 @@ def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int =
         return TorchLlamaEngine(
             str(engine_dir), device=config.device, dtype=config.dtype, num_threads=config.num_threads or None
         )
-    raise ConfigError(f"engine.name: {config.name!r} is not available in this build; use torch")
+    raise ConfigError(f"engine.name: unknown engine {config.name!r}; use torch or trtllm")
 
 
 def kv_budget_bytes(memory: MemoryConfig, engine: Engine) -> int:
@@ -72,8 +80,8 @@ class Core:
         engine_dir = config.engine_dir(model_dir)
         manifest = EngineManifest.load(engine_dir)
         self.tokenizer = Tokenizer(engine_dir / "tokenizer.json")
-        self.engine = engine if engine is not None else create_engine(config.engine, engine_dir,
-                                                                     config.memory.kv_budget_bytes)
+        self.engine = engine if engine is not None else create_engine(
+            config.engine, engine_dir, config.memory.kv_budget_bytes, config.scheduler.session_idle_timeout_s)
         # Requests record into memory; the engine loop publishes to the sink off the path of any request.
         self.metrics = Metrics(BufferedSink(metrics_sink) if metrics_sink is not None else None)
         self.framing = manifest.framing
@@ -149,3 +157,6 @@ class Core:
 
     def stop(self) -> None:
         self.scheduler.stop()
+        close = getattr(self.engine, "close", None)
+        if close is not None:  # engines with threads or device pools of their own (TensorRT-LLM's executor)
+            close()

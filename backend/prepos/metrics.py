@@ -35,6 +35,9 @@ SPECS = (
     MetricSpec("prepos_kv_budget_bytes", "gauge", "KV cache budget in bytes"),
     MetricSpec("prepos_kv_evictions_total", "counter",
                "Evictions under the memory budget, by what went: speculative state or a session's whole KV", ("what",)),
+    MetricSpec("prepos_kv_blocks_total", "counter",
+               "TensorRT-LLM engine: KV blocks of its requests, by outcome: reused (cached prefix), new (computed), "
+               "missed (expected cached but evicted)", ("outcome",)),
     MetricSpec("prepos_prefill_tokens_total", "counter", "Tokens prefilled, by where the work ran", ("where",)),
     MetricSpec("prepos_engine_seconds_total", "counter",
                "Engine-loop seconds spent on requests (foreground) and on pre-positioning (background)", ("where",)),
@@ -170,6 +173,11 @@ class Metrics:
     def kv(self, used_bytes: int, budget_bytes: int) -> None:
         self.sink.set("prepos_kv_bytes", {}, used_bytes)
         self.sink.set("prepos_kv_budget_bytes", {}, budget_bytes)
+
+    def kv_blocks(self, reused: int, new: int, missed: int) -> None:
+        for outcome, count in (("reused", reused), ("new", new), ("missed", missed)):
+            if count:
+                self.sink.inc("prepos_kv_blocks_total", {"outcome": outcome}, count)
 
     def evicted(self, what: str) -> None:
         self.sink.inc("prepos_kv_evictions_total", {"what": what}, 1)

@@ -128,6 +128,7 @@ class Scheduler:
         self._stepping_prep = False
         self._background_after_s = 0.0  # no background work before this time (see background_delay_ms)
         self._next_housekeeping = 0.0
+        self._reuse_seen = (0, 0, 0)  # engine block-reuse counters already published (reused, new, missed)
         self._thread: threading.Thread | None = None
         self._running = False
 
@@ -349,7 +350,18 @@ class Scheduler:
                 self._close(session, "idle timeout")
         self._metrics.sessions({state.value: n for state, n in self.store.count_by_state().items()})
         self._metrics.kv(self._residency.kv.used_bytes, self._residency.kv.budget_bytes)
+        self._publish_reuse()
         self._metrics.flush()  # under sustained load too
+
+    def _publish_reuse(self) -> None:
+        """Block reuse counted by engines that report it (TensorRT-LLM's), as counters since the last call."""
+        reuse_stats = getattr(self._engine, "reuse_stats", None)
+        if reuse_stats is None:
+            return
+        now = reuse_stats()
+        seen = self._reuse_seen
+        self._reuse_seen = (now.reused_blocks, now.new_blocks, now.missed_blocks)
+        self._metrics.kv_blocks(*(a - b for a, b in zip(self._reuse_seen, seen)))
 
     def _expired(self, session: Session, now: float) -> bool:
         idle = not session.serving and not session.pending

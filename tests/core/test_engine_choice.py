@@ -58,3 +58,31 @@ def test_cpu_builds_the_plain_torch_engine(monkeypatch, tmp_path):
 def test_page_tokens_must_be_a_power_of_two(value):
     with pytest.raises(ConfigError, match="engine.page_tokens: must be a power of two"):
         read_config({"engine.page_tokens": value}, environ={})
+
+
+def test_trtllm_gets_its_pool_share_and_holds_blocks_for_the_session_idle_timeout(monkeypatch, tmp_path):
+    built = {}
+
+    class Recorder:
+        def __init__(self, engine_dir, **kwargs):
+            built.update(kwargs, engine_dir=engine_dir)
+
+    import prepos.engines.trtllm as trtllm
+
+    monkeypatch.setattr(trtllm, "TrtllmEngine", Recorder)
+    config = read_config({"engine.name": "trtllm", "engine.device": "cuda", "engine.trtllm_retention_priority": "90",
+                          "engine.trtllm_free_gpu_memory_fraction": "0.5"}, environ={})
+    assert isinstance(core.create_engine(config.engine, tmp_path, session_idle_timeout_s=120.0), Recorder)
+    assert built == dict(engine_dir=tmp_path, free_gpu_memory_fraction=0.5, retention_priority=90,
+                         retention_s=120.0, device="cuda")
+
+
+@pytest.mark.parametrize("parameters, key", [
+    ({"engine.name": "trtllm"}, "engine.device"),  # the default device is cpu
+    ({"engine.name": "trtllm", "engine.device": "cuda", "engine.trtllm_retention_priority": "101"},
+     "engine.trtllm_retention_priority"),
+    ({"engine.trtllm_free_gpu_memory_fraction": "0"}, "engine.trtllm_free_gpu_memory_fraction"),
+])
+def test_trtllm_settings_out_of_range_name_the_key(parameters, key):
+    with pytest.raises(ConfigError, match=f"^{key}: "):
+        read_config(parameters, environ={})

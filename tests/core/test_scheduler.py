@@ -604,3 +604,18 @@ def test_a_full_kv_pool_abandons_pre_positioning_and_the_loop_goes_on(tmp_path):
     pool.full = False
     sink = h.serve(h.request("s1", "hi", max_tokens=2))
     assert sink.error is None and sink.chunks[0].path == "prefix"
+
+
+def test_engine_block_reuse_is_published_as_counters(h):
+    from prepos.engines.trtllm import ReuseStats
+    from prepos.scheduler import HOUSEKEEPING_INTERVAL_S
+
+    stats = [ReuseStats(num_requests=2, reused_blocks=5, new_blocks=3, missed_blocks=1)]
+    h.engine.reuse_stats = lambda: stats[0]
+    h.sched.run_once()
+    stats[0] = ReuseStats(num_requests=3, reused_blocks=9, new_blocks=4, missed_blocks=1)
+    h.clock.t += HOUSEKEEPING_INTERVAL_S + 1
+    h.sched.run_once()
+    get = h.metrics.sink.get
+    assert (get("prepos_kv_blocks_total", outcome="reused"), get("prepos_kv_blocks_total", outcome="new"),
+            get("prepos_kv_blocks_total", outcome="missed")) == (9, 4, 1)
