@@ -80,6 +80,14 @@ GPU_BENCH_ARGS ?= --json out/gpu_bench.json --markdown out/gpu_bench.md
 gpu-bench: $(VENV)/.installed
 	$(PY) loadtest/gpu_bench.py $(GPU_BENCH_ARGS)
 
+# TensorRT-LLM engine for the trtllm engine (in NVIDIA's Triton TensorRT-LLM container): converts and builds the
+# default engine's checkpoint into $(ENGINE_DIR)/trtllm and fills model_repository/prepos/config.pbtxt, e.g.
+#   make trtllm-engine TRTLLM_ARGS="--dry-run"       (prints every step and command; runs anywhere)
+TRTLLM_ARGS ?=
+.PHONY: trtllm-engine
+trtllm-engine: $(ENGINE)
+	$(PY) -m prepos_build.trtllm_build --engine-dir $(ENGINE_DIR) $(TRTLLM_ARGS)
+
 # The paper's four figures on one server started for the run (prefix-cache, rebuild and floor models beside
 # prepos), as PNG + CSV + out/figures/summary.md; about 10 minutes on 2 CPU cores (FIGURES_ARGS=--quick: ~2-3).
 FIGURES_ARGS ?=
