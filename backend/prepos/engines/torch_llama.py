@@ -374,8 +374,8 @@ class TorchLlamaEngine(Engine):
         h = F.rms_norm(x[-1:], (self.hidden,), self.ln_final, self.eps)  # [1, hidden]: last position only
         return self._mm(h, self.lm_head)[0].float()  # [vocab]
 
-    @torch.inference_mode()
-    def decode(self, session_id: str, token_id: int) -> torch.Tensor:
+    def _decode_target(self, session_id: str, token_id: int):
+        """The session, token and position a decode writes; ``ValueError`` naming what makes it impossible."""
         s = self._sessions.get(session_id)
         if s is None:
             raise ValueError(f"session {session_id!r} has no KV; prefill it first")
@@ -385,6 +385,11 @@ class TorchLlamaEngine(Engine):
         pos = len(s.ids)
         if pos >= self.info.max_context:
             raise ValueError(f"session {session_id!r} is at max_context {self.info.max_context}")
+        return s, token_id, pos
+
+    @torch.inference_mode()
+    def decode(self, session_id: str, token_id: int) -> torch.Tensor:
+        s, token_id, pos = self._decode_target(session_id, token_id)
         if pos >= s.kv.shape[3]:
             self._ensure_capacity(s, pos + 1)
         logits = self._decode_forward(s.kv, pos, token_id)

@@ -199,15 +199,9 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
 
     @torch.inference_mode()
     def decode(self, session_id: str, token_id: int) -> torch.Tensor:
-        s = self._sessions.get(session_id)
-        if s is None or not s.ids:
+        s, token_id, pos = self._decode_target(session_id, token_id)
+        if not pos:
             raise ValueError(f"session {session_id!r} has no KV; prefill it first")
-        token_id = int(token_id)
-        if not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"token id {token_id} not in [0, {self.vocab_size})")
-        pos = len(s.ids)
-        if pos >= self.info.max_context:
-            raise ValueError(f"session {session_id!r} is at max_context {self.info.max_context}")
         self._grow(s, pos + 1)
         P = self.page_tokens
         meta = self._meta_np
