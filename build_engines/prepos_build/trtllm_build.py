@@ -18,7 +18,7 @@ need and touches nothing, also where TensorRT-LLM is absent):
 1. ``convert``: the Hugging Face checkpoint to a TensorRT-LLM checkpoint, through
    TensorRT-LLM's model classes (``from_hugging_face`` then ``save_checkpoint``).
 2. ``build``: ``trtllm-build`` with the flags above and the size limits.
-3. record the settings in ``trtllm/prepos_trtllm.json`` (read by ``prepos.engines.trtllm``)
+3. record the settings in ``trtllm/prepos_trtllm.json`` (read by ``prepos.engines.trtllm_dir``)
    and move the engine into ``<engine dir>/trtllm/``: a build interrupted at any step
    leaves the previous engine, or none, never half of one.
 4. fill the model repository's ``prepos/config.pbtxt`` (``engine.name trtllm``,

@@ -108,7 +108,7 @@ def test_a_build_records_its_settings_and_an_equal_build_is_reused(tmp_path):
 
 
 def test_the_engine_adapter_reads_what_the_build_records(tmp_path):
-    from prepos.engines.trtllm import TrtllmBuild
+    from prepos.engines.trtllm_dir import TrtllmBuild
 
     s = _settings(tmp_path)
     engine = tb.build(s, Path(s.source), runner=_fake_runner([]), version="9.9")
@@ -176,7 +176,7 @@ def test_without_tensorrt_llm_the_build_stops_with_a_clear_error(tmp_path, capsy
 @needs_trtllm
 def test_a_real_build_of_the_default_model(tmp_path):
     """Builds the default engine's checkpoint for real and checks the engine config the adapter reads."""
-    from prepos.engines.trtllm import TrtllmModel
+    from prepos.engines.trtllm_dir import TrtllmModel
 
     src = REPO / "engines" / "smollm2-135m-instruct"
     if not (src / "config.json").is_file():
