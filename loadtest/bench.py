@@ -276,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4, help="user turns per BFCL session at most")
     parser.add_argument("--monitor-sessions", type=int, default=2)
     parser.add_argument("--think-time", type=float, default=2.0, help="seconds between a session's requests")
-    parser.add_argument("--floor-samples", type=int, default=16, help="floor requests per payload kind")
+    parser.add_argument("--gate-sessions", type=int, default=6,
+                        help="BFCL sessions replayed with the gate forced (their questions also go to the floor)")
+    parser.add_argument("--floor-samples", type=int, default=24, help="floor requests per payload kind")
     parser.add_argument("--interference-samples", type=int, default=16)
     parser.add_argument("--engine-dir", type=Path, default=ROOT / "engines" / "smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
@@ -288,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     repo = variant_repository(run_dir, "bench_repository", VARIANTS)
     options = ServerOptions(model_repositories=(repo,), grpc_port=args.grpc_port, http_port=args.grpc_port + 1,
                             metrics_port=args.grpc_port + 2, run_dir=run_dir)
-    bfcl = bfcl_sessions(args.sessions, think_time_s=args.think_time, max_turns=args.turns)
+    # One draw: the baselines' sessions are the first of the forced-gate ones.
+    bfcl_all = bfcl_sessions(max(args.sessions, args.gate_sessions), think_time_s=args.think_time,
+                             max_turns=args.turns)
+    bfcl, bfcl_gate = bfcl_all[:args.sessions], bfcl_all[:args.gate_sessions]
     monitor = monitor_sessions(args.monitor_sessions, think_time_s=args.think_time / 2)
     samples: list[Sample] = []
     with TritonServer(options, env={"PREPOS_ENGINE_DIR": str(args.engine_dir.resolve())}) as server:
@@ -297,10 +302,10 @@ def main(argv: list[str] | None = None) -> int:
             samples += replay(url, mode, bfcl, "bfcl")
             samples += replay(url, mode, monitor, "monitor")
         # The gate fires rarely with a small model; forcing it (threshold 0) measures the gated path's cost.
-        samples += replay(url, "prepos", bfcl, "bfcl-forced-gate", gate_threshold=0.0)
+        samples += replay(url, "prepos", bfcl_gate, "bfcl-forced-gate", gate_threshold=0.0)
         asks = lambda traces: [st for t in traces for st in t.steps if st.max_tokens > 0]  # noqa: E731
         samples += measure_floor(url, asks(monitor)[:args.floor_samples], args.think_time / 2, "floor-monitor")
-        samples += measure_floor(url, asks(bfcl)[:args.floor_samples], args.think_time / 2, "floor-bfcl")
+        samples += measure_floor(url, asks(bfcl_gate)[:args.floor_samples], args.think_time / 2, "floor-bfcl")
         samples += measure_interference(server, "prepos", args.interference_samples, think_s=0.3)
     engine = engine_figures(args.engine_dir)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"

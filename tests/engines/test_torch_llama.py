@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from prepos.engines.torch_llama import TorchLlamaEngine
+from prepos.engines.torch_llama import TorchLlamaEngine, _cpu_chunks
 
 ATOL = 1e-4
 BLOCK = 16
@@ -143,23 +143,39 @@ def test_hf_generate_agrees(tied):
     assert out == gen
 
 
-@pytest.mark.parametrize("threads", [1, 3, 4])
-def test_weight_chunking_and_generic_norm_path(tied, threads):
-    """Packed matrices have one block per thread (one block when that does not divide the outputs)."""
+# Outputs of the test model's q/k/v, o, gate/up, down and lm_head: 128, 64, 256, 64 and 512 wide.
+@pytest.mark.parametrize("threads, blocks", [
+    (1, [1, 1, 1, 1, 1]),
+    (2, [4, 2, 8, 2, 16]),  # 32-column blocks
+    (3, [1, 1, 1, 1, 1]),  # 3 divides none of the widths
+    (4, [4, 4, 8, 4, 16]),  # 64 / 32 = 2 blocks would not split over 4 threads: one per thread
+])
+def test_weight_chunking_and_generic_norm_path(tied, threads, blocks):
+    """Packed matrices follow _cpu_chunks, and every chunking gives transformers' logits."""
     path, model = tied
     saved = torch.get_num_threads()
     try:
         engine = TorchLlamaEngine(path, num_threads=threads, kv_block_tokens=BLOCK)
     finally:
         torch.set_num_threads(saved)
-    blocks = 4 if threads == 4 else 1  # outputs are 128, 64, 256, 64 and 512 wide: 3 divides none
-    assert [w.shape[0] for w in (engine.wqkv[0], engine.wo[0], engine.wgu[0], engine.wdown[0], engine.lm_head)] == [blocks] * 5
+    assert [w.shape[0] for w in (engine.wqkv[0], engine.wo[0], engine.wgu[0], engine.wdown[0], engine.lm_head)] == blocks
     ids = _ids(24, seed=13)
     hf = _hf_logits(model, ids)
     assert _close(engine.prefill("s", ids[:20]), hf[19])
     assert _close(engine.decode("s", ids[20]), hf[20])
     engine._cpu = False  # the device-agnostic norm used off CPU
     assert _close(engine.decode("s", ids[21]), hf[21])
+
+
+@pytest.mark.parametrize("out, threads, chunks", [
+    (960, 2, 30), (576, 2, 18),  # SmolLM2-135M q/k/v and o/down: 32-column blocks
+    (3072, 2, 2), (49152, 2, 2),  # its gate/up and lm_head: 1536+ columns per thread
+    (2048, 2, 2), (3072, 4, 96),  # 1024 columns per thread are wide, 768 are not
+    (96, 2, 2),  # 3 blocks of 32 would not split over 2 threads: one per thread
+    (100, 2, 2), (101, 2, 1), (960, 1, 1),
+])
+def test_cpu_chunks(out, threads, chunks):
+    assert _cpu_chunks(out, threads) == chunks
 
 
 def _drain(steps):
