@@ -14,9 +14,9 @@ is the chunks, which torch spreads over its threads; a plain ``mv`` keeps one
 core streaming and reads weights ~25% slower on a 2-core CPU. On CPU the chunk
 count follows the output width (:func:`_cpu_chunks`): wide matrices get one chunk
 per thread, narrow ones 32-column chunks, the shape MKL's batched small GEMV
-reads fastest (on a 2-core EPYC, SmolLM2-135M's q/k/v, o and down matrices read
-at 13-17 GB/s in 2 chunks and at 21-28 GB/s in 32-column ones; the decode step
-took 20% less). Elsewhere a matrix is one chunk. The embedding of tied
+reads fastest (``loadtest/chunking_bench.py``: on a 2-core EPYC, SmolLM2-135M's
+q/k/v, o and down matrices read at 11-16 GB/s in 2 chunks and at 20-38 GB/s in
+32-column ones, and a decode step took 12-22% less). Elsewhere a matrix is one chunk. The embedding of tied
 checkpoints is read out of the lm_head's chunks, so that matrix is held once.
 
 Numerics: float32 logits agree with transformers' float32 ones to ~1e-4 absolute
@@ -44,7 +44,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def _cpu_chunks(out: int, threads: int) -> int:
     """Column blocks of a CPU matrix with ``out`` outputs: one per thread where each block is at least 1024
-    columns wide, else 32-column blocks when they split evenly over the threads, else one per thread."""
+    columns wide, else 32-column blocks when they split evenly over the threads, else one per thread; a
+    single block on one thread or where the threads do not divide ``out``."""
     if threads < 2 or out % threads:
         return 1
     narrow = out // 32

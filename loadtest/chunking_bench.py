@@ -1,0 +1,120 @@
+"""How the torch engine packs its CPU matrices, measured: the evidence behind ``_cpu_chunks``.
+
+1. For each weight-matrix shape of the model, read bandwidth of a decode GEMV (one
+   ``bmm`` over the matrix's column blocks) at several block counts, over one copy
+   per layer so the weights come from memory, not cache.
+2. Decode steps of two engines in one process, the packing of ``_cpu_chunks`` and
+   one block per thread, in alternating blocks of steps so both see the same
+   machine: p50 and p99 of each and the ratio of the p50s.
+
+    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "backend"))
+
+import prepos.engines.torch_llama as torch_llama  # noqa: E402
+
+BLOCK_COUNTS = (2, 4, 8, 16, 32, 64)
+
+
+def gemv_sweep(shapes: dict[str, tuple[int, int]], layers: int, reps: int) -> dict[str, dict[int, float]]:
+    """GB/s of ``x @ W`` per shape and block count (medians of ``reps`` interleaved passes over ``layers`` copies)."""
+    result = {}
+    for name, (d_in, out) in shapes.items():
+        copies = 2 if name == "lm_head" else layers
+        x = torch.randn(d_in)
+        counts = [c for c in BLOCK_COUNTS if out % c == 0]
+        if out % 32 == 0 and out // 32 not in counts:
+            counts.append(out // 32)
+        weights = {c: [torch.randn(c, d_in, out // c) for _ in range(copies)] for c in counts}
+        times: dict[int, list[float]] = {c: [] for c in counts}
+        for _ in range(reps):
+            for c in counts:
+                start = time.perf_counter()
+                for w in weights[c]:
+                    torch.bmm(x.expand(c, 1, -1), w)
+                times[c].append(time.perf_counter() - start)
+        nbytes = d_in * out * 4 * copies
+        result[name] = {c: nbytes / statistics.median(t) / 1e9 for c, t in times.items()}
+    return result
+
+
+def _p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def paired_decode(model_dir: str, blocks: int, steps_per_block: int, context: int = 100) -> dict[str, list[float]]:
+    """Decode step times of the ``_cpu_chunks`` packing and of one block per thread, alternating."""
+    packed = torch_llama.TorchLlamaEngine(model_dir)
+    rule = torch_llama._cpu_chunks
+    torch_llama._cpu_chunks = lambda out, threads: threads if threads > 1 and out % threads == 0 else 1
+    try:
+        per_thread = torch_llama.TorchLlamaEngine(model_dir)
+    finally:
+        torch_llama._cpu_chunks = rule
+    engines = {"_cpu_chunks": packed, "one block per thread": per_thread}
+    ids = list(range(100, 100 + context))
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    with torch.inference_mode():
+        for engine in engines.values():
+            engine.prefill("bench", ids)
+        order = list(engines.items())
+        for block in range(blocks):
+            for name, engine in order if block % 2 else order[::-1]:
+                for step in range(steps_per_block + 2):
+                    start = time.perf_counter()
+                    engine.decode("bench", 17)
+                    elapsed = time.perf_counter() - start
+                    engine.truncate("bench", context)
+                    if step >= 2:
+                        times[name].append(elapsed)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", required=True, help="Hugging Face Llama checkpoint directory")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--reps", type=int, default=15, help="passes per block count in the GEMV sweep")
+    ap.add_argument("--blocks", type=int, default=16, help="alternating blocks of decode steps")
+    ap.add_argument("--steps", type=int, default=8, help="timed decode steps per block")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    probe = torch_llama.TorchLlamaEngine(args.model_dir)
+    h, hd = probe.hidden, probe.head_dim
+    shapes = {"q/k/v": (h, (probe.n_heads + 2 * probe.n_kv_heads) * hd), "o": (probe.n_heads * hd, h),
+              "gate/up": (h, 2 * probe.intermediate), "down": (probe.intermediate, h), "lm_head": (h, probe.vocab_size)}
+    threads = torch.get_num_threads()
+    layers = probe.n_layers
+    del probe
+    print(f"threads={threads}; GEMV read bandwidth, GB/s, by column blocks (* = _cpu_chunks):")
+    for name, by_count in gemv_sweep(shapes, layers, args.reps).items():
+        chosen = torch_llama._cpu_chunks(shapes[name][1], threads)
+        cells = "  ".join(f"{c}{'*' if c == chosen else ''}: {gbs:.1f}" for c, gbs in by_count.items())
+        print(f"  {name:8s} {shapes[name]}  {cells}")
+    times = paired_decode(args.model_dir, args.blocks, args.steps)
+    print("decode step, alternating blocks in one process:")
+    for name, samples in times.items():
+        print(f"  {name:22s} n={len(samples)}  p50 {statistics.median(samples) * 1e3:.2f} ms  "
+              f"p99 {_p99(samples) * 1e3:.2f} ms")
+    ratio = statistics.median(times["_cpu_chunks"]) / statistics.median(times["one block per thread"])
+    print(f"  p50 ratio _cpu_chunks / one block per thread: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
