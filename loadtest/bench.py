@@ -246,6 +246,9 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
             "decode step / memory bound (median of paired rounds)": engine["engine_decode_ratio_to_bound"],
             "decode step / memory bound at the run's fastest probe": engine["engine_decode_ratio_to_fastest_probe"],
             "read bandwidth (GB/s, median of rounds)": engine["read_bandwidth_gb_s"],
+            f"torch engine decode step p50, {engine['long_context']}-token context (ms)":
+                engine["long_decode_median_ms"],
+            "its bound: weights + KV read / read bandwidth (ms)": engine["long_decode_bound_ms"],
             "Hugging Face eager decode step p50 (ms)": engine["hf_eager_decode_median_ms"],
             "prefill throughput, 40-token extension (tokens/s)": engine["engine_prefill_tok_s"]["40"],
             "prefill throughput, 512-token extension (tokens/s)": engine["engine_prefill_tok_s"]["512"],

@@ -1,4 +1,5 @@
-"""How the torch engine packs its CPU matrices, measured: the evidence behind ``_cpu_chunks``.
+"""How the torch engine lays out its CPU matrices, measured: the evidence behind ``_cpu_chunks`` and the
+host arena.
 
 1. For each weight-matrix shape of the model, read bandwidth of a decode GEMV (one
    ``bmm`` over the matrix's column blocks) at several block counts, over one copy
@@ -6,8 +7,10 @@
 2. Decode steps of two engines in one process, the packing of ``_cpu_chunks`` and
    one block per thread, in alternating blocks of steps so both see the same
    machine: p50 and p99 of each and the ratio of the p50s.
+3. The same paired decode for the weights in the huge-page host arena
+   (``prepos.engines.host_arena``) and in ordinary torch allocations.
 
-    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct
+    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages]
 """
 
 from __future__ import annotations
@@ -56,16 +59,9 @@ def _p99(samples: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-def paired_decode(model_dir: str, blocks: int, steps_per_block: int, context: int = 100) -> dict[str, list[float]]:
-    """Decode step times of the ``_cpu_chunks`` packing and of one block per thread, alternating."""
-    packed = torch_llama.TorchLlamaEngine(model_dir)
-    rule = torch_llama._cpu_chunks
-    torch_llama._cpu_chunks = lambda out, threads: threads if threads > 1 and out % threads == 0 else 1
-    try:
-        per_thread = torch_llama.TorchLlamaEngine(model_dir)
-    finally:
-        torch_llama._cpu_chunks = rule
-    engines = {"_cpu_chunks": packed, "one block per thread": per_thread}
+def paired_decode(engines: dict[str, torch_llama.TorchLlamaEngine], blocks: int, steps_per_block: int,
+                  context: int = 100) -> dict[str, list[float]]:
+    """Decode step times of each engine at ``context`` cached tokens, in alternating blocks of steps."""
     ids = list(range(100, 100 + context))
     times: dict[str, list[float]] = {k: [] for k in engines}
     with torch.inference_mode():
@@ -84,6 +80,32 @@ def paired_decode(model_dir: str, blocks: int, steps_per_block: int, context: in
     return times
 
 
+def chunking_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
+    packed = torch_llama.TorchLlamaEngine(model_dir)
+    rule = torch_llama._cpu_chunks
+    torch_llama._cpu_chunks = lambda out, threads: threads if threads > 1 and out % threads == 0 else 1
+    try:
+        per_thread = torch_llama.TorchLlamaEngine(model_dir)
+    finally:
+        torch_llama._cpu_chunks = rule
+    return {"_cpu_chunks": packed, "one block per thread": per_thread}
+
+
+def page_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
+    return {"host arena": torch_llama.TorchLlamaEngine(model_dir),
+            "torch allocations": torch_llama.TorchLlamaEngine(model_dir, host_arena=False)}
+
+
+def _print_paired(times: dict[str, list[float]]) -> None:
+    print("decode step, alternating blocks in one process:")
+    for name, samples in times.items():
+        print(f"  {name:22s} n={len(samples)}  p50 {statistics.median(samples) * 1e3:.2f} ms  "
+              f"p99 {_p99(samples) * 1e3:.2f} ms")
+    first, second = times
+    ratio = statistics.median(times[first]) / statistics.median(times[second])
+    print(f"  p50 ratio {first} / {second}: {ratio:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", required=True, help="Hugging Face Llama checkpoint directory")
@@ -91,7 +113,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15, help="passes per block count in the GEMV sweep")
     ap.add_argument("--blocks", type=int, default=16, help="alternating blocks of decode steps")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per block")
+    ap.add_argument("--parts", default="sweep,chunks,pages",
+                    help="comma-separated: sweep (GEMV sweep), chunks (paired decode of the packings), "
+                         "pages (paired decode, host arena vs torch allocations)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - {"sweep", "chunks", "pages"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'sweep', 'chunks', 'pages'})}; choose from sweep, chunks, pages")
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,19 +130,15 @@ def main() -> None:
     threads = torch.get_num_threads()
     layers = probe.n_layers
     del probe
-    print(f"threads={threads}; GEMV read bandwidth, GB/s, by column blocks (* = _cpu_chunks):")
-    for name, by_count in gemv_sweep(shapes, layers, args.reps).items():
-        chosen = torch_llama._cpu_chunks(shapes[name][1], threads)
-        cells = "  ".join(f"{c}{'*' if c == chosen else ''}: {gbs:.1f}" for c, gbs in by_count.items())
-        print(f"  {name:8s} {shapes[name]}  {cells}")
-    times = paired_decode(args.model_dir, args.blocks, args.steps)
-    print("decode step, alternating blocks in one process:")
-    for name, samples in times.items():
-        print(f"  {name:22s} n={len(samples)}  p50 {statistics.median(samples) * 1e3:.2f} ms  "
-              f"p99 {_p99(samples) * 1e3:.2f} ms")
-    ratio = statistics.median(times["_cpu_chunks"]) / statistics.median(times["one block per thread"])
-    print(f"  p50 ratio _cpu_chunks / one block per thread: {ratio:.3f}")
-
+    if "sweep" in parts:
+        print(f"threads={threads}; GEMV read bandwidth, GB/s, by column blocks (* = _cpu_chunks):")
+        for name, by_count in gemv_sweep(shapes, layers, args.reps).items():
+            chosen = torch_llama._cpu_chunks(shapes[name][1], threads)
+            cells = "  ".join(f"{c}{'*' if c == chosen else ''}: {gbs:.1f}" for c, gbs in by_count.items())
+            print(f"  {name:8s} {shapes[name]}  {cells}")
+    for part, engines in (("chunks", chunking_engines), ("pages", page_engines)):
+        if part in parts:
+            _print_paired(paired_decode(engines(args.model_dir), args.blocks, args.steps))
 
 if __name__ == "__main__":
     main()

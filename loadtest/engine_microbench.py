@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "backend"))
 
+from prepos.engines.host_arena import HostArena  # noqa: E402
 from prepos.engines.torch_llama import TorchLlamaEngine  # noqa: E402
 
 log = logging.getLogger("engine_microbench")
@@ -46,8 +47,16 @@ def _p99(samples: list[float]) -> float:
 
 
 def read_bandwidth(device: str, gib: float = 1.0, runs: int = 7) -> float:
-    """Read bandwidth in bytes/s: median time of a sum over a buffer far bigger than any cache."""
-    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
+    """Read bandwidth in bytes/s: median time of a sum over a buffer far bigger than any cache.
+
+    On CPU the buffer comes from a host arena, on huge pages like the engine's weights, so the
+    bound is the machine's fastest read rather than one slowed by 4 KiB pages' TLB misses.
+    """
+    count = int(gib * 2**30) // 4
+    if device == "cpu":
+        buf = HostArena(count * 4).take((count,), torch.float32).fill_(1.0)
+    else:
+        buf = torch.ones(count, dtype=torch.float32, device=device)
     buf.sum()  # warm: page faults, thread pool
     times = [_timed(buf.sum, device) for _ in range(runs)]
     n = buf.numel() * buf.element_size()
@@ -134,11 +143,13 @@ def hf_eager(model_dir: str, ids: list[int], steps: int, exts: dict[int, list[in
 
 
 def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
-            context: int = 100, steps: int = 50, prefill_runs: int = 3, with_hf: bool = True, rounds: int = 5) -> dict:
+            context: int = 100, steps: int = 50, prefill_runs: int = 3, with_hf: bool = True, rounds: int = 5,
+            long_context: int = 2000) -> dict:
     """Decode-step and prefill figures of the torch engine next to the memory-bandwidth bound (and HF eager).
 
     The decode/bound ratio is the median over ``rounds`` paired rounds (see :func:`paired_rounds`); the
-    ratio against the fastest probe of the run, the strictest reading, is reported beside it.
+    ratio against the fastest probe of the run, the strictest reading, is reported beside it. A decode step at
+    ``long_context`` cached tokens (0: skipped) is set against its bound too: the weights plus the KV it reads.
     """
     engine = TorchLlamaEngine(model_dir, device=device, dtype=dtype, num_threads=threads)
     info = engine.info
@@ -153,6 +164,12 @@ def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", thre
     bandwidth = statistics.median(bandwidths)
     bound = info.weight_bytes / bandwidth
     ratios = [r["ratio"] for r in paired]
+    long_dec = []
+    if long_context:
+        log.info("engine decode at %d cached tokens ...", long_context)
+        long_ids = torch.randint(0, info.vocab_size, (long_context,), generator=gen).tolist()
+        long_dec = engine_decode(engine, long_ids, max(5, steps // 5), device)
+    long_bytes = info.weight_bytes + (long_context + 1) * info.kv_bytes_per_token
     log.info("engine prefill ...")
     pre = {n: engine_prefill(engine, ids, ext, device, prefill_runs) for n, ext in exts.items()}
     hf_dec, hf_pre = (None, {})
@@ -178,6 +195,9 @@ def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", thre
         "engine_decode_ratio_to_bound": statistics.median(ratios),
         "engine_decode_ratio_rounds": ratios,
         "engine_decode_ratio_to_fastest_probe": med / (info.weight_bytes / max(bandwidths)),
+        "long_context": long_context,
+        "long_decode_median_ms": statistics.median(long_dec) * 1e3 if long_dec else None,
+        "long_decode_bound_ms": long_bytes / bandwidth * 1e3,
         "hf_eager_decode_median_ms": statistics.median(hf_dec) * 1e3 if hf_dec else None,
         "engine_prefill_tok_s": {str(n): n / t for n, t in pre.items()},
         "hf_eager_prefill_tok_s": {str(n): n / t for n, t in hf_pre.items()},
@@ -196,6 +216,10 @@ def format_table(result: dict) -> str:
         ("per round", " ".join(f"{r:.2f}" for r in result["engine_decode_ratio_rounds"])),
         ("engine decode / bound at fastest probe", f"{result['engine_decode_ratio_to_fastest_probe']:.2f}x"),
     ]
+    if result.get("long_decode_median_ms"):
+        n = result["long_context"]
+        rows += [(f"engine decode median @ctx {n}", f"{result['long_decode_median_ms']:.2f} ms"),
+                 (f"bound @ctx {n} (weights + KV read)", f"{result['long_decode_bound_ms']:.2f} ms")]
     if result["hf_eager_decode_median_ms"]:
         rows.append((f"HF eager decode median @ctx {result['context']}", f"{result['hf_eager_decode_median_ms']:.2f} ms"))
     for n, tok_s in result["engine_prefill_tok_s"].items():
@@ -217,6 +241,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=100, help="cached tokens when decoding")
     ap.add_argument("--steps", type=int, default=50, help="timed decode steps (over all rounds)")
     ap.add_argument("--rounds", type=int, default=5, help="paired rounds of bandwidth probe and decode steps")
+    ap.add_argument("--long-context", type=int, default=2000,
+                    help="also time decode steps at this many cached tokens (0: skip)")
     ap.add_argument("--prefill-runs", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers here")
@@ -224,7 +250,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = measure(args.model_dir, device=args.device, dtype=args.dtype, threads=args.threads,
                      context=args.context, steps=args.steps, prefill_runs=args.prefill_runs, with_hf=not args.no_hf,
-                     rounds=args.rounds)
+                     rounds=args.rounds, long_context=args.long_context)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

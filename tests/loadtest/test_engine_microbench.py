@@ -29,3 +29,25 @@ def test_each_round_pairs_its_own_probe(monkeypatch):
 
     assert calls == ["probe", "decode 2"] * 3
     assert [r["ratio"] for r in rounds] == [2.0, 2.0, 2.0]
+
+
+def test_long_context_bound_adds_the_kv_read(tmp_path, monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    LlamaForCausalLM(config).save_pretrained(str(tmp_path), safe_serialization=True)
+    monkeypatch.setattr(engine_microbench, "read_bandwidth", lambda device, runs=7: 1e9)  # 1 GB/s: bytes = ns
+
+    result = engine_microbench.measure(str(tmp_path), context=10, steps=5, prefill_runs=1, with_hf=False,
+                                       rounds=1, long_context=90)
+
+    kv_per_token = 2 * 2 * 2 * 8 * 4  # layers x (k, v) x kv heads x head_dim x float32
+    assert result["decode_bound_ms"] == result["weight_bytes"] / 1e6
+    assert result["long_decode_bound_ms"] == (result["weight_bytes"] + 91 * kv_per_token) / 1e6
+    assert result["long_decode_median_ms"] > 0
+    table = engine_microbench.format_table(result)
+    assert "engine decode median @ctx 90" in table and "bound @ctx 90 (weights + KV read)" in table
+    without = engine_microbench.measure(str(tmp_path), context=10, steps=5, prefill_runs=1, with_hf=False,
+                                        rounds=1, long_context=0)
+    assert without["long_decode_median_ms"] is None and "@ctx 0" not in engine_microbench.format_table(without)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from prepos.engines.base import Engine, EngineInfo, common_prefix_length
+from prepos.engines.host_arena import HostArena, huge_page_bytes, thp_mode
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class TorchLlamaEngine(Engine):
     ``num_computed_tokens`` counts tokens run through the model (prefill and
     decode) since construction. ``num_threads`` sets torch's process-wide
     intra-op thread count. ``dtype`` is the weights' and KV's; logits are float32.
+    On CPU, ``host_arena`` puts the packed weights in one block of memory on
+    transparent huge pages (:mod:`prepos.engines.host_arena`); off, each is an
+    ordinary torch allocation.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class TorchLlamaEngine(Engine):
         dtype: str = "float32",
         num_threads: int | None = None,
         kv_block_tokens: int = 256,
+        host_arena: bool = True,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -141,7 +146,7 @@ class TorchLlamaEngine(Engine):
         self._n_eps = self.hidden * self.eps
         self.vocab_size = cfg["vocab_size"]
         max_context = cfg.get("max_position_embeddings", 2048)
-        self._load_weights(model_dir, tie=cfg.get("tie_word_embeddings", False))
+        self._load_weights(model_dir, tie=cfg.get("tie_word_embeddings", False), host_arena=host_arena)
         self._build_rope(cfg["rope_theta"], max_context)
         self._sessions: dict[str, _Session] = {}
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -159,43 +164,57 @@ class TorchLlamaEngine(Engine):
 
     # ---- loading -------------------------------------------------------------------------
 
-    def _load_weights(self, model_dir: str, *, tie: bool) -> None:
+    def _load_weights(self, model_dir: str, *, tie: bool, host_arena: bool) -> None:
         sd = _load_tensors(model_dir)
         dev, dt = self.device, self.dtype
         threads = torch.get_num_threads() if dev.type == "cpu" else 1
-        # RMSNorm weights (times sqrt(hidden), see _rms_scale) are folded into the rows of the
-        # matrix each norm feeds, so a norm is one scale factor per token.
+        if not tie and "lm_head.weight" not in sd:
+            log.warning("%s: untied config but no lm_head.weight; using the embedding", model_dir)
+            tie = True
+        # Each packed matrix: the checkpoint tensors stacked along outputs, and the RMSNorm weight folded
+        # into its rows (times sqrt(hidden), see _rms_scale), so a norm is one scale factor per token.
+        specs: list[tuple[tuple[str, ...], str | None]] = []
+        for i in range(self.n_layers):
+            p = f"model.layers.{i}."
+            specs += [(tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"), p + "input_layernorm.weight"),
+                      ((p + "self_attn.o_proj.weight",), None),
+                      ((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), p + "post_attention_layernorm.weight"),
+                      ((p + "mlp.down_proj.weight",), None)]
+        specs.append((("model.embed_tokens.weight" if tie else "lm_head.weight",), None))
+        arena = None
+        if dev.type == "cpu" and host_arena:
+            elem = torch.empty((), dtype=dt).element_size()
+            arena = HostArena(HostArena.size_for([sum(sd[n].numel() for n in names) * elem for names, _ in specs]))
         root_n = float(self.hidden) ** 0.5
 
-        def pack(*names: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+        def pack(names: tuple[str, ...], norm: str | None) -> torch.Tensor:
             w = torch.cat([sd.pop(n).float() for n in names], 0)  # [out, in]
-            if scale is not None:
-                w = w * (scale.float() * root_n)[None, :]
+            if norm is not None:
+                w = w * (sd.pop(norm).float() * root_n)[None, :]
             out, d_in = w.shape
             c = _cpu_chunks(out, threads)
             # [out, in] -> [c, in, out/c]: block j holds outputs j*out/c.., so a flat view of the
             # bmm result [c, 1, out/c] is the output vector in order
-            return w.view(c, out // c, d_in).transpose(1, 2).contiguous().to(device=dev, dtype=dt)
+            blocks = w.view(c, out // c, d_in).transpose(1, 2)
+            if arena is None:
+                return blocks.contiguous().to(device=dev, dtype=dt)
+            return arena.take(blocks.shape, dt).copy_(blocks)
 
-        self.wqkv, self.wo, self.wgu, self.wdown = [], [], [], []
-        for i in range(self.n_layers):
-            p = f"model.layers.{i}."
-            ln_attn, ln_mlp = sd.pop(p + "input_layernorm.weight"), sd.pop(p + "post_attention_layernorm.weight")
-            qkv = (p + f"self_attn.{x}_proj.weight" for x in "qkv")
-            self.wqkv.append(pack(*qkv, scale=ln_attn))  # [c, hidden, (H+2KV)*hd/c]
-            self.wo.append(pack(p + "self_attn.o_proj.weight"))  # [c, H*hd, hidden/c]
-            self.wgu.append(pack(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", scale=ln_mlp))  # [c, hidden, 2*inter/c]
-            self.wdown.append(pack(p + "mlp.down_proj.weight"))  # [c, inter, hidden/c]
-        self.ln_final = sd.pop("model.norm.weight").to(device=dev, dtype=dt)
-        if not tie and "lm_head.weight" not in sd:
-            log.warning("%s: untied config but no lm_head.weight; using the embedding", model_dir)
-            tie = True
-        # Untied: the embedding is kept [vocab, hidden] for row gathers and never read whole.
+        # Untied: the embedding is kept [vocab, hidden] for row gathers and never read whole (popped
+        # before packing; a tied one is popped by the lm_head's pack).
         self.embed = None if tie else sd.pop("model.embed_tokens.weight").to(device=dev, dtype=dt)
-        self.lm_head = pack("model.embed_tokens.weight" if tie else "lm_head.weight")  # [c, hidden, vocab/c]
+        packed = [pack(names, norm) for names, norm in specs]
+        L = self.n_layers
+        self.wqkv, self.wo, self.wgu, self.wdown = (packed[k : 4 * L : 4] for k in range(4))
+        self.lm_head = packed[-1]  # [c, hidden, vocab/c]
+        self.ln_final = sd.pop("model.norm.weight").to(device=dev, dtype=dt)
         sd.pop("lm_head.weight", None)
         if sd:
             log.warning("%s: ignoring unexpected tensors %s", model_dir, sorted(sd)[:5])
+        if arena is not None:
+            huge = huge_page_bytes(self.lm_head)
+            log.info("weights in one %.1f MB host arena; %s MB on huge pages (transparent huge pages: %s)",
+                     arena.num_bytes / 1e6, "unknown" if huge is None else f"{huge / 1e6:.1f}", thp_mode())
         self._layers = list(zip(self.wqkv, self.wo, self.wgu, self.wdown))
         # Inputs that bmm's beta=0 never reads, shaped like the outputs of the norm-fed matrices.
         self._zeros = {w.shape: torch.zeros(w.shape[0], 1, w.shape[2], device=dev, dtype=dt)
