@@ -7,8 +7,9 @@ common default) and the mapping asked for them. torch's own CPU allocator only a
 ``THP_MEM_ALLOC_ENABLE`` is set in the environment, so the engine allocates its weights here
 instead: one mapping, 2 MiB-aligned, carved into matrices in load order.
 
-On a 2-core EPYC this made SmolLM2-135M's fp32 decode step 3-8% faster, paired in one process
-(``loadtest/chunking_bench.py --parts pages``). Where huge pages are off or unknown (other
+On a 2-core EPYC this made SmolLM2-135M's fp32 decode step 12-14% shorter, paired in one process
+(``loadtest/chunking_bench.py --parts pages``: p50 0.87, 0.86 and 0.88 of the step with torch's
+allocations, three runs). Where huge pages are off or unknown (other
 systems, ``never``) the arena is ordinary memory and everything works the same.
 """
 
