@@ -1,5 +1,5 @@
-"""How the torch engine lays out its CPU matrices, measured: the evidence behind ``_cpu_chunks`` and the
-host arena.
+"""How the torch engine lays out and multiplies its CPU matrices, measured: the evidence behind
+``_cpu_chunks``, the host arena and the CPU GEMV kernel.
 
 1. For each weight-matrix shape of the model, read bandwidth of a decode GEMV (one
    ``bmm`` over the matrix's column blocks) at several block counts, over one copy
@@ -9,8 +9,11 @@ host arena.
    machine: p50 and p99 of each and the ratio of the p50s.
 3. The same paired decode for the weights in the huge-page host arena
    (``prepos.engines.host_arena``) and in ordinary torch allocations.
+4. The same paired decode for the CPU GEMV kernel (``prepos.engines.cpu_gemv``, every
+   matrix in 32-column blocks) and torch's matmul over ``_cpu_chunks`` (the kernel also
+   gets a column in the sweep of 1).
 
-    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages]
+    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel]
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "backend"))
 
 import prepos.engines.torch_llama as torch_llama  # noqa: E402
+from prepos.engines import cpu_gemv  # noqa: E402
 
 BLOCK_COUNTS = (2, 4, 8, 16, 32, 64)
+PARTS = ("sweep", "chunks", "pages", "kernel")
 
 
-def gemv_sweep(shapes: dict[str, tuple[int, int]], layers: int, reps: int) -> dict[str, dict[int, float]]:
-    """GB/s of ``x @ W`` per shape and block count (medians of ``reps`` interleaved passes over ``layers`` copies)."""
+def gemv_sweep(shapes: dict[str, tuple[int, int]], layers: int, reps: int,
+               kernel: cpu_gemv.CpuGemv | None = None) -> dict[str, dict[int | str, float]]:
+    """GB/s of ``x @ W`` per shape and block count (medians of ``reps`` interleaved passes over ``layers`` copies);
+    with ``kernel``, also the CPU GEMV kernel's over the 32-column blocks (key ``"kernel"``)."""
     result = {}
     for name, (d_in, out) in shapes.items():
         copies = 2 if name == "lm_head" else layers
@@ -42,13 +49,20 @@ def gemv_sweep(shapes: dict[str, tuple[int, int]], layers: int, reps: int) -> di
         if out % 32 == 0 and out // 32 not in counts:
             counts.append(out // 32)
         weights = {c: [torch.randn(c, d_in, out // c) for _ in range(copies)] for c in counts}
-        times: dict[int, list[float]] = {c: [] for c in counts}
+        times: dict[int | str, list[float]] = {c: [] for c in counts}
+        if kernel is not None and out % 32 == 0:
+            times["kernel"] = []
         for _ in range(reps):
             for c in counts:
                 start = time.perf_counter()
                 for w in weights[c]:
                     torch.bmm(x.expand(c, 1, -1), w)
                 times[c].append(time.perf_counter() - start)
+            if "kernel" in times:
+                start = time.perf_counter()
+                for w in weights[out // 32]:
+                    kernel(w, x)
+                times["kernel"].append(time.perf_counter() - start)
         nbytes = d_in * out * 4 * copies
         result[name] = {c: nbytes / statistics.median(t) / 1e9 for c, t in times.items()}
     return result
@@ -81,11 +95,11 @@ def paired_decode(engines: dict[str, torch_llama.TorchLlamaEngine], blocks: int,
 
 
 def chunking_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
-    packed = torch_llama.TorchLlamaEngine(model_dir)
+    packed = torch_llama.TorchLlamaEngine(model_dir, cpu_kernels=False)
     rule = torch_llama._cpu_chunks
     torch_llama._cpu_chunks = lambda out, threads: threads if threads > 1 and out % threads == 0 else 1
     try:
-        per_thread = torch_llama.TorchLlamaEngine(model_dir)
+        per_thread = torch_llama.TorchLlamaEngine(model_dir, cpu_kernels=False)
     finally:
         torch_llama._cpu_chunks = rule
     return {"_cpu_chunks": packed, "one block per thread": per_thread}
@@ -94,6 +108,11 @@ def chunking_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
 def page_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
     return {"host arena": torch_llama.TorchLlamaEngine(model_dir),
             "torch allocations": torch_llama.TorchLlamaEngine(model_dir, host_arena=False)}
+
+
+def kernel_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
+    return {"cpu kernel": torch_llama.TorchLlamaEngine(model_dir),
+            "torch matmul": torch_llama.TorchLlamaEngine(model_dir, cpu_kernels=False)}
 
 
 def _print_paired(times: dict[str, list[float]]) -> None:
@@ -113,13 +132,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15, help="passes per block count in the GEMV sweep")
     ap.add_argument("--blocks", type=int, default=16, help="alternating blocks of decode steps")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per block")
-    ap.add_argument("--parts", default="sweep,chunks,pages",
-                    help="comma-separated: sweep (GEMV sweep), chunks (paired decode of the packings), "
-                         "pages (paired decode, host arena vs torch allocations)")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help="comma-separated: sweep (GEMV sweep), chunks (paired decode of the packings, torch matmul), "
+                         "pages (paired decode, host arena vs torch allocations), kernel (paired decode, the CPU "
+                         "GEMV kernel vs torch matmul)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if parts - {"sweep", "chunks", "pages"}:
-        ap.error(f"--parts: unknown {sorted(parts - {'sweep', 'chunks', 'pages'})}; choose from sweep, chunks, pages")
+    if parts - set(PARTS):
+        ap.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {', '.join(PARTS)}")
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -131,12 +151,13 @@ def main() -> None:
     layers = probe.n_layers
     del probe
     if "sweep" in parts:
-        print(f"threads={threads}; GEMV read bandwidth, GB/s, by column blocks (* = _cpu_chunks):")
-        for name, by_count in gemv_sweep(shapes, layers, args.reps).items():
+        print(f"threads={threads}; GEMV read bandwidth, GB/s, by column blocks (* = _cpu_chunks; "
+              "kernel: the CPU GEMV kernel over 32-column blocks):")
+        for name, by_count in gemv_sweep(shapes, layers, args.reps, cpu_gemv.load()).items():
             chosen = torch_llama._cpu_chunks(shapes[name][1], threads)
             cells = "  ".join(f"{c}{'*' if c == chosen else ''}: {gbs:.1f}" for c, gbs in by_count.items())
             print(f"  {name:8s} {shapes[name]}  {cells}")
-    for part, engines in (("chunks", chunking_engines), ("pages", page_engines)):
+    for part, engines in (("chunks", chunking_engines), ("pages", page_engines), ("kernel", kernel_engines)):
         if part in parts:
             _print_paired(paired_decode(engines(args.model_dir), args.blocks, args.steps))
 

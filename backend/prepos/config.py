@@ -53,6 +53,10 @@ class EngineConfig:
     ``memory.kv_budget_bytes``, or half the GPU memory free after the weights when that is 0."""
     cuda_graph: bool = True
     """Torch engine on CUDA: capture the decode step once as a CUDA graph (off: eager decode, for debugging)."""
+    cpu_kernels: bool = True
+    """Torch engine on CPU in float32: decode GEMVs through prepos's CPU kernel, compiled with the system C compiler
+    on first load and cached in ``$PREPOS_CACHE_DIR`` (default ``~/.cache/prepos``); where it cannot be built, and
+    when off, torch's matmul."""
     trtllm_free_gpu_memory_fraction: float = 0.85
     """TensorRT-LLM engine: share of the free GPU memory its executor takes for the KV block pool."""
     trtllm_retention_priority: int = 80

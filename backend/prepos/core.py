@@ -47,9 +47,8 @@ def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int =
     if config.name == "torch":
         from prepos.engines.torch_llama import TorchLlamaEngine
 
-        return TorchLlamaEngine(
-            str(engine_dir), device=config.device, dtype=config.dtype, num_threads=config.num_threads or None
-        )
+        return TorchLlamaEngine(str(engine_dir), device=config.device, dtype=config.dtype,
+                                num_threads=config.num_threads or None, cpu_kernels=config.cpu_kernels)
     raise ConfigError(f"engine.name: unknown engine {config.name!r}; use torch or trtllm")
 
 

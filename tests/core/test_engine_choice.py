@@ -50,8 +50,10 @@ def test_cuda_builds_the_paged_engine_with_the_configured_pool_and_pages(monkeyp
 def test_cpu_builds_the_plain_torch_engine(monkeypatch, tmp_path):
     import prepos.engines.torch_llama as torch_llama
 
-    monkeypatch.setattr(torch_llama, "TorchLlamaEngine", lambda model_dir, **kw: ("plain", kw["device"]))
-    assert core.create_engine(EngineConfig(), tmp_path) == ("plain", "cpu")
+    monkeypatch.setattr(torch_llama, "TorchLlamaEngine", lambda model_dir, **kw: ("plain", kw["device"], kw["cpu_kernels"]))
+    assert core.create_engine(EngineConfig(), tmp_path) == ("plain", "cpu", True)
+    config = read_config({"engine.cpu_kernels": "false"}, environ={})
+    assert core.create_engine(config.engine, tmp_path) == ("plain", "cpu", False)
 
 
 @pytest.mark.parametrize("value", ["0", "48", "8192"])

@@ -151,11 +151,11 @@ def test_hf_generate_agrees(tied):
     (4, [4, 4, 8, 4, 16]),  # 64 / 32 = 2 blocks would not split over 4 threads: one per thread
 ])
 def test_weight_chunking_and_generic_norm_path(tied, threads, blocks):
-    """Packed matrices follow _cpu_chunks, and every chunking gives transformers' logits."""
+    """Without the CPU kernel, packed matrices follow _cpu_chunks, and every chunking gives transformers' logits."""
     path, model = tied
     saved = torch.get_num_threads()
     try:
-        engine = TorchLlamaEngine(path, num_threads=threads, kv_block_tokens=BLOCK)
+        engine = TorchLlamaEngine(path, num_threads=threads, kv_block_tokens=BLOCK, cpu_kernels=False)
     finally:
         torch.set_num_threads(saved)
     assert [w.shape[0] for w in (engine.wqkv[0], engine.wo[0], engine.wgu[0], engine.wdown[0], engine.lm_head)] == blocks

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from prepos.engines.base import Engine, EngineInfo, common_prefix_length
+from prepos.engines import cpu_gemv
 from prepos.engines.host_arena import HostArena, huge_page_bytes, thp_mode
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,9 @@ class TorchLlamaEngine(Engine):
     intra-op thread count. ``dtype`` is the weights' and KV's; logits are float32.
     On CPU, ``host_arena`` puts the packed weights in one block of memory on
     transparent huge pages (:mod:`prepos.engines.host_arena`); off, each is an
-    ordinary torch allocation.
+    ordinary torch allocation. On CPU in float32, ``cpu_kernels`` runs the decode
+    GEMVs through :mod:`prepos.engines.cpu_gemv` (every matrix then packed in
+    32-column blocks) where that kernel can be built, else torch's matmul.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class TorchLlamaEngine(Engine):
         num_threads: int | None = None,
         kv_block_tokens: int = 256,
         host_arena: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -146,6 +150,8 @@ class TorchLlamaEngine(Engine):
         self._n_eps = self.hidden * self.eps
         self.vocab_size = cfg["vocab_size"]
         max_context = cfg.get("max_position_embeddings", 2048)
+        self._gemv = cpu_gemv.load() if cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32 else None
+        log.info("decode GEMVs: %s", f"prepos CPU kernel ({self._gemv.path})" if self._gemv else "torch matmul")
         self._load_weights(model_dir, tie=cfg.get("tie_word_embeddings", False), host_arena=host_arena)
         self._build_rope(cfg["rope_theta"], max_context)
         self._sessions: dict[str, _Session] = {}
@@ -192,7 +198,7 @@ class TorchLlamaEngine(Engine):
             if norm is not None:
                 w = w * (sd.pop(norm).float() * root_n)[None, :]
             out, d_in = w.shape
-            c = _cpu_chunks(out, threads)
+            c = out // cpu_gemv.BLOCK if self._gemv and out % cpu_gemv.BLOCK == 0 else _cpu_chunks(out, threads)
             # [out, in] -> [c, in, out/c]: block j holds outputs j*out/c.., so a flat view of the
             # bmm result [c, 1, out/c] is the output vector in order
             blocks = w.view(c, out // c, d_in).transpose(1, 2)
@@ -436,14 +442,15 @@ class TorchLlamaEngine(Engine):
         """One token at ``pos`` over ``kv[:, :, :, :pos]``; writes its KV; returns float32 logits ``[vocab]``.
 
         Activations stay 1-D and every step costs a fixed, small number of ops per layer: the
-        weights' read time is the floor, everything else is overhead. Each matmul is a ``bmm``
-        over the packed chunks (residual adds fused in as baddbmm's input). Query heads are
+        weights' read time is the floor, everything else is overhead. Each matmul is one call:
+        the CPU GEMV kernel, or a ``bmm`` over the packed chunks (residual adds fused in as
+        baddbmm's input, the norm as its alpha). Query heads are
         grouped per kv head as ``[1, KV, G, hd]`` so SDPA sees G query rows per kv head with
         every cached key visible: GQA without repeating KV or a mask.
         """
         H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
         inter, qk_width, end = self.intermediate, (H + KV) * hd, pos + 1
-        norm_mm, sdpa, baddbmm, mm = self._norm_mm, F.scaled_dot_product_attention, torch.baddbmm, torch.mm
+        norm_mm, add_mm, sdpa, mm = self._norm_mm, self._add_mm, F.scaled_dot_product_attention, torch.mm
         rot = torch.addcmul(self._eye * self.cos[pos], self._roll, self.sin_signed[pos])  # [hd, hd]
         # Per-layer views, made once per step: this position's KV slots and the keys/values so far.
         k_new, v_new = kv[:, 0, :, pos].unbind(0), kv[:, 1, :, pos].unbind(0)  # layers x [KV, hd]
@@ -456,15 +463,22 @@ class TorchLlamaEngine(Engine):
             v_new[i].copy_(qkv[qk_width:].view(KV, hd))
             # 4-D inputs: SDPA's CPU flash kernel; 3-D ones fall back to the slower math path.
             a = sdpa(qk[:H].view(1, KV, G, hd), k_all[i], v_all[i])  # [1, KV, G, hd]
-            c = wo.shape[0]
-            x = baddbmm(x.view(c, 1, -1), a.reshape(1, 1, -1).expand(c, 1, -1), wo).view(-1)  # [hidden]
+            x = add_mm(wo, a.reshape(-1), x)  # [hidden]
             gu = norm_mm(wgu, x)  # [2*inter]
-            c = wdown.shape[0]
             act = F.silu(gu[:inter]).mul_(gu[inter:])  # [inter]
-            x = baddbmm(x.view(c, 1, -1), act.expand(c, 1, -1), wdown).view(-1)
+            x = add_mm(wdown, act, x)
         h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
+        if self._gemv is not None and self.lm_head.shape[2] == cpu_gemv.BLOCK:
+            return self._gemv.unchecked(self.lm_head, h, 1.0, None)  # [vocab]
         c = self.lm_head.shape[0]
         return torch.bmm(h.expand(c, 1, -1), self.lm_head).view(-1).float()  # [vocab]
+
+    def _add_mm(self, w: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x + v @ w`` for 1-D contiguous ``v`` and ``x`` and packed ``w``."""
+        if self._gemv is not None and w.shape[2] == cpu_gemv.BLOCK:
+            return self._gemv.unchecked(w, v, 1.0, x)
+        c = w.shape[0]
+        return torch.baddbmm(x.view(c, 1, -1), v.expand(c, 1, -1), w).view(-1)
 
     def _norm_mm(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``rmsnorm(x) @ w`` for 1-D ``x`` and packed ``w`` (the norm's weight folded into it)."""
@@ -474,6 +488,8 @@ class TorchLlamaEngine(Engine):
             # Reading a scalar back costs nothing on CPU, and baddbmm's alpha then applies the
             # norm without another op (beta=0: the zeros input is never read).
             r = (torch.dot(xf, xf).item() + self._n_eps) ** -0.5
+            if self._gemv is not None and w.shape[2] == cpu_gemv.BLOCK:
+                return self._gemv.unchecked(w, x, r, None)
             return torch.baddbmm(self._zeros[w.shape], x.expand(c, 1, -1), w, beta=0, alpha=r).view(-1)
         h = (xf * torch.rsqrt(torch.dot(xf, xf) + self._n_eps)).to(x.dtype)
         return torch.bmm(h.expand(c, 1, -1), w).view(-1)
