@@ -9,7 +9,7 @@
    machine: p50 and p99 of each and the ratio of the p50s.
 3. The same paired decode for the weights in the huge-page host arena
    (``prepos.engines.host_arena``) and in ordinary torch allocations.
-4. The same paired decode for the CPU GEMV kernel (``prepos.engines.cpu_gemv``, every
+4. The same paired decode for the CPU GEMV kernel (``prepos.engines.cpu_kernels``, every
    matrix in 32-column blocks) and torch's matmul over ``_cpu_chunks`` (the kernel also
    gets a column in the sweep of 1).
 
@@ -31,14 +31,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "backend"))
 
 import prepos.engines.torch_llama as torch_llama  # noqa: E402
-from prepos.engines import cpu_gemv  # noqa: E402
+from prepos.engines import cpu_kernels  # noqa: E402
 
 BLOCK_COUNTS = (2, 4, 8, 16, 32, 64)
 PARTS = ("sweep", "chunks", "pages", "kernel")
 
 
 def gemv_sweep(shapes: dict[str, tuple[int, int]], layers: int, reps: int,
-               kernel: cpu_gemv.CpuGemv | None = None) -> dict[str, dict[int | str, float]]:
+               kernel: cpu_kernels.CpuKernels | None = None) -> dict[str, dict[int | str, float]]:
     """GB/s of ``x @ W`` per shape and block count (medians of ``reps`` interleaved passes over ``layers`` copies);
     with ``kernel``, also the CPU GEMV kernel's over the 32-column blocks (key ``"kernel"``)."""
     result = {}
@@ -61,7 +61,7 @@ def gemv_sweep(shapes: dict[str, tuple[int, int]], layers: int, reps: int,
             if "kernel" in times:
                 start = time.perf_counter()
                 for w in weights[out // 32]:
-                    kernel(w, x)
+                    kernel.gemv(w, x)
                 times["kernel"].append(time.perf_counter() - start)
         nbytes = d_in * out * 4 * copies
         result[name] = {c: nbytes / statistics.median(t) / 1e9 for c, t in times.items()}
@@ -153,7 +153,7 @@ def main() -> None:
     if "sweep" in parts:
         print(f"threads={threads}; GEMV read bandwidth, GB/s, by column blocks (* = _cpu_chunks; "
               "kernel: the CPU GEMV kernel over 32-column blocks):")
-        for name, by_count in gemv_sweep(shapes, layers, args.reps, cpu_gemv.load()).items():
+        for name, by_count in gemv_sweep(shapes, layers, args.reps, cpu_kernels.load()).items():
             chosen = torch_llama._cpu_chunks(shapes[name][1], threads)
             cells = "  ".join(f"{c}{'*' if c == chosen else ''}: {gbs:.1f}" for c, gbs in by_count.items())
             print(f"  {name:8s} {shapes[name]}  {cells}")

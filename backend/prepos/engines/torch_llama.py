@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from prepos.engines.base import Engine, EngineInfo, common_prefix_length
-from prepos.engines import cpu_gemv
+from prepos.engines import cpu_kernels as kernels_lib
 from prepos.engines.host_arena import HostArena, huge_page_bytes, thp_mode
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,8 @@ class TorchLlamaEngine(Engine):
     On CPU, ``host_arena`` puts the packed weights in one block of memory on
     transparent huge pages (:mod:`prepos.engines.host_arena`); off, each is an
     ordinary torch allocation. On CPU in float32, ``cpu_kernels`` runs the decode
-    GEMVs through :mod:`prepos.engines.cpu_gemv` (every matrix then packed in
-    32-column blocks) where that kernel can be built, else torch's matmul.
+    GEMVs and attention through :mod:`prepos.engines.cpu_kernels` (every matrix
+    then packed in 32-column blocks) where those can be built, else torch's ops.
     """
 
     def __init__(
@@ -150,8 +150,13 @@ class TorchLlamaEngine(Engine):
         self._n_eps = self.hidden * self.eps
         self.vocab_size = cfg["vocab_size"]
         max_context = cfg.get("max_position_embeddings", 2048)
-        self._gemv = cpu_gemv.load() if cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32 else None
-        log.info("decode GEMVs: %s", f"prepos CPU kernel ({self._gemv.path})" if self._gemv else "torch matmul")
+        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        self._kernels = kernels_lib.load() if cpu_kernels and cpu_fp32 else None
+        self._kernel_attention = (self._kernels is not None and self.group <= kernels_lib.MAX_GROUP
+                                  and self.head_dim <= kernels_lib.MAX_HEAD_DIM)
+        log.info("decode GEMVs: %s; decode attention: %s",
+                 f"prepos CPU kernels ({self._kernels.path})" if self._kernels else "torch matmul",
+                 "prepos CPU kernels" if self._kernel_attention else "torch SDPA")
         self._load_weights(model_dir, tie=cfg.get("tie_word_embeddings", False), host_arena=host_arena)
         self._build_rope(cfg["rope_theta"], max_context)
         self._sessions: dict[str, _Session] = {}
@@ -198,7 +203,7 @@ class TorchLlamaEngine(Engine):
             if norm is not None:
                 w = w * (sd.pop(norm).float() * root_n)[None, :]
             out, d_in = w.shape
-            c = out // cpu_gemv.BLOCK if self._gemv and out % cpu_gemv.BLOCK == 0 else _cpu_chunks(out, threads)
+            c = out // kernels_lib.BLOCK if self._kernels and out % kernels_lib.BLOCK == 0 else _cpu_chunks(out, threads)
             # [out, in] -> [c, in, out/c]: block j holds outputs j*out/c.., so a flat view of the
             # bmm result [c, 1, out/c] is the output vector in order
             blocks = w.view(c, out // c, d_in).transpose(1, 2)
@@ -444,7 +449,7 @@ class TorchLlamaEngine(Engine):
         Activations stay 1-D and every step costs a fixed, small number of ops per layer: the
         weights' read time is the floor, everything else is overhead. Each matmul is one call:
         the CPU GEMV kernel, or a ``bmm`` over the packed chunks (residual adds fused in as
-        baddbmm's input, the norm as its alpha). Query heads are
+        baddbmm's input, the norm as its alpha). Attention is the CPU kernel's, or SDPA's. Query heads are
         grouped per kv head as ``[1, KV, G, hd]`` so SDPA sees G query rows per kv head with
         every cached key visible: GQA without repeating KV or a mask.
         """
@@ -455,28 +460,35 @@ class TorchLlamaEngine(Engine):
         # Per-layer views, made once per step: this position's KV slots and the keys/values so far.
         k_new, v_new = kv[:, 0, :, pos].unbind(0), kv[:, 1, :, pos].unbind(0)  # layers x [KV, hd]
         k_all, v_all = kv[:, 0, None, :, :end].unbind(0), kv[:, 1, None, :, :end].unbind(0)  # layers x [1, KV, end, hd]
+        attend = self._kernels.attend_unchecked if self._kernel_attention and kv.is_contiguous() else None
+        if attend is not None:  # the kernel takes raw addresses: layer i's K at base + i * layer, its V half a layer on
+            cap = kv.shape[3]
+            base, layer, head = kv.data_ptr(), 2 * KV * cap * hd * kv.element_size(), cap * hd
         x = self._embed(token_id).contiguous()  # [hidden]
         for i, (wqkv, wo, wgu, wdown) in enumerate(self._layers):
             qkv = norm_mm(wqkv, x)  # [(H+2KV)*hd]
             qk = mm(qkv[:qk_width].view(H + KV, hd), rot)  # [H+KV, hd], RoPE applied
             k_new[i].copy_(qk[H:])
             v_new[i].copy_(qkv[qk_width:].view(KV, hd))
-            # 4-D inputs: SDPA's CPU flash kernel; 3-D ones fall back to the slower math path.
-            a = sdpa(qk[:H].view(1, KV, G, hd), k_all[i], v_all[i])  # [1, KV, G, hd]
-            x = add_mm(wo, a.reshape(-1), x)  # [hidden]
+            if attend is not None:
+                a = attend(qk[:H], base + i * layer, base + i * layer + layer // 2, KV, G, hd, end, head)  # [H*hd]
+            else:
+                # 4-D inputs: SDPA's CPU flash kernel; 3-D ones fall back to the slower math path.
+                a = sdpa(qk[:H].view(1, KV, G, hd), k_all[i], v_all[i]).reshape(-1)  # [H*hd]
+            x = add_mm(wo, a, x)  # [hidden]
             gu = norm_mm(wgu, x)  # [2*inter]
             act = F.silu(gu[:inter]).mul_(gu[inter:])  # [inter]
             x = add_mm(wdown, act, x)
         h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
-        if self._gemv is not None and self.lm_head.shape[2] == cpu_gemv.BLOCK:
-            return self._gemv.unchecked(self.lm_head, h, 1.0, None)  # [vocab]
+        if self._kernels is not None and self.lm_head.shape[2] == kernels_lib.BLOCK:
+            return self._kernels.gemv_unchecked(self.lm_head, h, 1.0, None)  # [vocab]
         c = self.lm_head.shape[0]
         return torch.bmm(h.expand(c, 1, -1), self.lm_head).view(-1).float()  # [vocab]
 
     def _add_mm(self, w: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x + v @ w`` for 1-D contiguous ``v`` and ``x`` and packed ``w``."""
-        if self._gemv is not None and w.shape[2] == cpu_gemv.BLOCK:
-            return self._gemv.unchecked(w, v, 1.0, x)
+        if self._kernels is not None and w.shape[2] == kernels_lib.BLOCK:
+            return self._kernels.gemv_unchecked(w, v, 1.0, x)
         c = w.shape[0]
         return torch.baddbmm(x.view(c, 1, -1), v.expand(c, 1, -1), w).view(-1)
 
@@ -488,8 +500,8 @@ class TorchLlamaEngine(Engine):
             # Reading a scalar back costs nothing on CPU, and baddbmm's alpha then applies the
             # norm without another op (beta=0: the zeros input is never read).
             r = (torch.dot(xf, xf).item() + self._n_eps) ** -0.5
-            if self._gemv is not None and w.shape[2] == cpu_gemv.BLOCK:
-                return self._gemv.unchecked(w, x, r, None)
+            if self._kernels is not None and w.shape[2] == kernels_lib.BLOCK:
+                return self._kernels.gemv_unchecked(w, x, r, None)
             return torch.baddbmm(self._zeros[w.shape], x.expand(c, 1, -1), w, beta=0, alpha=r).view(-1)
         h = (xf * torch.rsqrt(torch.dot(xf, xf) + self._n_eps)).to(x.dtype)
         return torch.bmm(h.expand(c, 1, -1), w).view(-1)

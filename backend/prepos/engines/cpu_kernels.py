@@ -1,0 +1,188 @@
+"""The torch engine's CPU decode kernels (``cpu_kernels.c``), compiled for this machine on first use.
+
+A decode step on CPU is a matrix-vector product per weight matrix, bound by reading the weights, plus
+one token's attention over the session's cached keys and values. On a 2-core AMD EPYC, torch's batched
+matmul (MKL) read SmolLM2-135M's matrices at 15-29 GB/s where a plain sum over memory reads 31-34 GB/s,
+and its CPU flash attention read a 2,000-token KV cache at about 8 GB/s. ``cpu_kernels.c`` has a GEMV
+over 32-column blocks that each thread streams front to back, and a one-token attention whose work items
+are (kv head, chunk of keys), so both threads share even one head's keys
+(``loadtest/chunking_bench.py --parts sweep,kernel`` measures them).
+
+:func:`load` compiles the source with the system C compiler (``$CC``, else ``cc``) at ``-O3 -march=native
+-ffast-math -fopenmp`` into a cache directory (``$PREPOS_CACHE_DIR``, else ``$XDG_CACHE_HOME/prepos`` or
+``~/.cache/prepos``), keyed by the source, the flags, the compiler's version and the CPU's flags, so the
+next load on the same machine reuses it; then checks both kernels against torch on random input before
+handing them out. The library links libgomp by soname, which torch has already loaded, so the kernels run
+on torch's own OpenMP runtime rather than a second thread pool. Where any step fails (no compiler, no
+OpenMP, a wrong result) :func:`load` logs why and returns ``None``, and the engine keeps torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32  # columns per block, fixed by the kernel
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
+ATTENTION_CHUNK = 256  # keys per work item, ATTN_CHUNK in the source
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # query heads per kv head and head size the attention kernel takes
+_ABI = 2
+
+
+class CpuKernels:
+    """The compiled kernels: :meth:`gemv` and :meth:`attend` check their input; the ``*_unchecked`` forms are
+    for the engine's decode step, which packed its weights for them and made its vectors itself."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._gemv = lib.prepos_gemv32
+        self._gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+        self._gemv.restype = None
+        self._attend = lib.prepos_decode_attention
+        self._attend.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int]
+        self._attend.restype = None
+
+    def gemv(self, w: torch.Tensor, x: torch.Tensor, *, alpha: float = 1.0,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``[blocks * 32]`` float32: ``alpha * (x @ W)``, plus ``residual`` when given.
+
+        ``w`` is ``[blocks, k, 32]``, ``x`` ``[k]``, ``residual`` ``[blocks * 32]``; all float32, contiguous, on
+        CPU (``ValueError`` otherwise: the kernel reads raw memory and must not be handed anything else).
+        """
+        blocks, k, width = w.shape
+        out = blocks * BLOCK
+        for name, t, shape in (("w", w, (blocks, k, BLOCK)), ("x", x, (k,)), ("residual", residual, (out,))):
+            if t is not None and (tuple(t.shape) != shape or t.dtype != torch.float32 or t.device.type != "cpu"
+                                  or not t.is_contiguous()):
+                raise ValueError(f"{name}: need a contiguous float32 CPU tensor {shape}, got "
+                                 f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        return self.gemv_unchecked(w, x, alpha, residual)
+
+    def gemv_unchecked(self, w: torch.Tensor, x: torch.Tensor, alpha: float, residual: torch.Tensor | None
+                       ) -> torch.Tensor:
+        y = torch.empty(w.shape[0] * BLOCK)
+        self._gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), None if residual is None else residual.data_ptr(),
+                   alpha, w.shape[0], w.shape[1], torch.get_num_threads())
+        return y
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One token's attention: ``q [kv_heads, group, head_dim]`` over keys and values ``[kv_heads, n, head_dim]``
+        (each head's rows contiguous; heads may sit further apart, as in a KV cache with spare capacity), scaled
+        by ``1/sqrt(head_dim)``, no mask. Returns ``[kv_heads * group * head_dim]``, heads in ``q``'s order.
+        ``ValueError`` names what does not fit (float32 CPU tensors, ``group <= 16``, ``head_dim <= 256``)."""
+        kv_heads, group, head_dim = q.shape
+        n = k.shape[1]
+        if group > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"q: group {group} and head_dim {head_dim} must be at most {MAX_GROUP} and {MAX_HEAD_DIM}")
+        if not q.is_contiguous():
+            raise ValueError("q: must be contiguous")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ValueError(f"{name}: need float32 on CPU, got {t.dtype} on {t.device}")
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != (kv_heads, n, head_dim) or t.stride()[1:] != (head_dim, 1) or n < 1:
+                raise ValueError(f"{name}: need [{kv_heads}, n >= 1, {head_dim}] with contiguous rows, got "
+                                 f"{tuple(t.shape)} strides {t.stride()}")
+        if k.stride(0) != v.stride(0):
+            raise ValueError(f"k and v: head strides differ ({k.stride(0)} vs {v.stride(0)})")
+        return self.attend_unchecked(q, k.data_ptr(), v.data_ptr(), kv_heads, group, head_dim, n, k.stride(0))
+
+    def attend_unchecked(self, q: torch.Tensor, k_ptr: int, v_ptr: int, kv_heads: int, group: int, head_dim: int,
+                         n: int, head_stride: int) -> torch.Tensor:
+        out = torch.empty(kv_heads * group * head_dim)
+        chunks = -(-n // ATTENTION_CHUNK)
+        work = torch.empty(kv_heads * chunks * group * (head_dim + 2))
+        self._attend(q.data_ptr(), k_ptr, v_ptr, out.data_ptr(), work.data_ptr(), kv_heads, group, head_dim, n,
+                     head_stride, head_dim ** -0.5, torch.get_num_threads())
+        return out
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("PREPOS_CACHE_DIR"):
+        return Path(os.environ["PREPOS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "prepos"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str, cache: Path) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in
+                                    (source, " ".join(FLAGS + LIBS), version, _cpu_flags(), platform.machine()))).hexdigest()
+    path = cache / f"cpu_kernels-{key[:16]}.so"
+    if path.exists():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, path)  # atomic: a concurrent load sees the old state or the whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("compiled %s -> %s", SOURCE.name, path)
+    return path
+
+
+def _self_test(kernels: CpuKernels) -> None:
+    g = torch.Generator().manual_seed(0)
+    for blocks, k in ((3, 40), (5, 7), (1, 1)):
+        w, x, res = (torch.randn(blocks, k, BLOCK, generator=g), torch.randn(k, generator=g),
+                     torch.randn(blocks * BLOCK, generator=g))
+        want = torch.bmm(x.expand(blocks, 1, k), w).view(-1)
+        for got, expected in ((kernels.gemv(w, x, alpha=0.5, residual=res), res + 0.5 * want), (kernels.gemv(w, x), want)):
+            if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
+                raise RuntimeError(f"self-test: gemv wrong for [{blocks}, {k}, 32] "
+                                   f"(max error {(got - expected).abs().max().item():.3g})")
+    for kv_heads, group, head_dim, n in ((2, 3, 16, 1), (1, 1, 8, 300), (3, 2, 64, 700)):
+        q = torch.randn(kv_heads, group, head_dim, generator=g)
+        cache = torch.randn(2, kv_heads, n + 5, head_dim, generator=g)[:, :, :n]  # heads further apart than n rows
+        got = kernels.attend(q, cache[0], cache[1])
+        want = torch.nn.functional.scaled_dot_product_attention(q[None], cache[0][None], cache[1][None]).reshape(-1)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"self-test: attention wrong for {kv_heads} kv heads x {group}, head_dim {head_dim}, "
+                               f"{n} keys (max error {(got - want).abs().max().item():.3g})")
+
+
+def load(cache_dir: str | os.PathLike | None = None) -> CpuKernels | None:
+    """The compiled kernels, checked against torch; ``None`` (with the reason logged) where it cannot be had."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        log.info("CPU kernels not built: no C compiler (%s) on PATH; decode uses torch's ops", compiler)
+        return None
+    try:
+        path = _build(compiler, Path(cache_dir) if cache_dir else _cache_dir())
+        lib = ctypes.CDLL(str(path))
+        if lib.prepos_kernels_abi() != _ABI:
+            raise RuntimeError(f"{path}: ABI {lib.prepos_kernels_abi()}, expected {_ABI}")
+        kernels = CpuKernels(lib, path)
+        _self_test(kernels)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("CPU kernels unavailable (%s); decode uses torch's ops", e)
+        return None
+    return kernels

@@ -1,0 +1,189 @@
+"""The CPU decode kernels (GEMV, one token's attention): build and cache, checks, results against torch, and the
+engine on them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prepos.engines import cpu_kernels
+from prepos.engines.torch_llama import TorchLlamaEngine
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
+                                reason="no C compiler on PATH: the kernel cannot be built here")
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    built = cpu_kernels.load(tmp_path_factory.mktemp("cache"))
+    assert built is not None, "the kernels did not build or failed their self-test (see the log)"
+    return built
+
+
+def _threads(n: int):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return saved
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("blocks, k", [(1, 1), (4, 64), (7, 33), (96, 576)])
+def test_gemv_matches_torch(kernels, threads, blocks, k):
+    g = torch.Generator().manual_seed(blocks * 1000 + k)
+    w = torch.randn(blocks, k, 32, generator=g)
+    x, res = torch.randn(k, generator=g), torch.randn(blocks * 32, generator=g)
+    want = torch.bmm(x.expand(blocks, 1, k), w).view(-1)
+    saved = _threads(threads)
+    try:
+        plain, scaled = kernels.gemv(w, x), kernels.gemv(w, x, alpha=-0.25, residual=res)
+    finally:
+        torch.set_num_threads(saved)
+    tol = dict(rtol=1e-5, atol=1e-5 * k ** 0.5)
+    assert torch.allclose(plain, want, **tol)
+    assert torch.allclose(scaled, res - 0.25 * want, **tol)
+
+
+def test_gemv_reads_the_residual_and_does_not_write_it(kernels):
+    w, x = torch.ones(2, 3, 32), torch.ones(3)
+    res = torch.arange(64, dtype=torch.float32)
+    before = res.clone()
+    y = kernels.gemv(w, x, residual=res)
+    assert res.equal(before) and y.equal(before + 3)
+
+
+@pytest.mark.parametrize("w, x, res, field", [
+    (torch.ones(2, 3, 16), torch.ones(3), None, "w"),  # blocks of 16 columns
+    (torch.ones(2, 3, 32, dtype=torch.float64), torch.ones(3), None, "w"),
+    (torch.ones(2, 32, 3).transpose(1, 2), torch.ones(3), None, "w"),  # not contiguous
+    (torch.ones(2, 3, 32), torch.ones(4), None, "x"),
+    (torch.ones(2, 3, 32), torch.ones(6)[::2], None, "x"),
+    (torch.ones(2, 3, 32), torch.ones(3), torch.ones(32), "residual"),
+    (torch.ones(2, 3, 32), torch.ones(3), torch.ones(64, dtype=torch.float16), "residual"),
+])
+def test_gemv_refuses_bad_input_by_name(kernels, w, x, res, field):
+    with pytest.raises(ValueError, match=f"^{field}: need a contiguous float32 CPU tensor"):
+        kernels.gemv(w, x, residual=res)
+
+
+def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
+    first = cpu_kernels.load(tmp_path)
+    built = sorted(tmp_path.iterdir())
+    assert first is not None and [p.name for p in built] == [first.path.name]
+    stamp = first.path.stat().st_mtime_ns
+    again = cpu_kernels.load(tmp_path)
+    assert again.path == first.path and again.path.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    monkeypatch.setattr(cpu_kernels, "FLAGS", (*cpu_kernels.FLAGS, "-DPREPOS_TEST_KEY"))
+    other = cpu_kernels.load(tmp_path)
+    assert other.path != first.path and len(list(tmp_path.iterdir())) == 2  # new flags, new library
+
+
+def test_no_compiler_or_a_failing_one_gives_none(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="prepos.engines.cpu_kernels")
+    monkeypatch.setenv("CC", "prepos-no-such-compiler")
+    assert cpu_kernels.load(tmp_path) is None
+    assert "no C compiler" in caplog.text
+    broken = tmp_path / "bin" / "cc"
+    broken.parent.mkdir()
+    broken.write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    assert cpu_kernels.load(tmp_path / "cache") is None
+    assert "broken compiler" in caplog.text
+    assert not any((tmp_path / "cache").glob("*.so"))  # no half-written library left behind
+
+
+@pytest.mark.parametrize("kernel, bug, wrong", [
+    ("gemv", "alpha * (a[j] + b[j])", "alpha * a[j]"),  # drops every other row
+    ("attention", "o[d] /= l;", "o[d] /= l + 1e-3f;"),
+])
+def test_a_wrong_kernel_fails_the_self_test(tmp_path, monkeypatch, caplog, kernel, bug, wrong):
+    source = tmp_path / "cpu_kernels.c"
+    source.write_text(cpu_kernels.SOURCE.read_text().replace(bug, wrong))
+    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    assert cpu_kernels.load(tmp_path / "cache") is None
+    assert f"self-test: {kernel} wrong" in caplog.text
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kv_heads, group, head_dim, n", [
+    (1, 1, 8, 1), (2, 3, 64, 255), (2, 3, 64, 256), (2, 3, 64, 257),  # around one chunk of keys
+    (3, 3, 64, 1000), (8, 4, 128, 600), (1, 16, 256, 40),
+])
+def test_attention_matches_sdpa(kernels, threads, kv_heads, group, head_dim, n):
+    g = torch.Generator().manual_seed(n * 7 + group)
+    q = torch.randn(kv_heads, group, head_dim, generator=g) * 3  # peaked softmax: a wrong max would show
+    cache = torch.randn(2, kv_heads, n + 9, head_dim, generator=g)[:, :, :n]  # spare capacity between heads
+    want = F.scaled_dot_product_attention(q[None], cache[0][None], cache[1][None]).reshape(-1)
+    saved = _threads(threads)
+    try:
+        got = kernels.attend(q, cache[0], cache[1])
+    finally:
+        torch.set_num_threads(saved)
+    assert got.shape == (kv_heads * group * head_dim,)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("q, k, v, problem", [
+    (torch.ones(2, 17, 8), torch.ones(2, 5, 8), torch.ones(2, 5, 8), "group 17"),
+    (torch.ones(1, 1, 512), torch.ones(1, 5, 512), torch.ones(1, 5, 512), "head_dim 512"),
+    (torch.ones(2, 8, 3).transpose(1, 2), torch.ones(2, 5, 8), torch.ones(2, 5, 8), "q: must be contiguous"),
+    (torch.ones(2, 3, 8), torch.ones(2, 5, 8, dtype=torch.float64), torch.ones(2, 5, 8), "k: need float32"),
+    (torch.ones(2, 3, 8), torch.ones(2, 5, 8), torch.ones(2, 4, 8), r"v: need \[2, n >= 1, 8\]"),
+    (torch.ones(2, 3, 8), torch.ones(2, 8, 5).transpose(1, 2), torch.ones(2, 5, 8), "k: need"),  # rows not contiguous
+    (torch.ones(2, 3, 8), torch.ones(2, 0, 8), torch.ones(2, 0, 8), "k: need"),
+    (torch.ones(2, 3, 8), torch.ones(2, 9, 8)[:, :5], torch.ones(2, 5, 8), "head strides differ"),
+])
+def test_attention_refuses_bad_input_by_name(kernels, q, k, v, problem):
+    with pytest.raises(ValueError, match=problem):
+        kernels.attend(q, k, v)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_engine_on_the_kernel_matches_torch_matmul(which, threads, request):
+    path, model = request.getfixturevalue(which)
+    saved = torch.get_num_threads()
+    try:
+        kernel = TorchLlamaEngine(path, num_threads=threads)
+        plain = TorchLlamaEngine(path, num_threads=threads, cpu_kernels=False)
+        assert kernel._kernels is not None and kernel._kernel_attention and plain._kernels is None
+        matrices = (kernel.wqkv[0], kernel.wo[0], kernel.wgu[0], kernel.wdown[0], kernel.lm_head)
+        assert [tuple(w.shape[::2]) for w in matrices] == [(4, 32), (2, 32), (8, 32), (2, 32), (16, 32)]
+        ids = [3, 14, 159, 26, 5, 358, 97, 93]
+        with torch.no_grad():
+            hf = model(torch.tensor([ids])).logits[0]
+        assert torch.allclose(kernel.prefill("s", ids[:4]), plain.prefill("s", ids[:4]), atol=1e-5)
+        for n in range(4, len(ids)):
+            got, want = kernel.decode("s", ids[n]), plain.decode("s", ids[n])
+            assert torch.allclose(got, want, atol=1e-5)
+            assert (got - hf[n]).abs().max().item() <= 1e-4
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_engine_keeps_torch_matmul_off_float32(tied):
+    path, _ = tied
+    assert TorchLlamaEngine(path, dtype="bfloat16")._kernels is None
+
+
+def test_engine_decode_past_several_key_chunks(tmp_path):
+    """Decode attention over more keys than one work item holds (and a KV that has grown) matches SDPA's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(7)
+    LlamaForCausalLM(config).save_pretrained(str(tmp_path), safe_serialization=True)
+    kernel = TorchLlamaEngine(str(tmp_path), kv_block_tokens=128)
+    plain = TorchLlamaEngine(str(tmp_path), kv_block_tokens=128, cpu_kernels=False)
+    ids = torch.randint(0, 300, (700,), generator=torch.Generator().manual_seed(3)).tolist()
+    kernel.prefill("s", ids[:600])
+    plain.prefill("s", ids[:600])
+    for token in ids[600:]:  # crosses KV capacity 640: the cache regrows under the kernel
+        assert torch.allclose(kernel.decode("s", token), plain.decode("s", token), atol=1e-5)
+    assert kernel._sessions["s"].kv.shape[3] == 768
