@@ -143,15 +143,19 @@ def test_attention_refuses_bad_input_by_name(kernels, q, k, v, problem):
         kernels.attend(q, k, v)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["all-layers-call", "call-per-op"])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("which", ["tied", "untied"])
-def test_engine_on_the_kernel_matches_torch_matmul(which, threads, request):
+def test_engine_on_the_kernel_matches_torch_matmul(which, threads, fused, request):
     path, model = request.getfixturevalue(which)
     saved = torch.get_num_threads()
     try:
         kernel = TorchLlamaEngine(path, num_threads=threads)
         plain = TorchLlamaEngine(path, num_threads=threads, cpu_kernels=False)
         assert kernel._kernels is not None and kernel._kernel_attention and plain._kernels is None
+        assert kernel._decode_layers is not None and plain._decode_layers is None
+        if not fused:
+            kernel._decode_layers = None  # the GEMV and attention kernels called op by op
         matrices = (kernel.wqkv[0], kernel.wo[0], kernel.wgu[0], kernel.wdown[0], kernel.lm_head)
         assert [tuple(w.shape[::2]) for w in matrices] == [(4, 32), (2, 32), (8, 32), (2, 32), (16, 32)]
         ids = [3, 14, 159, 26, 5, 358, 97, 93]
@@ -181,9 +185,26 @@ def test_engine_decode_past_several_key_chunks(tmp_path):
     LlamaForCausalLM(config).save_pretrained(str(tmp_path), safe_serialization=True)
     kernel = TorchLlamaEngine(str(tmp_path), kv_block_tokens=128)
     plain = TorchLlamaEngine(str(tmp_path), kv_block_tokens=128, cpu_kernels=False)
+    assert kernel._decode_layers is not None  # vocab 300 keeps the lm_head off the kernel; the layers are on it
     ids = torch.randint(0, 300, (700,), generator=torch.Generator().manual_seed(3)).tolist()
     kernel.prefill("s", ids[:600])
     plain.prefill("s", ids[:600])
     for token in ids[600:]:  # crosses KV capacity 640: the cache regrows under the kernel
         assert torch.allclose(kernel.decode("s", token), plain.decode("s", token), atol=1e-5)
     assert kernel._sessions["s"].kv.shape[3] == 768
+
+
+def test_decode_layers_refuses_matrices_it_cannot_read(kernels, tied):
+    path, _ = tied
+    saved = torch.get_num_threads()
+    try:  # on one thread _cpu_chunks keeps each matrix whole: [1, in, out]
+        engine = TorchLlamaEngine(path, num_threads=1, cpu_kernels=False)
+    finally:
+        torch.set_num_threads(saved)
+    dims = dict(heads=engine.n_heads, kv_heads=engine.n_kv_heads, head_dim=engine.head_dim,
+                inter=engine.intermediate, n_eps=engine._n_eps)
+    with pytest.raises(ValueError, match="need .* float32 contiguous"):
+        cpu_kernels.DecodeLayers(kernels, engine.wqkv, engine.wo, engine.wgu, engine.wdown, **dims)
+    packed = TorchLlamaEngine(path)
+    with pytest.raises(ValueError, match="outside what the attention kernel takes"):
+        cpu_kernels.DecodeLayers(kernels, packed.wqkv, packed.wo, packed.wgu, packed.wdown, **{**dims, "kv_heads": 3})

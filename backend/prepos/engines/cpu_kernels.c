@@ -8,38 +8,42 @@
 
 #include <math.h>
 
-int prepos_kernels_abi(void) { return 2; }
+int prepos_kernels_abi(void) { return 3; }
 
 /* y = alpha * (x @ W) [+ residual]. W is packed in 32-column blocks, [blocks, k, 32] row-major: block c
  * holds outputs 32c..32c+31 and is one contiguous run of memory. Each thread takes a contiguous range of
  * blocks (schedule static), so each streams its own part of the matrix front to back, which is all a
  * memory-bound GEMV needs. Two rows per iteration, each into its own 32-float accumulator, keep two
  * independent FMA chains per vector register. */
+/* Block c of y = alpha * (x @ W) [+ residual] (residual may be y itself: each element is read before written). */
+static inline void gemv_block(const float *restrict w, const float *restrict x, float *y, const float *residual,
+                              float alpha, long c, long k) {
+  const float *wc = w + c * k * 32;
+  float a[32] = {0}, b[32] = {0};
+  long i = 0;
+  for (; i + 1 < k; i += 2) {
+    const float x0 = x[i], x1 = x[i + 1];
+    const float *r0 = wc + i * 32, *r1 = r0 + 32;
+    for (int j = 0; j < 32; j++) a[j] += x0 * r0[j];
+    for (int j = 0; j < 32; j++) b[j] += x1 * r1[j];
+  }
+  if (i < k) {
+    const float x0 = x[i], *r0 = wc + i * 32;
+    for (int j = 0; j < 32; j++) a[j] += x0 * r0[j];
+  }
+  float *out = y + c * 32;
+  if (residual) {
+    const float *res = residual + c * 32;
+    for (int j = 0; j < 32; j++) out[j] = res[j] + alpha * (a[j] + b[j]);
+  } else {
+    for (int j = 0; j < 32; j++) out[j] = alpha * (a[j] + b[j]);
+  }
+}
+
 void prepos_gemv32(const float *restrict w, const float *restrict x, float *restrict y,
                    const float *restrict residual, float alpha, long blocks, long k, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (long c = 0; c < blocks; c++) {
-    const float *wc = w + c * k * 32;
-    float a[32] = {0}, b[32] = {0};
-    long i = 0;
-    for (; i + 1 < k; i += 2) {
-      const float x0 = x[i], x1 = x[i + 1];
-      const float *r0 = wc + i * 32, *r1 = r0 + 32;
-      for (int j = 0; j < 32; j++) a[j] += x0 * r0[j];
-      for (int j = 0; j < 32; j++) b[j] += x1 * r1[j];
-    }
-    if (i < k) {
-      const float x0 = x[i], *r0 = wc + i * 32;
-      for (int j = 0; j < 32; j++) a[j] += x0 * r0[j];
-    }
-    float *out = y + c * 32;
-    if (residual) {
-      const float *res = residual + c * 32;
-      for (int j = 0; j < 32; j++) out[j] = res[j] + alpha * (a[j] + b[j]);
-    } else {
-      for (int j = 0; j < 32; j++) out[j] = alpha * (a[j] + b[j]);
-    }
-  }
+  for (long c = 0; c < blocks; c++) gemv_block(w, x, y, residual, alpha, c, k);
 }
 
 #define ATTN_CHUNK 256 /* keys per work item */
@@ -52,59 +56,143 @@ void prepos_gemv32(const float *restrict w, const float *restrict x, float *rest
  * one kv head's keys. An item scores its keys for the group's query heads, takes its own max and sum of
  * exponentials and its weighted sum of values into work ([kv_heads * chunks, group, head_dim + 2]); the
  * items of a head are then merged, each rescaled by exp(its max - the head's max). */
+static void attention_item(const float *restrict q, const float *restrict k, const float *restrict v,
+                           float *restrict work, long item, long chunks, long group, long head_dim, long n,
+                           long head_stride, float scale) {
+  const long stride = head_dim + 2, kv = item / chunks, j0 = (item % chunks) * ATTN_CHUNK;
+  const long len = n - j0 < ATTN_CHUNK ? n - j0 : ATTN_CHUNK;
+  const float *kh = k + kv * head_stride + j0 * head_dim, *vh = v + kv * head_stride + j0 * head_dim;
+  float p[ATTN_MAX_GROUP][ATTN_CHUNK];
+  for (long g = 0; g < group; g++) {
+    const float *qg = q + (kv * group + g) * head_dim;
+    for (long j = 0; j < len; j++) {
+      const float *kj = kh + j * head_dim;
+      float s = 0.0f;
+      for (long d = 0; d < head_dim; d++) s += qg[d] * kj[d];
+      p[g][j] = s * scale;
+    }
+  }
+  for (long g = 0; g < group; g++) {
+    float m = p[g][0], l = 0.0f;
+    for (long j = 1; j < len; j++) m = p[g][j] > m ? p[g][j] : m;
+    for (long j = 0; j < len; j++) {
+      p[g][j] = expf(p[g][j] - m);
+      l += p[g][j];
+    }
+    float *slot = work + (item * group + g) * stride, *acc = slot + 2;
+    float tmp[ATTN_MAX_HEAD_DIM] = {0};
+    for (long j = 0; j < len; j++) {
+      const float pj = p[g][j], *vj = vh + j * head_dim;
+      for (long d = 0; d < head_dim; d++) tmp[d] += pj * vj[d];
+    }
+    slot[0] = m;
+    slot[1] = l;
+    for (long d = 0; d < head_dim; d++) acc[d] = tmp[d];
+  }
+}
+
+/* Query head h = kv * group + g: its chunks' partial results merged into out[h]. */
+static void attention_merge(const float *restrict work, float *restrict out, long h, long chunks, long group,
+                            long head_dim) {
+  const long stride = head_dim + 2, kv = h / group, g = h % group;
+  float m = work[(kv * chunks * group + g) * stride]; /* chunk 0's max (no infinities under -ffast-math) */
+  for (long c = 1; c < chunks; c++) {
+    const float mc = work[((kv * chunks + c) * group + g) * stride];
+    m = mc > m ? mc : m;
+  }
+  float l = 0.0f, *o = out + h * head_dim;
+  for (long d = 0; d < head_dim; d++) o[d] = 0.0f;
+  for (long c = 0; c < chunks; c++) {
+    const float *slot = work + ((kv * chunks + c) * group + g) * stride;
+    const float f = expf(slot[0] - m);
+    l += f * slot[1];
+    for (long d = 0; d < head_dim; d++) o[d] += f * slot[2 + d];
+  }
+  for (long d = 0; d < head_dim; d++) o[d] /= l;
+}
+
+/* Attention of one token: out[h] = softmax(q[h] . K[kv]^T * scale) V[kv] for query head h = kv * group + g.
+ * K and V of kv head kv, key j, sit at k + kv * head_stride + j * head_dim (likewise v). The keys of each kv
+ * head are cut into chunks of ATTN_CHUNK; a work item is one (kv head, chunk), so two threads share even
+ * one kv head's keys. An item scores its keys for the group's query heads, takes its own max and sum of
+ * exponentials and its weighted sum of values into work ([kv_heads * chunks, group, head_dim + 2]); the
+ * items of a head are then merged, each rescaled by exp(its max - the head's max). */
 void prepos_decode_attention(const float *restrict q, const float *restrict k, const float *restrict v,
                              float *restrict out, float *restrict work, long kv_heads, long group,
                              long head_dim, long n, long head_stride, float scale, int threads) {
-  const long chunks = (n + ATTN_CHUNK - 1) / ATTN_CHUNK, stride = head_dim + 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (long item = 0; item < kv_heads * chunks; item++) {
-    const long kv = item / chunks, j0 = (item % chunks) * ATTN_CHUNK;
-    const long len = n - j0 < ATTN_CHUNK ? n - j0 : ATTN_CHUNK;
-    const float *kh = k + kv * head_stride + j0 * head_dim, *vh = v + kv * head_stride + j0 * head_dim;
-    float p[ATTN_MAX_GROUP][ATTN_CHUNK];
-    for (long g = 0; g < group; g++) {
-      const float *qg = q + (kv * group + g) * head_dim;
-      for (long j = 0; j < len; j++) {
-        const float *kj = kh + j * head_dim;
-        float s = 0.0f;
-        for (long d = 0; d < head_dim; d++) s += qg[d] * kj[d];
-        p[g][j] = s * scale;
-      }
-    }
-    for (long g = 0; g < group; g++) {
-      float m = p[g][0], l = 0.0f;
-      for (long j = 1; j < len; j++) m = p[g][j] > m ? p[g][j] : m;
-      for (long j = 0; j < len; j++) {
-        p[g][j] = expf(p[g][j] - m);
-        l += p[g][j];
-      }
-      float *slot = work + (item * group + g) * stride, *acc = slot + 2;
-      float tmp[ATTN_MAX_HEAD_DIM] = {0};
-      for (long j = 0; j < len; j++) {
-        const float pj = p[g][j], *vj = vh + j * head_dim;
-        for (long d = 0; d < head_dim; d++) tmp[d] += pj * vj[d];
-      }
-      slot[0] = m;
-      slot[1] = l;
-      for (long d = 0; d < head_dim; d++) acc[d] = tmp[d];
-    }
+  const long chunks = (n + ATTN_CHUNK - 1) / ATTN_CHUNK;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (long item = 0; item < kv_heads * chunks; item++)
+      attention_item(q, k, v, work, item, chunks, group, head_dim, n, head_stride, scale);
+#pragma omp for schedule(static)
+    for (long h = 0; h < kv_heads * group; h++) attention_merge(work, out, h, chunks, group, head_dim);
   }
-  for (long kv = 0; kv < kv_heads; kv++) {
-    for (long g = 0; g < group; g++) {
-      float m = work[(kv * chunks * group + g) * stride]; /* chunk 0's max (no infinities under -ffast-math) */
-      for (long c = 1; c < chunks; c++) {
-        const float mc = work[((kv * chunks + c) * group + g) * stride];
-        m = mc > m ? mc : m;
+}
+
+static inline float rms_scale(const float *x, long n, float n_eps) {
+  float s = 0.0f;
+  for (long i = 0; i < n; i++) s += x[i] * x[i];
+  return 1.0f / sqrtf(s + n_eps);
+}
+
+/* RoPE at one position: out[d] = x[d] cos[d] + x[d -/+ half] sin_signed[d] (rotate-half, sign folded in). */
+static inline void rope(const float *x, float *out, const float *cos, const float *sin_signed, long head_dim) {
+  const long half = head_dim / 2;
+  for (long d = 0; d < half; d++) out[d] = x[d] * cos[d] + x[d + half] * sin_signed[d];
+  for (long d = half; d < head_dim; d++) out[d] = x[d] * cos[d] + x[d - half] * sin_signed[d];
+}
+
+/* Every decoder layer of one token at position pos, in one parallel region: x [hidden] in, the residual stream
+ * after the last layer out. Per layer: rmsnorm (its weight folded into the matrix) -> q/k/v -> RoPE, k and v
+ * written into kv [layers, 2, kv_heads, cap, head_dim] at pos -> attention over positions 0..pos -> o + residual
+ * -> rmsnorm -> gate/up -> silu(gate) * up -> down + residual. The matrices are packed in 32-column blocks;
+ * scratch holds qkv, q and k after RoPE, the attention output, gate/up, the activation and the attention's
+ * partial results (sizes in cpu_kernels.py). */
+void prepos_decode_layers(float *restrict x, const float *const *wqkv, const float *const *wo,
+                          const float *const *wgu, const float *const *wdown, float *restrict kv,
+                          const float *restrict cos, const float *restrict sin_signed, float *restrict scratch,
+                          long layers, long hidden, long heads, long kv_heads, long head_dim, long inter,
+                          long cap, long pos, float n_eps, int threads) {
+  const long group = heads / kv_heads, n = pos + 1, chunks = (n + ATTN_CHUNK - 1) / ATTN_CHUNK;
+  const long qkv_width = (heads + 2 * kv_heads) * head_dim, head_stride = cap * head_dim;
+  float *qkv = scratch, *qk = qkv + qkv_width, *attn = qk + (heads + kv_heads) * head_dim;
+  float *gu = attn + heads * head_dim, *act = gu + 2 * inter, *work = act + inter;
+  const float scale = 1.0f / sqrtf((float)head_dim);
+#pragma omp parallel num_threads(threads)
+  for (long i = 0; i < layers; i++) {
+    float *k = kv + i * 2 * kv_heads * head_stride, *v = k + kv_heads * head_stride;
+    const float r1 = rms_scale(x, hidden, n_eps);
+#pragma omp for schedule(static)
+    for (long c = 0; c < qkv_width / 32; c++) gemv_block(wqkv[i], x, qkv, 0, r1, c, hidden);
+#pragma omp for schedule(static)
+    for (long h = 0; h < heads + kv_heads; h++) {
+      rope(qkv + h * head_dim, qk + h * head_dim, cos, sin_signed, head_dim);
+      if (h >= heads) { /* this kv head's key (after RoPE) and value go into the cache at pos */
+        const long j = h - heads;
+        for (long d = 0; d < head_dim; d++) {
+          k[j * head_stride + pos * head_dim + d] = qk[h * head_dim + d];
+          v[j * head_stride + pos * head_dim + d] = qkv[(heads + kv_heads + j) * head_dim + d];
+        }
       }
-      float l = 0.0f, *o = out + (kv * group + g) * head_dim;
-      for (long d = 0; d < head_dim; d++) o[d] = 0.0f;
-      for (long c = 0; c < chunks; c++) {
-        const float *slot = work + ((kv * chunks + c) * group + g) * stride;
-        const float f = expf(slot[0] - m);
-        l += f * slot[1];
-        for (long d = 0; d < head_dim; d++) o[d] += f * slot[2 + d];
-      }
-      for (long d = 0; d < head_dim; d++) o[d] /= l;
     }
+#pragma omp for schedule(static)
+    for (long item = 0; item < kv_heads * chunks; item++)
+      attention_item(qk, k, v, work, item, chunks, group, head_dim, n, head_stride, scale);
+#pragma omp for schedule(static)
+    for (long h = 0; h < heads; h++) attention_merge(work, attn, h, chunks, group, head_dim);
+#pragma omp for schedule(static)
+    for (long c = 0; c < hidden / 32; c++) gemv_block(wo[i], attn, x, x, 1.0f, c, heads * head_dim);
+    const float r2 = rms_scale(x, hidden, n_eps);
+#pragma omp for schedule(static)
+    for (long c = 0; c < 2 * inter / 32; c++) gemv_block(wgu[i], x, gu, 0, r2, c, hidden);
+#pragma omp for schedule(static)
+    for (long j = 0; j < inter; j++) {
+      const float g = gu[j];
+      act[j] = g / (1.0f + expf(-g)) * gu[inter + j];
+    }
+#pragma omp for schedule(static)
+    for (long c = 0; c < hidden / 32; c++) gemv_block(wdown[i], act, x, x, 1.0f, c, inter);
   }
 }

@@ -39,7 +39,7 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 ATTENTION_CHUNK = 256  # keys per work item, ATTN_CHUNK in the source
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # query heads per kv head and head size the attention kernel takes
-_ABI = 2
+_ABI = 3
 
 
 class CpuKernels:
@@ -54,6 +54,9 @@ class CpuKernels:
         self._attend = lib.prepos_decode_attention
         self._attend.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int]
         self._attend.restype = None
+        self._layers = lib.prepos_decode_layers
+        self._layers.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int])
+        self._layers.restype = None
 
     def gemv(self, w: torch.Tensor, x: torch.Tensor, *, alpha: float = 1.0,
              residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,6 +110,43 @@ class CpuKernels:
         work = torch.empty(kv_heads * chunks * group * (head_dim + 2))
         self._attend(q.data_ptr(), k_ptr, v_ptr, out.data_ptr(), work.data_ptr(), kv_heads, group, head_dim, n,
                      head_stride, head_dim ** -0.5, torch.get_num_threads())
+        return out
+
+
+class DecodeLayers:
+    """Every decoder layer of one token in one kernel call (``prepos_decode_layers``), for a model whose packed
+    matrices are all in 32-column blocks. Holds the matrices' addresses; the engine keeps the matrices alive."""
+
+    def __init__(self, kernels: CpuKernels, wqkv: list[torch.Tensor], wo: list[torch.Tensor], wgu: list[torch.Tensor],
+                 wdown: list[torch.Tensor], *, heads: int, kv_heads: int, head_dim: int, inter: int, n_eps: float):
+        self._fn = kernels._layers
+        self.layers, self.hidden = len(wqkv), wqkv[0].shape[1]
+        self.heads, self.kv_heads, self.head_dim, self.inter, self.n_eps = heads, kv_heads, head_dim, inter, n_eps
+        if heads % kv_heads or heads // kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM or head_dim % 2:
+            raise ValueError(f"heads {heads} over kv heads {kv_heads} with head_dim {head_dim}: outside what the "
+                             f"attention kernel takes (group <= {MAX_GROUP}, even head_dim <= {MAX_HEAD_DIM})")
+        expected = {"q/k/v": (self.hidden, (heads + 2 * kv_heads) * head_dim), "o": (heads * head_dim, self.hidden),
+                    "gate/up": (self.hidden, 2 * inter), "down": (inter, self.hidden)}
+        for (name, (d_in, out)), ws in zip(expected.items(), (wqkv, wo, wgu, wdown)):
+            for w in ws:
+                if tuple(w.shape) != (out // BLOCK, d_in, BLOCK) or out % BLOCK or w.dtype != torch.float32 \
+                        or not w.is_contiguous():
+                    raise ValueError(f"{name}: need [{out // BLOCK}, {d_in}, 32] float32 contiguous, got "
+                                     f"{tuple(w.shape)} {w.dtype}")
+        self._ptrs = [(ctypes.c_void_p * self.layers)(*(w.data_ptr() for w in ws)) for ws in (wqkv, wo, wgu, wdown)]
+        self._fixed = 3 * (heads + kv_heads) * head_dim + 3 * inter  # qkv, q and k after RoPE, attention, gu, act
+
+    def __call__(self, x: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, pos: int
+                 ) -> torch.Tensor:
+        """The residual stream after every layer, for ``x [hidden]`` (float32, contiguous; not changed) at ``pos``;
+        writes each layer's key and value at ``pos`` of ``kv [layers, 2, kv_heads, cap, head_dim]`` (contiguous,
+        ``pos < cap``). ``cos``/``sin_signed`` are RoPE's rows for ``pos`` (``[head_dim]``, sign folded into sin)."""
+        chunks = -(-(pos + 1) // ATTENTION_CHUNK)
+        scratch = torch.empty(self._fixed + self.kv_heads * chunks * (self.heads // self.kv_heads) * (self.head_dim + 2))
+        out = x.clone()
+        self._fn(out.data_ptr(), *self._ptrs, kv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), scratch.data_ptr(),
+                 self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, kv.shape[3], pos,
+                 self.n_eps, torch.get_num_threads())
         return out
 
 

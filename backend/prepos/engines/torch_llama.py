@@ -222,6 +222,14 @@ class TorchLlamaEngine(Engine):
         sd.pop("lm_head.weight", None)
         if sd:
             log.warning("%s: ignoring unexpected tensors %s", model_dir, sorted(sd)[:5])
+        self._decode_layers = None
+        if self._kernel_attention:
+            try:
+                self._decode_layers = kernels_lib.DecodeLayers(
+                    self._kernels, self.wqkv, self.wo, self.wgu, self.wdown, heads=self.n_heads,
+                    kv_heads=self.n_kv_heads, head_dim=self.head_dim, inter=self.intermediate, n_eps=self._n_eps)
+            except ValueError as e:
+                log.info("decode layers one kernel call each op (%s)", e)
         if arena is not None:
             huge = huge_page_bytes(self.lm_head)
             log.info("weights in one %.1f MB host arena; %s MB on huge pages (transparent huge pages: %s)",
@@ -460,6 +468,10 @@ class TorchLlamaEngine(Engine):
         # Per-layer views, made once per step: this position's KV slots and the keys/values so far.
         k_new, v_new = kv[:, 0, :, pos].unbind(0), kv[:, 1, :, pos].unbind(0)  # layers x [KV, hd]
         k_all, v_all = kv[:, 0, None, :, :end].unbind(0), kv[:, 1, None, :, :end].unbind(0)  # layers x [1, KV, end, hd]
+        if self._decode_layers is not None and kv.is_contiguous():
+            # All layers in one kernel call: no Python or dispatch between the weight reads.
+            x = self._decode_layers(self._embed(token_id).contiguous(), kv, self.cos[pos], self.sin_signed[pos], pos)
+            return self._logits(x)
         attend = self._kernels.attend_unchecked if self._kernel_attention and kv.is_contiguous() else None
         if attend is not None:  # the kernel takes raw addresses: layer i's K at base + i * layer, its V half a layer on
             cap = kv.shape[3]
@@ -479,11 +491,15 @@ class TorchLlamaEngine(Engine):
             gu = norm_mm(wgu, x)  # [2*inter]
             act = F.silu(gu[:inter]).mul_(gu[inter:])  # [inter]
             x = add_mm(wdown, act, x)
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[vocab]`` of the residual stream ``x [hidden]`` after the last layer."""
         h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
         if self._kernels is not None and self.lm_head.shape[2] == kernels_lib.BLOCK:
-            return self._kernels.gemv_unchecked(self.lm_head, h, 1.0, None)  # [vocab]
+            return self._kernels.gemv_unchecked(self.lm_head, h, 1.0, None)
         c = self.lm_head.shape[0]
-        return torch.bmm(h.expand(c, 1, -1), self.lm_head).view(-1).float()  # [vocab]
+        return torch.bmm(h.expand(c, 1, -1), self.lm_head).view(-1).float()
 
     def _add_mm(self, w: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x + v @ w`` for 1-D contiguous ``v`` and ``x`` and packed ``w``."""
