@@ -9,11 +9,13 @@
    machine: p50 and p99 of each and the ratio of the p50s.
 3. The same paired decode for the weights in the huge-page host arena
    (``prepos.engines.host_arena``) and in ordinary torch allocations.
-4. The same paired decode for the CPU GEMV kernel (``prepos.engines.cpu_kernels``, every
-   matrix in 32-column blocks) and torch's matmul over ``_cpu_chunks`` (the kernel also
-   gets a column in the sweep of 1).
+4. The same paired decode for the CPU kernels (``prepos.engines.cpu_kernels``, every
+   matrix in 32-column blocks) and torch's ops over ``_cpu_chunks`` (the GEMV kernel
+   also gets a column in the sweep of 1).
+5. One token's attention in every layer over a cache of 100 to 6,000 keys: the
+   kernel's against SDPA's.
 
-    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel]
+    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention]
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import prepos.engines.torch_llama as torch_llama  # noqa: E402
 from prepos.engines import cpu_kernels  # noqa: E402
 
 BLOCK_COUNTS = (2, 4, 8, 16, 32, 64)
-PARTS = ("sweep", "chunks", "pages", "kernel")
+PARTS = ("sweep", "chunks", "pages", "kernel", "attention")
+ATTENTION_CONTEXTS = (100, 1000, 3000, 6000)
 
 
 def gemv_sweep(shapes: dict[str, tuple[int, int]], layers: int, reps: int,
@@ -110,6 +113,29 @@ def page_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
             "torch allocations": torch_llama.TorchLlamaEngine(model_dir, host_arena=False)}
 
 
+def attention_sweep(layers: int, kv_heads: int, group: int, head_dim: int, kernels: cpu_kernels.CpuKernels,
+                    reps: int) -> dict[int, dict[str, float]]:
+    """Seconds (median of ``reps``) for one token's attention in every layer, the kernel's and SDPA's, over a
+    cache laid out like the engine's (``[layers, 2, kv_heads, capacity, head_dim]``, so it comes from memory)."""
+    result = {}
+    for n in ATTENTION_CONTEXTS:
+        cap = -(-n // 256) * 256
+        kv = torch.randn(layers, 2, kv_heads, cap, head_dim)
+        q = torch.randn(kv_heads, group, head_dim)
+        ks, vs = kv[:, 0, :, :n].unbind(0), kv[:, 1, :, :n].unbind(0)
+        runs = {"kernel": lambda: [kernels.attend(q, ks[i], vs[i]) for i in range(layers)],
+                "sdpa": lambda: [torch.nn.functional.scaled_dot_product_attention(q[None], ks[i][None], vs[i][None])
+                                 for i in range(layers)]}
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(reps + 2):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        result[n] = {name: statistics.median(t[2:]) for name, t in times.items()}
+    return result
+
+
 def kernel_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
     return {"cpu kernel": torch_llama.TorchLlamaEngine(model_dir),
             "torch matmul": torch_llama.TorchLlamaEngine(model_dir, cpu_kernels=False)}
@@ -135,7 +161,7 @@ def main() -> None:
     ap.add_argument("--parts", default=",".join(PARTS),
                     help="comma-separated: sweep (GEMV sweep), chunks (paired decode of the packings, torch matmul), "
                          "pages (paired decode, host arena vs torch allocations), kernel (paired decode, the CPU "
-                         "GEMV kernel vs torch matmul)")
+                         "kernels vs torch's ops), attention (decode attention over a cache, kernel vs SDPA)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
@@ -149,6 +175,7 @@ def main() -> None:
               "gate/up": (h, 2 * probe.intermediate), "down": (probe.intermediate, h), "lm_head": (h, probe.vocab_size)}
     threads = torch.get_num_threads()
     layers = probe.n_layers
+    probe_dims = dict(kv_heads=probe.n_kv_heads, group=probe.group, head_dim=probe.head_dim)
     del probe
     if "sweep" in parts:
         print(f"threads={threads}; GEMV read bandwidth, GB/s, by column blocks (* = _cpu_chunks; "
@@ -157,6 +184,14 @@ def main() -> None:
             chosen = torch_llama._cpu_chunks(shapes[name][1], threads)
             cells = "  ".join(f"{c}{'*' if c == chosen else ''}: {gbs:.1f}" for c, gbs in by_count.items())
             print(f"  {name:8s} {shapes[name]}  {cells}")
+    kernels = cpu_kernels.load()
+    if "attention" in parts and kernels is not None:
+        print(f"decode attention, {layers} layers ({probe_dims['kv_heads']} kv heads x {probe_dims['group']}, "
+              f"head_dim {probe_dims['head_dim']}), ms per token:")
+        for n, by_impl in attention_sweep(layers, reps=args.reps, kernels=kernels, **probe_dims).items():
+            mb = layers * 2 * probe_dims["kv_heads"] * n * probe_dims["head_dim"] * 4 / 1e6
+            print(f"  {n:5d} keys ({mb:5.0f} MB)  kernel {by_impl['kernel'] * 1e3:6.2f}  sdpa {by_impl['sdpa'] * 1e3:6.2f}"
+                  f"  ratio {by_impl['kernel'] / by_impl['sdpa']:.2f}")
     for part, engines in (("chunks", chunking_engines), ("pages", page_engines), ("kernel", kernel_engines)):
         if part in parts:
             _print_paired(paired_decode(engines(args.model_dir), args.blocks, args.steps))

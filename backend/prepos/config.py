@@ -54,9 +54,9 @@ class EngineConfig:
     cuda_graph: bool = True
     """Torch engine on CUDA: capture the decode step once as a CUDA graph (off: eager decode, for debugging)."""
     cpu_kernels: bool = True
-    """Torch engine on CPU in float32: decode GEMVs through prepos's CPU kernel, compiled with the system C compiler
-    on first load and cached in ``$PREPOS_CACHE_DIR`` (default ``~/.cache/prepos``); where it cannot be built, and
-    when off, torch's matmul."""
+    """Torch engine on CPU in float32: the decode step's layers (GEMVs, attention) through prepos's CPU kernels,
+    compiled with the system C compiler on first load and cached in ``$PREPOS_CACHE_DIR`` (default
+    ``~/.cache/prepos``); where they cannot be built, and when off, torch's ops."""
     trtllm_free_gpu_memory_fraction: float = 0.85
     """TensorRT-LLM engine: share of the free GPU memory its executor takes for the KV block pool."""
     trtllm_retention_priority: int = 80

@@ -6,7 +6,7 @@ matmul (MKL) read SmolLM2-135M's matrices at 15-29 GB/s where a plain sum over m
 and its CPU flash attention read a 2,000-token KV cache at about 8 GB/s. ``cpu_kernels.c`` has a GEMV
 over 32-column blocks that each thread streams front to back, and a one-token attention whose work items
 are (kv head, chunk of keys), so both threads share even one head's keys
-(``loadtest/chunking_bench.py --parts sweep,kernel`` measures them).
+(``loadtest/chunking_bench.py --parts sweep,kernel,attention`` measures them).
 
 :func:`load` compiles the source with the system C compiler (``$CC``, else ``cc``) at ``-O3 -march=native
 -ffast-math -fopenmp`` into a cache directory (``$PREPOS_CACHE_DIR``, else ``$XDG_CACHE_HOME/prepos`` or
