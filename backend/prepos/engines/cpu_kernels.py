@@ -42,6 +42,11 @@ MAX_GROUP, MAX_HEAD_DIM = 16, 256  # query heads per kv head and head size the a
 _ABI = 3
 
 
+def attention_fits(group: int, head_dim: int) -> bool:
+    """Whether the attention kernel takes ``group`` query heads per kv head of ``head_dim`` each."""
+    return group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
+
+
 class CpuKernels:
     """The compiled kernels: :meth:`gemv` and :meth:`attend` check their input; the ``*_unchecked`` forms are
     for the engine's decode step, which packed its weights for them and made its vectors itself."""
@@ -88,7 +93,7 @@ class CpuKernels:
         ``ValueError`` names what does not fit (float32 CPU tensors, ``group <= 16``, ``head_dim <= 256``)."""
         kv_heads, group, head_dim = q.shape
         n = k.shape[1]
-        if group > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+        if not attention_fits(group, head_dim):
             raise ValueError(f"q: group {group} and head_dim {head_dim} must be at most {MAX_GROUP} and {MAX_HEAD_DIM}")
         if not q.is_contiguous():
             raise ValueError("q: must be contiguous")
@@ -122,7 +127,7 @@ class DecodeLayers:
         self._fn = kernels._layers
         self.layers, self.hidden = len(wqkv), wqkv[0].shape[1]
         self.heads, self.kv_heads, self.head_dim, self.inter, self.n_eps = heads, kv_heads, head_dim, inter, n_eps
-        if heads % kv_heads or heads // kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM or head_dim % 2:
+        if heads % kv_heads or not attention_fits(heads // kv_heads, head_dim) or head_dim % 2:
             raise ValueError(f"heads {heads} over kv heads {kv_heads} with head_dim {head_dim}: outside what the "
                              f"attention kernel takes (group <= {MAX_GROUP}, even head_dim <= {MAX_HEAD_DIM})")
         expected = {"q/k/v": (self.hidden, (heads + 2 * kv_heads) * head_dim), "o": (heads * head_dim, self.hidden),

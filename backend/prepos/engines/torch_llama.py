@@ -152,8 +152,7 @@ class TorchLlamaEngine(Engine):
         max_context = cfg.get("max_position_embeddings", 2048)
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self._kernels = kernels_lib.load() if cpu_kernels and cpu_fp32 else None
-        self._kernel_attention = (self._kernels is not None and self.group <= kernels_lib.MAX_GROUP
-                                  and self.head_dim <= kernels_lib.MAX_HEAD_DIM)
+        self._kernel_attention = self._kernels is not None and kernels_lib.attention_fits(self.group, self.head_dim)
         log.info("decode GEMVs: %s; decode attention: %s",
                  f"prepos CPU kernels ({self._kernels.path})" if self._kernels else "torch matmul",
                  "prepos CPU kernels" if self._kernel_attention else "torch SDPA")
@@ -229,7 +228,7 @@ class TorchLlamaEngine(Engine):
                     self._kernels, self.wqkv, self.wo, self.wgu, self.wdown, heads=self.n_heads,
                     kv_heads=self.n_kv_heads, head_dim=self.head_dim, inter=self.intermediate, n_eps=self._n_eps)
             except ValueError as e:
-                log.info("decode layers one kernel call each op (%s)", e)
+                log.info("decode layers: one kernel call per op (%s)", e)
         if arena is not None:
             huge = huge_page_bytes(self.lm_head)
             log.info("weights in one %.1f MB host arena; %s MB on huge pages (transparent huge pages: %s)",
@@ -461,6 +460,10 @@ class TorchLlamaEngine(Engine):
         grouped per kv head as ``[1, KV, G, hd]`` so SDPA sees G query rows per kv head with
         every cached key visible: GQA without repeating KV or a mask.
         """
+        if self._decode_layers is not None and kv.is_contiguous():
+            # All layers in one kernel call: no Python or dispatch between the weight reads.
+            x = self._decode_layers(self._embed(token_id).contiguous(), kv, self.cos[pos], self.sin_signed[pos], pos)
+            return self._logits(x)
         H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
         inter, qk_width, end = self.intermediate, (H + KV) * hd, pos + 1
         norm_mm, add_mm, sdpa, mm = self._norm_mm, self._add_mm, F.scaled_dot_product_attention, torch.mm
@@ -468,10 +471,6 @@ class TorchLlamaEngine(Engine):
         # Per-layer views, made once per step: this position's KV slots and the keys/values so far.
         k_new, v_new = kv[:, 0, :, pos].unbind(0), kv[:, 1, :, pos].unbind(0)  # layers x [KV, hd]
         k_all, v_all = kv[:, 0, None, :, :end].unbind(0), kv[:, 1, None, :, :end].unbind(0)  # layers x [1, KV, end, hd]
-        if self._decode_layers is not None and kv.is_contiguous():
-            # All layers in one kernel call: no Python or dispatch between the weight reads.
-            x = self._decode_layers(self._embed(token_id).contiguous(), kv, self.cos[pos], self.sin_signed[pos], pos)
-            return self._logits(x)
         attend = self._kernels.attend_unchecked if self._kernel_attention and kv.is_contiguous() else None
         if attend is not None:  # the kernel takes raw addresses: layer i's K at base + i * layer, its V half a layer on
             cap = kv.shape[3]
@@ -496,14 +495,18 @@ class TorchLlamaEngine(Engine):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[vocab]`` of the residual stream ``x [hidden]`` after the last layer."""
         h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
-        if self._kernels is not None and self.lm_head.shape[2] == kernels_lib.BLOCK:
+        if self._on_gemv_kernel(self.lm_head):
             return self._kernels.gemv_unchecked(self.lm_head, h, 1.0, None)
         c = self.lm_head.shape[0]
         return torch.bmm(h.expand(c, 1, -1), self.lm_head).view(-1).float()
 
+    def _on_gemv_kernel(self, w: torch.Tensor) -> bool:
+        """Whether packed ``w`` is multiplied by the CPU GEMV kernel (it was packed in its 32-column blocks)."""
+        return self._kernels is not None and w.shape[2] == kernels_lib.BLOCK
+
     def _add_mm(self, w: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x + v @ w`` for 1-D contiguous ``v`` and ``x`` and packed ``w``."""
-        if self._kernels is not None and w.shape[2] == kernels_lib.BLOCK:
+        if self._on_gemv_kernel(w):
             return self._kernels.gemv_unchecked(w, v, 1.0, x)
         c = w.shape[0]
         return torch.baddbmm(x.view(c, 1, -1), v.expand(c, 1, -1), w).view(-1)
@@ -516,7 +519,7 @@ class TorchLlamaEngine(Engine):
             # Reading a scalar back costs nothing on CPU, and baddbmm's alpha then applies the
             # norm without another op (beta=0: the zeros input is never read).
             r = (torch.dot(xf, xf).item() + self._n_eps) ** -0.5
-            if self._kernels is not None and w.shape[2] == kernels_lib.BLOCK:
+            if self._on_gemv_kernel(w):
                 return self._kernels.gemv_unchecked(w, x, r, None)
             return torch.baddbmm(self._zeros[w.shape], x.expand(c, 1, -1), w, beta=0, alpha=r).view(-1)
         h = (xf * torch.rsqrt(torch.dot(xf, xf) + self._n_eps)).to(x.dtype)
