@@ -14,8 +14,12 @@
    also gets a column in the sweep of 1).
 5. One token's attention in every layer over a cache of 100 to 6,000 keys: the
    kernel's against SDPA's.
+6. Prefill: each matrix shape's product for 40 rows, the CPU GEMM kernel's GFLOP/s
+   against torch's matmul over the same 32-column blocks; then prefills of the two
+   engines of part 4 in alternating blocks (40 tokens over a 300-token prefix, and
+   512 tokens from nothing): p50 and p99 of each and the ratio of the p50s.
 
-    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention]
+    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention,prefill]
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from prepos.engines import cpu_kernels  # noqa: E402
 from engine_microbench import p99  # noqa: E402  (a sibling script: loadtest/ is on the path)
 
 BLOCK_COUNTS = (2, 4, 8, 16, 32, 64)
-PARTS = ("sweep", "chunks", "pages", "kernel", "attention")
+PARTS = ("sweep", "chunks", "pages", "kernel", "attention", "prefill")
+PREFILLS = ((300, 40), (0, 512))  # (cached prefix, new tokens)
+GEMM_ROWS = 40
 ATTENTION_CONTEXTS = (100, 1000, 3000, 6000)
 
 
@@ -133,16 +139,55 @@ def attention_sweep(layers: int, kv_heads: int, group: int, head_dim: int, kerne
     return result
 
 
+def gemm_sweep(shapes: dict[str, tuple[int, int]], rows: int, reps: int, kernels: cpu_kernels.CpuKernels
+               ) -> dict[str, dict[str, float]]:
+    """GFLOP/s (median of ``reps``) of ``rows`` rows times each matrix shape packed in 32-column blocks: the GEMM
+    kernel's and torch's matmul over the blocks (as the engine multiplies without the kernels)."""
+    result = {}
+    for name, (d_in, out) in shapes.items():
+        w, x = torch.randn(out // cpu_kernels.BLOCK, d_in, cpu_kernels.BLOCK), torch.randn(rows, d_in)
+        runs = {"kernel": lambda: kernels.gemm(w, x),
+                "torch": lambda: torch.matmul(x, w).transpose(0, 1).reshape(rows, -1)}
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(reps + 2):
+            for impl, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[impl].append(time.perf_counter() - start)
+        result[name] = {impl: 2 * rows * d_in * out / statistics.median(t[2:]) / 1e9 for impl, t in times.items()}
+    return result
+
+
+def paired_prefill(engines: dict[str, torch_llama.TorchLlamaEngine], blocks: int, prefix: int, new: int
+                   ) -> dict[str, list[float]]:
+    """Times of each engine's prefill of ``new`` tokens over ``prefix`` cached ones, in alternating blocks."""
+    ids = [(7 * i) % 40_000 + 100 for i in range(prefix + new)]
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    order = list(engines.items())
+    with torch.inference_mode():
+        for block in range(blocks + 1):
+            for name, engine in order if block % 2 else order[::-1]:
+                engine.release("bench")
+                if prefix:
+                    engine.prefill("bench", ids[:prefix])
+                start = time.perf_counter()
+                engine.prefill("bench", ids)
+                if block:  # the first block warms up
+                    times[name].append(time.perf_counter() - start)
+    return times
+
+
 def kernel_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
     return {"cpu kernel": torch_llama.TorchLlamaEngine(model_dir),
             "torch matmul": torch_llama.TorchLlamaEngine(model_dir, cpu_kernels=False)}
 
 
-def _print_paired(times: dict[str, list[float]]) -> None:
-    print("decode step, alternating blocks in one process:")
+def _print_paired(times: dict[str, list[float]], what: str = "decode step", tokens: int = 0) -> None:
+    print(f"{what}, alternating blocks in one process:")
     for name, samples in times.items():
+        rate = f"  {tokens / statistics.median(samples):.0f} tok/s" if tokens else ""
         print(f"  {name:22s} n={len(samples)}  p50 {statistics.median(samples) * 1e3:.2f} ms  "
-              f"p99 {p99(samples) * 1e3:.2f} ms")
+              f"p99 {p99(samples) * 1e3:.2f} ms{rate}")
     first, second = times
     ratio = statistics.median(times[first]) / statistics.median(times[second])
     print(f"  p50 ratio {first} / {second}: {ratio:.3f}")
@@ -158,7 +203,8 @@ def main() -> None:
     ap.add_argument("--parts", default=",".join(PARTS),
                     help="comma-separated: sweep (GEMV sweep), chunks (paired decode of the packings, torch matmul), "
                          "pages (paired decode, host arena vs torch allocations), kernel (paired decode, the CPU "
-                         "kernels vs torch's ops), attention (decode attention over a cache, kernel vs SDPA)")
+                         "kernels vs torch's ops), attention (decode attention over a cache, kernel vs SDPA), "
+                         "prefill (GEMM sweep and paired prefill, the CPU kernels vs torch's ops)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
@@ -192,6 +238,16 @@ def main() -> None:
     for part, engines in (("chunks", chunking_engines), ("pages", page_engines), ("kernel", kernel_engines)):
         if part in parts:
             _print_paired(paired_decode(engines(args.model_dir), args.blocks, args.steps))
+    if "prefill" in parts and kernels is not None:
+        print(f"prefill products, {GEMM_ROWS} rows, GFLOP/s (kernel: the CPU GEMM kernel; torch: matmul over "
+              "the same 32-column blocks):")
+        for name, by_impl in gemm_sweep(shapes, GEMM_ROWS, args.reps, kernels).items():
+            print(f"  {name:8s} {shapes[name]}  kernel {by_impl['kernel']:6.1f}  torch {by_impl['torch']:6.1f}  "
+                  f"time kernel / torch {by_impl['torch'] / by_impl['kernel']:.2f}")
+        engines = kernel_engines(args.model_dir)
+        for prefix, new in PREFILLS:
+            _print_paired(paired_prefill(engines, args.blocks, prefix, new),
+                          f"prefill of {new} tokens over {prefix} cached", new)
 
 if __name__ == "__main__":
     main()

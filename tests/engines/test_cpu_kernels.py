@@ -1,5 +1,5 @@
-"""The CPU decode kernels (GEMV, one token's attention): build and cache, checks, results against torch, and the
-engine on them."""
+"""The CPU kernels (decode's GEMV and one token's attention, prefill's GEMM): build and cache, checks, results
+against torch, and the engine on them."""
 
 from __future__ import annotations
 
@@ -70,6 +70,51 @@ def test_gemv_refuses_bad_input_by_name(kernels, w, x, res, field):
         kernels.gemv(w, x, residual=res)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n, blocks, k", [(1, 3, 40), (2, 1, 1), (7, 4, 33), (8, 2, 64), (9, 5, 17), (64, 3, 65),
+                                          (65, 2, 576), (130, 18, 576), (40, 96, 576)])
+def test_gemm_matches_torch(kernels, threads, n, blocks, k):
+    """Full tiles, tails, one row and several panels of rows, against torch's matmul."""
+    g = torch.Generator().manual_seed(n * 100_000 + blocks * 1000 + k)
+    w, x = torch.randn(blocks, k, 32, generator=g), torch.randn(n, k, generator=g)
+    scale, res = torch.rand(n, generator=g) + 0.5, torch.randn(n, blocks * 32, generator=g)
+    want = torch.matmul(x, w).transpose(0, 1).reshape(n, blocks * 32)
+    saved = _threads(threads)
+    try:
+        plain, full = kernels.gemm(w, x), kernels.gemm(w, x, scale=scale, residual=res)
+    finally:
+        torch.set_num_threads(saved)
+    tol = dict(rtol=1e-5, atol=1e-5 * k ** 0.5)
+    assert torch.allclose(plain, want, **tol)
+    assert torch.allclose(full, res + scale[:, None] * want, **tol)
+
+
+def test_gemm_rows_and_columns_land_in_place(kernels):
+    """A one-hot input row picks one row of W: every output lands at its own row and column."""
+    n, blocks, k = 11, 3, 10
+    w = torch.arange(blocks * k * 32, dtype=torch.float32).view(blocks, k, 32)
+    x = torch.zeros(n, k)
+    x[torch.arange(n), torch.arange(n) % k] = 1.0
+    y = kernels.gemm(w, x)
+    for r in range(n):
+        assert y[r].equal(w[:, r % k, :].reshape(-1)), r
+
+
+@pytest.mark.parametrize("w, x, scale, res, field", [
+    (torch.ones(2, 3, 16), torch.ones(4, 3), None, None, "w"),
+    (torch.ones(2, 3, 32), torch.ones(4, 5), None, None, "x"),
+    (torch.ones(2, 3, 32), torch.ones(3), None, None, "x"),  # one vector: that is the GEMV
+    (torch.ones(2, 3, 32), torch.ones(3, 4).t(), None, None, "x"),  # not contiguous
+    (torch.ones(2, 3, 32), torch.ones(4, 3, dtype=torch.float64), None, None, "x"),
+    (torch.ones(2, 3, 32), torch.ones(4, 3), torch.ones(3), None, "scale"),
+    (torch.ones(2, 3, 32), torch.ones(4, 3), None, torch.ones(4, 32), "residual"),
+    (torch.ones(2, 3, 32), torch.ones(4, 3), None, torch.ones(64, 4).t(), "residual"),
+])
+def test_gemm_refuses_bad_input_by_name(kernels, w, x, scale, res, field):
+    with pytest.raises(ValueError, match=f"^{field}: need a contiguous float32 CPU tensor"):
+        kernels.gemm(w, x, scale=scale, residual=res)
+
+
 def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
     first = cpu_kernels.load(tmp_path)
     built = sorted(tmp_path.iterdir())
@@ -100,6 +145,7 @@ def test_no_compiler_or_a_failing_one_gives_none(tmp_path, monkeypatch, caplog):
 @pytest.mark.parametrize("kernel, bug, wrong", [
     ("gemv", "alpha * (a[j] + b[j])", "alpha * a[j]"),  # drops every other row
     ("attention", "o[d] /= l;", "o[d] /= l + 1e-3f;"),
+    ("gemm", "r0 += GEMM_ROWS)", "r0 += GEMM_ROWS + 1)"),  # skips a row after each full tile
 ])
 def test_a_wrong_kernel_fails_the_self_test(tmp_path, monkeypatch, caplog, kernel, bug, wrong):
     source = tmp_path / "cpu_kernels.c"
@@ -168,6 +214,22 @@ def test_engine_on_the_kernel_matches_torch_matmul(which, threads, fused, reques
             assert (got - hf[n]).abs().max().item() <= 1e-4
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_engine_prefill_on_the_gemm_matches_torch_and_transformers(which, request):
+    """Prefill of many rows (several GEMM tiles and panels, tails) and then an extension over that prefix."""
+    path, model = request.getfixturevalue(which)
+    kernel, plain = TorchLlamaEngine(path), TorchLlamaEngine(path, cpu_kernels=False)
+    assert kernel._on_gemv_kernel(kernel.wgu[0]) and not plain._on_gemv_kernel(plain.wgu[0])
+    ids = torch.randint(0, model.config.vocab_size, (83,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        hf = model(torch.tensor([ids])).logits[0]
+    for end in (70, 83):  # 70 from nothing, then 13 more over the cached 70
+        got, want = kernel.prefill("s", ids[:end]), plain.prefill("s", ids[:end])
+        assert torch.allclose(got, want, atol=1e-5)
+        assert (got - hf[end - 1]).abs().max().item() <= 1e-4
+    assert list(kernel.cached_token_ids("s")) == ids
 
 
 def test_engine_keeps_torch_matmul_off_float32(tied):

@@ -1,5 +1,6 @@
 /* The torch engine's decode step on CPU, float32: the GEMV of every weight matrix and the attention of
- * one new token over a session's cached keys and values.
+ * one new token over a session's cached keys and values; and prefill's matrix products (GEMM) on the same
+ * packed matrices.
  *
  * Built with -O3 -march=native -ffast-math -fopenmp by prepos/engines/cpu_kernels.py, on the machine that
  * runs it: the compiler vectorises the fixed-width loops for that CPU, and expf through its vector
@@ -8,7 +9,7 @@
 
 #include <math.h>
 
-int prepos_kernels_abi(void) { return 3; }
+int prepos_kernels_abi(void) { return 4; }
 
 /* y = alpha * (x @ W) [+ residual]. W is packed in 32-column blocks, [blocks, k, 32] row-major: block c
  * holds outputs 32c..32c+31 and is one contiguous run of memory. Each thread takes a contiguous range of
@@ -44,6 +45,72 @@ void prepos_gemv32(const float *restrict w, const float *restrict x, float *rest
                    const float *restrict residual, float alpha, long blocks, long k, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (long c = 0; c < blocks; c++) gemv_block(w, x, y, residual, alpha, c, k);
+}
+
+/* Rows per GEMM tile: a tile keeps rows x 32 accumulators in vector registers, two 512-bit registers per row
+ * with AVX-512 (32 of them), so 8 rows; with 256-bit AVX2 (16 registers) 3 rows ran fastest (2 rows leave
+ * too few independent FMA chains, 4 spill), and other machines take 3 too. */
+#if defined(__AVX512F__)
+#define GEMM_ROWS 8
+#else
+#define GEMM_ROWS 3
+#endif
+#define GEMM_PANEL (8 * GEMM_ROWS) /* rows per work item, so many threads share a matrix of few blocks */
+
+/* Rows r0..r0+rows-1 of block c: y[r] = scale[r] * (x[r] @ W_c) [+ residual[r]] (scale null: 1; residual may
+ * be y itself). With all GEMM_ROWS rows the tile's accumulators stay in registers while the block's k x 32
+ * floats stream past from cache: per k, one row of the block and one broadcast x value per row. */
+static inline void gemm_tile(const float *restrict wc, const float *restrict x, float *y, const float *residual,
+                             const float *restrict scale, long r0, long rows, long k, long ldy) {
+  float acc[GEMM_ROWS][32];
+  for (int r = 0; r < GEMM_ROWS; r++)
+    for (int j = 0; j < 32; j++) acc[r][j] = 0.0f;
+  const float *xr = x + r0 * k;
+  if (rows == GEMM_ROWS) {
+    for (long i = 0; i < k; i++) {
+      const float *w = wc + i * 32;
+      for (int r = 0; r < GEMM_ROWS; r++) {
+        const float xv = xr[r * k + i];
+        for (int j = 0; j < 32; j++) acc[r][j] += xv * w[j];
+      }
+    }
+  } else {
+    for (long i = 0; i < k; i++) {
+      const float *w = wc + i * 32;
+      for (long r = 0; r < rows; r++) {
+        const float xv = xr[r * k + i];
+        for (int j = 0; j < 32; j++) acc[r][j] += xv * w[j];
+      }
+    }
+  }
+  for (long r = 0; r < rows; r++) {
+    const float s = scale ? scale[r0 + r] : 1.0f;
+    float *out = y + (r0 + r) * ldy;
+    if (residual) {
+      const float *res = residual + (r0 + r) * ldy;
+      for (int j = 0; j < 32; j++) out[j] = res[j] + s * acc[r][j];
+    } else {
+      for (int j = 0; j < 32; j++) out[j] = s * acc[r][j];
+    }
+  }
+}
+
+/* y [n, blocks * 32] = scale[r] * (x [n, k] @ W) [+ residual [n, blocks * 32]], W packed as for the GEMV;
+ * x, y and residual row-major and contiguous; scale (per row) and residual may be null; residual may be y.
+ * A work item is one block over a panel of rows, items block by block, so each thread's items share its
+ * blocks and a block is read from memory about once per panel. This is compute-bound where the GEMV is
+ * memory-bound: the same weights serve every row of the tile. */
+void prepos_gemm32(const float *restrict w, const float *restrict x, float *y, const float *residual,
+                   const float *restrict scale, long n, long blocks, long k, int threads) {
+  const long panels = (n + GEMM_PANEL - 1) / GEMM_PANEL, ldy = blocks * 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (long item = 0; item < blocks * panels; item++) {
+    const long c = item / panels, p0 = (item % panels) * GEMM_PANEL;
+    const long p1 = n < p0 + GEMM_PANEL ? n : p0 + GEMM_PANEL;
+    for (long r0 = p0; r0 < p1; r0 += GEMM_ROWS)
+      gemm_tile(w + c * k * 32, x, y + c * 32, residual ? residual + c * 32 : 0, scale, r0,
+                p1 - r0 < GEMM_ROWS ? p1 - r0 : GEMM_ROWS, k, ldy);
+  }
 }
 
 #define ATTN_CHUNK 256 /* keys per work item */

@@ -1,4 +1,5 @@
-"""The torch engine's CPU decode kernels (``cpu_kernels.c``), compiled for this machine on first use.
+"""The torch engine's CPU kernels (``cpu_kernels.c``): decode, and prefill's matrix products, compiled for
+this machine on first use.
 
 A decode step on CPU is a matrix-vector product per weight matrix, bound by reading the weights, plus
 one token's attention over the session's cached keys and values. On a 2-core AMD EPYC, torch's batched
@@ -6,7 +7,10 @@ matmul (MKL) read SmolLM2-135M's matrices at 15-29 GB/s where a plain sum over m
 and its CPU flash attention read a 2,000-token KV cache at about 8 GB/s. ``cpu_kernels.c`` has a GEMV
 over 32-column blocks that each thread streams front to back, and a one-token attention whose work items
 are (kv head, chunk of keys), so both threads share even one head's keys
-(``loadtest/chunking_bench.py --parts sweep,kernel,attention`` measures them).
+(``loadtest/chunking_bench.py --parts sweep,kernel,attention`` measures them). Prefill multiplies many
+rows by the same packed matrices, which is compute-bound: torch's matmul over the 32-column blocks ran at
+about 80-130 GFLOP/s there, and ``cpu_kernels.c``'s GEMM, which keeps a tile of 8 rows x 32 columns in
+vector registers while a block streams past, at about 160-220 (``--parts prefill``).
 
 :func:`load` compiles the source with the system C compiler (``$CC``, else ``cc``) at ``-O3 -march=native
 -ffast-math -fopenmp`` into a cache directory (``$PREPOS_CACHE_DIR``, else ``$XDG_CACHE_HOME/prepos`` or
@@ -39,7 +43,7 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 ATTENTION_CHUNK = 256  # keys per work item, ATTN_CHUNK in the source
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # query heads per kv head and head size the attention kernel takes
-_ABI = 3
+_ABI = 4
 
 
 def attention_fits(group: int, head_dim: int) -> bool:
@@ -59,6 +63,9 @@ class CpuKernels:
         self._attend = lib.prepos_decode_attention
         self._attend.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int]
         self._attend.restype = None
+        self._gemm = lib.prepos_gemm32
+        self._gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        self._gemm.restype = None
         self._layers = lib.prepos_decode_layers
         self._layers.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int])
         self._layers.restype = None
@@ -84,6 +91,31 @@ class CpuKernels:
         y = torch.empty(w.shape[0] * BLOCK)
         self._gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), None if residual is None else residual.data_ptr(),
                    alpha, w.shape[0], w.shape[1], torch.get_num_threads())
+        return y
+
+    def gemm(self, w: torch.Tensor, x: torch.Tensor, *, scale: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, blocks * 32]`` float32: row ``r`` is ``scale[r] * (x[r] @ W)``, plus ``residual[r]`` when given.
+
+        ``w`` is ``[blocks, k, 32]``, ``x`` ``[n, k]``, ``scale`` ``[n]``, ``residual`` ``[n, blocks * 32]``; all
+        float32, contiguous, on CPU (``ValueError`` naming the argument otherwise).
+        """
+        blocks, k, width = w.shape
+        n = x.shape[0] if x.dim() == 2 else -1
+        for name, t, shape in (("w", w, (blocks, k, BLOCK)), ("x", x, (n, k)), ("scale", scale, (n,)),
+                               ("residual", residual, (n, blocks * BLOCK))):
+            if t is not None and (tuple(t.shape) != shape or t.dtype != torch.float32 or t.device.type != "cpu"
+                                  or not t.is_contiguous()):
+                raise ValueError(f"{name}: need a contiguous float32 CPU tensor {shape}, got "
+                                 f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        return self.gemm_unchecked(w, x, scale, residual)
+
+    def gemm_unchecked(self, w: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
+                       residual: torch.Tensor | None) -> torch.Tensor:
+        y = torch.empty(x.shape[0], w.shape[0] * BLOCK)
+        self._gemm(w.data_ptr(), x.data_ptr(), y.data_ptr(), None if residual is None else residual.data_ptr(),
+                   None if scale is None else scale.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
+                   torch.get_num_threads())
         return y
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -204,6 +236,15 @@ def _self_test(kernels: CpuKernels) -> None:
             if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
                 raise RuntimeError(f"self-test: gemv wrong for [{blocks}, {k}, 32] "
                                    f"(max error {(got - expected).abs().max().item():.3g})")
+    for blocks, k, n in ((3, 40, 11), (2, 7, 1), (1, 5, 70)):  # a tail tile, one row, a second panel
+        w, x = torch.randn(blocks, k, BLOCK, generator=g), torch.randn(n, k, generator=g)
+        scale, res = torch.rand(n, generator=g), torch.randn(n, blocks * BLOCK, generator=g)
+        want = torch.matmul(x, w).transpose(0, 1).reshape(n, -1)
+        for got, expected in ((kernels.gemm(w, x, scale=scale, residual=res), res + scale[:, None] * want),
+                              (kernels.gemm(w, x), want)):
+            if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
+                raise RuntimeError(f"self-test: gemm wrong for {n} rows x [{blocks}, {k}, 32] "
+                                   f"(max error {(got - expected).abs().max().item():.3g})")
     for kv_heads, group, head_dim, n in ((2, 3, 16, 1), (1, 1, 8, 300), (3, 2, 64, 700)):
         q = torch.randn(kv_heads, group, head_dim, generator=g)
         cache = torch.randn(2, kv_heads, n + 5, head_dim, generator=g)[:, :, :n]  # heads further apart than n rows
@@ -218,7 +259,7 @@ def load(cache_dir: str | os.PathLike | None = None) -> CpuKernels | None:
     """The compiled kernels, checked against torch; ``None`` (with the reason logged) where it cannot be had."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        log.info("CPU kernels not built: no C compiler (%s) on PATH; decode uses torch's ops", compiler)
+        log.info("CPU kernels not built: no C compiler (%s) on PATH; the engine uses torch's ops", compiler)
         return None
     try:
         path = _build(compiler, Path(cache_dir) if cache_dir else _cache_dir())
@@ -228,6 +269,6 @@ def load(cache_dir: str | os.PathLike | None = None) -> CpuKernels | None:
         kernels = CpuKernels(lib, path)
         _self_test(kernels)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("CPU kernels unavailable (%s); decode uses torch's ops", e)
+        log.warning("CPU kernels unavailable (%s); the engine uses torch's ops", e)
         return None
     return kernels

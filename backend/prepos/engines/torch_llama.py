@@ -252,6 +252,18 @@ class TorchLlamaEngine(Engine):
             return torch.mm(x, w[0])
         return torch.matmul(x, w).transpose(0, 1).reshape(x.shape[0], -1)  # [c, seq, out/c] -> [seq, out]
 
+    def _rows_mm(self, w: torch.Tensor, x: torch.Tensor, *, norm: bool = False,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [seq, in]`` (each row RMS-normed first with ``norm``; the norm's weight is folded into ``w``) times
+        packed ``w``, plus ``residual [seq, out]`` when given: prefill's products, on the CPU GEMM kernel where
+        ``w`` was packed for it."""
+        if self._on_gemv_kernel(w):
+            x = x.contiguous()
+            scale = torch.rsqrt(x.pow(2).sum(-1).add_(self._n_eps)) if norm else None
+            return self._kernels.gemm_unchecked(w, x, scale, residual)
+        y = self._mm(self._rms_scale(x) if norm else x, w)
+        return y if residual is None else residual + y
+
     def _build_rope(self, theta: float, max_context: int) -> None:
         # Same float32 recipe as transformers' default RoPE so logits match it closely.
         hd = self.head_dim
@@ -412,7 +424,7 @@ class TorchLlamaEngine(Engine):
             mask = None
         x = self._embed(tokens)  # [seq, hidden]
         for i in range(self.n_layers):
-            qkv = self._mm(self._rms_scale(x), self.wqkv[i]).view(n, H + 2 * KV, hd)  # [seq, H+2KV, hd]
+            qkv = self._rows_mm(self.wqkv[i], x, norm=True).view(n, H + 2 * KV, hd)  # [seq, H+2KV, hd]
             qk = qkv[:, : H + KV]  # [seq, H+KV, hd]: RoPE q and k in one go
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
             self._store_kv(kv, i, start, qk[:, H:], qkv[:, H + KV :])  # [seq, KV, hd] each
@@ -420,12 +432,11 @@ class TorchLlamaEngine(Engine):
             k, v = self._load_kv(kv, i, end)  # [1, KV, start+seq, hd]
             # 4-D inputs keep SDPA on its CPU flash kernel (3-D ones take the slow math path).
             a = self._attend(q, k, v, mask)
-            x = x + self._mm(a[0].transpose(0, 1).reshape(n, H * hd), self.wo[i])  # a: [1, H, seq, hd]
-            gu = self._mm(self._rms_scale(x), self.wgu[i])  # [seq, 2*inter]
-            x = x + self._mm(F.silu(gu[:, :inter]) * gu[:, inter:], self.wdown[i])
+            x = self._rows_mm(self.wo[i], a[0].transpose(0, 1).reshape(n, H * hd), residual=x)  # a: [1, H, seq, hd]
+            gu = self._rows_mm(self.wgu[i], x, norm=True)  # [seq, 2*inter]
+            x = self._rows_mm(self.wdown[i], F.silu(gu[:, :inter]) * gu[:, inter:], residual=x)
             yield
-        h = F.rms_norm(x[-1:], (self.hidden,), self.ln_final, self.eps)  # [1, hidden]: last position only
-        return self._mm(h, self.lm_head)[0].float()  # [vocab]
+        return self._logits(x[-1])  # [vocab]: last position only
 
     def _decode_target(self, session_id: str, token_id: int):
         """The session, token and position a decode writes; ``ValueError`` naming what makes it impossible."""

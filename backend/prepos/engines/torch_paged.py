@@ -81,7 +81,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
                          kv_block_tokens=page_tokens)
         if self.head_dim & (self.head_dim - 1):
             raise ValueError(f"{model_dir}: head_dim {self.head_dim} is not a power of two (the decode kernel's)")
-        self._kernels = _attention_kernel
+        self._paged_kernels = _attention_kernel
         self._inv_root_n = torch.full((self.hidden,), self.hidden ** -0.5, dtype=self.dtype, device=self.device)
         self.page_tokens, self.splits = page_tokens, splits
         page_bytes = self.info.kv_bytes_per_token * page_tokens
@@ -259,10 +259,10 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
             self.pool[i, 0].index_copy_(0, slot, qk[H:][None])
             self.pool[i, 1].index_copy_(0, slot, qkv[H + KV:][None])
             q = qk[:H].contiguous()
-            self._kernels.decode_attention_splits[(KV, self.splits)](
+            self._paged_kernels.decode_attention_splits[(KV, self.splits)](
                 q, self.pool[i, 0], self.pool[i, 1], self._meta, self._part_acc, self._part_ml, scale,
                 KV=KV, G=G, GP=gp, HD=hd, PAGE=self.page_tokens, CHUNK=min(16, self.page_tokens), SPLITS=self.splits)
-            self._kernels.merge_splits[(H,)](self._part_acc, self._part_ml, self._attn, H=H, HD=hd,
+            self._paged_kernels.merge_splits[(H,)](self._part_acc, self._part_ml, self._attn, H=H, HD=hd,
                                              SPLITS=self.splits)
             x = x + self._mm(self._attn.view(1, H * hd), wo)
             gu = self._mm(self._norm(x), wgu)  # [1, 2*inter]
