@@ -55,6 +55,8 @@ class Framing:
 
 _MAX_CACHED_DECODES = 4096
 _CACHED_DECODE_LENGTH = 8
+_MAX_CACHED_CHOICES = 4096
+_CACHED_CHOICE_CHARS = 256
 
 
 class Tokenizer:
@@ -64,9 +66,23 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(path))
         # Short answers repeat (a choice, yes/no): their text is looked up, not decoded, on the first-token path.
         self._decoded: dict[tuple[int, ...], str] = {}
+        # Choices recur across sessions (a tool set's names) in ever new combinations: each one's ids are kept,
+        # so a new combination's trie costs lookups rather than a tokenizer call per name.
+        self._choice_ids: dict[str, tuple[int, ...]] = {}
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_choice(self, text: str) -> tuple[int, ...]:
+        """``encode`` for one ``choices`` entry, remembered for short entries."""
+        ids = self._choice_ids.get(text)
+        if ids is None:
+            ids = tuple(self.encode(text))
+            if len(text) <= _CACHED_CHOICE_CHARS:
+                if len(self._choice_ids) >= _MAX_CACHED_CHOICES:
+                    self._choice_ids.clear()
+                self._choice_ids[text] = ids
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         if len(ids) > _CACHED_DECODE_LENGTH:
@@ -113,7 +129,7 @@ class ChoiceTrie:
     def __init__(self, choices: Sequence[str], tokenizer: Tokenizer, terminator_id: int):
         self.choices = tuple(choices)
         self.terminator_id = terminator_id
-        self.token_ids = [tuple(tokenizer.encode(c)) for c in self.choices]
+        self.token_ids = [tokenizer.encode_choice(c) for c in self.choices]
         self._root = _TrieNode()
         for index, ids in enumerate(self.token_ids):
             node = self._root
