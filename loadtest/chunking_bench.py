@@ -15,7 +15,8 @@
 5. One token's attention in every layer over a cache of 100 to 6,000 keys: the
    kernel's against SDPA's.
 6. Prefill: each matrix shape's product for 40 rows, the CPU GEMM kernel's GFLOP/s
-   against torch's matmul over the same 32-column blocks; then prefills of the two
+   against torch's matmul over the same 32-column blocks; causal attention in every
+   layer, the prefill attention kernel's against SDPA's; then prefills of the two
    engines of part 4 in alternating blocks (40 tokens over a 300-token prefix, and
    512 tokens from nothing): p50 and p99 of each and the ratio of the p50s.
 
@@ -158,6 +159,31 @@ def gemm_sweep(shapes: dict[str, tuple[int, int]], rows: int, reps: int, kernels
     return result
 
 
+def prefill_attention_sweep(layers: int, kv_heads: int, group: int, head_dim: int, kernels: cpu_kernels.CpuKernels,
+                            reps: int) -> dict[tuple[int, int], dict[str, float]]:
+    """Seconds (median of ``reps``) for the causal attention of each of ``PREFILLS`` in every layer, the prefill
+    kernel's and SDPA's (with its causal flag from nothing, an offset mask over a prefix, as the engine calls it)."""
+    result = {}
+    for start, n in PREFILLS:
+        kv = torch.randn(layers, 2, kv_heads, start + n, head_dim)
+        q = torch.randn(n, kv_heads * group, head_dim)
+        qh = q.transpose(0, 1)[None]
+        pos = torch.arange(start + n)
+        mask = (pos[None, :] <= pos[start:, None]) if start else None
+        runs = {"kernel": lambda: [kernels.prefill_attend(q, kv[i, 0], kv[i, 1]) for i in range(layers)],
+                "sdpa": lambda: [torch.nn.functional.scaled_dot_product_attention(
+                    qh, kv[i, 0][None], kv[i, 1][None], attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+                    for i in range(layers)]}
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(reps + 2):
+            for name, run in runs.items():
+                start_t = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start_t)
+        result[(start, n)] = {name: statistics.median(t[2:]) for name, t in times.items()}
+    return result
+
+
 def paired_prefill(engines: dict[str, torch_llama.TorchLlamaEngine], blocks: int, prefix: int, new: int
                    ) -> dict[str, list[float]]:
     """Times of each engine's prefill of ``new`` tokens over ``prefix`` cached ones, in alternating blocks."""
@@ -244,6 +270,11 @@ def main() -> None:
         for name, by_impl in gemm_sweep(shapes, GEMM_ROWS, args.reps, kernels).items():
             print(f"  {name:8s} {shapes[name]}  kernel {by_impl['kernel']:6.1f}  torch {by_impl['torch']:6.1f}  "
                   f"time kernel / torch {by_impl['torch'] / by_impl['kernel']:.2f}")
+        print(f"prefill attention, {layers} layers, ms:")
+        for (start, n), by_impl in prefill_attention_sweep(layers, reps=args.reps, kernels=kernels,
+                                                           **probe_dims).items():
+            print(f"  {n:4d} tokens over {start:4d}  kernel {by_impl['kernel'] * 1e3:7.2f}  "
+                  f"sdpa {by_impl['sdpa'] * 1e3:7.2f}  ratio {by_impl['kernel'] / by_impl['sdpa']:.2f}")
         engines = kernel_engines(args.model_dir)
         for prefix, new in PREFILLS:
             _print_paired(paired_prefill(engines, args.blocks, prefix, new),

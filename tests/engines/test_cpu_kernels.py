@@ -1,5 +1,5 @@
-"""The CPU kernels (decode's GEMV and one token's attention, prefill's GEMM): build and cache, checks, results
-against torch, and the engine on them."""
+"""The CPU kernels (decode's GEMV and one token's attention, prefill's GEMM and causal attention): build and cache,
+checks, results against torch, and the engine on them."""
 
 from __future__ import annotations
 
@@ -146,6 +146,7 @@ def test_no_compiler_or_a_failing_one_gives_none(tmp_path, monkeypatch, caplog):
     ("gemv", "alpha * (a[j] + b[j])", "alpha * a[j]"),  # drops every other row
     ("attention", "o[d] /= l;", "o[d] /= l + 1e-3f;"),
     ("gemm", "r0 += GEMM_ROWS)", "r0 += GEMM_ROWS + 1)"),  # skips a row after each full tile
+    ("prefill attention", "lim = start + i0 + r / group + 1 - j0;", "lim = start + i0 + r / group + 2 - j0;"),  # a key too far
 ])
 def test_a_wrong_kernel_fails_the_self_test(tmp_path, monkeypatch, caplog, kernel, bug, wrong):
     source = tmp_path / "cpu_kernels.c"
@@ -189,6 +190,58 @@ def test_attention_refuses_bad_input_by_name(kernels, q, k, v, problem):
         kernels.attend(q, k, v)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kv_heads, group, head_dim, start, n", [
+    (1, 1, 32, 0, 1), (2, 3, 64, 0, 40), (3, 3, 64, 300, 40),  # SmolLM2's shape: a question's turn over a prefix
+    (2, 3, 64, 0, 130), (1, 2, 32, 63, 1), (1, 2, 32, 64, 1), (2, 1, 32, 10, 55),  # around a chunk of 64 keys
+    (1, 16, 256, 5, 4), (2, 4, 128, 700, 17),
+])
+def test_prefill_attention_matches_sdpa(kernels, threads, kv_heads, group, head_dim, start, n):
+    g = torch.Generator().manual_seed(start * 31 + n * 7 + group)
+    qk = torch.randn(n, kv_heads * group + kv_heads, head_dim, generator=g) * 3  # q and k side by side, as in prefill
+    q = qk[:, : kv_heads * group]
+    cache = torch.randn(2, kv_heads, start + n + 9, head_dim, generator=g)[:, :, : start + n]
+    saved = _threads(threads)
+    try:
+        got = kernels.prefill_attend(q, cache[0], cache[1])
+    finally:
+        torch.set_num_threads(saved)
+    want = cpu_kernels.causal_attention_reference(q, cache[0], cache[1])
+    assert got.shape == (n, kv_heads * group * head_dim)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_attention_is_causal(kernels):
+    """Changing a later key or value changes no earlier token's output, and does change that token's."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(20, 3, 32, generator=g)
+    cache = torch.randn(2, 1, 30, 32, generator=g)  # 10 cached, 20 new
+    before = kernels.prefill_attend(q, cache[0], cache[1])
+    cache[:, :, 22] += 5.0  # position 22: new token 12
+    after = kernels.prefill_attend(q, cache[0], cache[1])
+    assert after[:12].equal(before[:12])
+    assert not torch.allclose(after[12], before[12])
+
+
+@pytest.mark.parametrize("q, k, v, problem", [
+    (torch.ones(4, 6, 48), torch.ones(2, 4, 48), torch.ones(2, 4, 48), "head_dim a multiple of 32"),
+    (torch.ones(4, 5, 32), torch.ones(2, 4, 32), torch.ones(2, 4, 32), "5 heads over 2 kv heads"),
+    (torch.ones(4, 34, 32), torch.ones(2, 4, 32), torch.ones(2, 4, 32), "group of at most 16"),
+    (torch.ones(6, 4, 32)[::2], torch.ones(2, 3, 32), torch.ones(2, 3, 32), None),  # tokens further apart: fine
+    (torch.ones(4, 32, 4).transpose(1, 2), torch.ones(2, 4, 32), torch.ones(2, 4, 32), "heads must be contiguous"),
+    (torch.ones(4, 4, 32), torch.ones(2, 3, 32), torch.ones(2, 3, 32), "^k: need .* at least 4 keys"),
+    (torch.ones(4, 4, 32), torch.ones(2, 4, 32), torch.ones(2, 5, 32), "^v: need"),
+    (torch.ones(4, 4, 32), torch.ones(2, 4, 32, dtype=torch.float16), torch.ones(2, 4, 32), "^k: need float32"),
+    (torch.ones(4, 4, 32), torch.ones(2, 9, 32)[:, :4], torch.ones(2, 4, 32), "head strides differ"),
+])
+def test_prefill_attention_refuses_bad_input_by_name(kernels, q, k, v, problem):
+    if problem is None:
+        assert kernels.prefill_attend(q, k, v).shape == (3, 4 * 32)
+        return
+    with pytest.raises(ValueError, match=problem):
+        kernels.prefill_attend(q, k, v)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["all-layers-call", "call-per-op"])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("which", ["tied", "untied"])
@@ -216,13 +269,23 @@ def test_engine_on_the_kernel_matches_torch_matmul(which, threads, fused, reques
         torch.set_num_threads(saved)
 
 
-@pytest.mark.parametrize("which", ["tied", "untied"])
-def test_engine_prefill_on_the_gemm_matches_torch_and_transformers(which, request):
-    """Prefill of many rows (several GEMM tiles and panels, tails) and then an extension over that prefix."""
-    path, model = request.getfixturevalue(which)
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_engine_prefill_on_the_kernels_matches_torch_and_transformers(tie, tmp_path):
+    """Prefill of many rows (several GEMM tiles and panels, tails; more keys than one chunk of the attention)
+    and then an extension over that prefix, in a model shaped like SmolLM2's heads (3 query heads per kv head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=320, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=tie)
+    torch.manual_seed(9)
+    model = LlamaForCausalLM(config).eval()
+    path = str(tmp_path)
+    model.save_pretrained(path, safe_serialization=True)
     kernel, plain = TorchLlamaEngine(path), TorchLlamaEngine(path, cpu_kernels=False)
     assert kernel._on_gemv_kernel(kernel.wgu[0]) and not plain._on_gemv_kernel(plain.wgu[0])
-    ids = torch.randint(0, model.config.vocab_size, (83,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert kernel._kernel_prefill_attention and not plain._kernel_prefill_attention
+    ids = torch.randint(0, config.vocab_size, (83,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
         hf = model(torch.tensor([ids])).logits[0]
     for end in (70, 83):  # 70 from nothing, then 13 more over the cached 70

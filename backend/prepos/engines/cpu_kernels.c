@@ -9,7 +9,7 @@
 
 #include <math.h>
 
-int prepos_kernels_abi(void) { return 4; }
+int prepos_kernels_abi(void) { return 5; }
 
 /* y = alpha * (x @ W) [+ residual]. W is packed in 32-column blocks, [blocks, k, 32] row-major: block c
  * holds outputs 32c..32c+31 and is one contiguous run of memory. Each thread takes a contiguous range of
@@ -195,6 +195,119 @@ void prepos_decode_attention(const float *restrict q, const float *restrict k, c
       attention_item(q, k, v, work, item, chunks, group, head_dim, n, head_stride, scale);
 #pragma omp for schedule(static)
     for (long h = 0; h < kv_heads * group; h++) attention_merge(work, out, h, chunks, group, head_dim);
+  }
+}
+
+#define PREFILL_KEYS 64  /* keys per chunk */
+#define PREFILL_ROWS 48  /* query rows (a query position for one head) per work item */
+
+/* acc[r][c] = sum_i x[r][i] * w[i * ldw + c], c < 32, for the rows x[0..rows-1]: the GEMM tile with a row
+ * pointer per row (rows of a work item are not evenly spaced) and a row stride for w. */
+static inline void rows_tile(const float *const *x, const float *restrict w, long ldw, long k, long rows,
+                             float acc[GEMM_ROWS][32]) {
+  for (int r = 0; r < GEMM_ROWS; r++)
+    for (int j = 0; j < 32; j++) acc[r][j] = 0.0f;
+  if (rows == GEMM_ROWS) {
+    for (long i = 0; i < k; i++) {
+      const float *wi = w + i * ldw;
+      for (int r = 0; r < GEMM_ROWS; r++) {
+        const float xv = x[r][i];
+        for (int j = 0; j < 32; j++) acc[r][j] += xv * wi[j];
+      }
+    }
+  } else {
+    for (long i = 0; i < k; i++) {
+      const float *wi = w + i * ldw;
+      for (long r = 0; r < rows; r++) {
+        const float xv = x[r][i];
+        for (int j = 0; j < 32; j++) acc[r][j] += xv * wi[j];
+      }
+    }
+  }
+}
+
+/* Prefill attention: query i (position start + i) of head h = kv * group + g attends causally to keys
+ * 0..start+i of kv head kv. q row i, head h at q + i * q_stride + h * head_dim; keys and values as for
+ * prepos_decode_attention (they already hold the new positions); out [n, heads * head_dim] (each token's heads
+ * side by side, as the o projection reads them). head_dim is a multiple of 32.
+ * A work item is one kv head and up to PREFILL_ROWS query rows (the group's heads for each of a run of query
+ * positions), all of which read the same keys. The keys they need are taken in chunks of 64, transposed once
+ * per chunk; the chunk's scores and then its values times the probabilities are register tiles as in the GEMM
+ * (8 rows x 32 columns), and each row keeps a running max and sum (online softmax: the earlier part of its
+ * output is rescaled by exp(old max - new max)). Items are handed out dynamically: under the causal mask
+ * later positions have more keys. */
+void prepos_prefill_attention(const float *restrict q, long q_stride, const float *restrict k,
+                              const float *restrict v, float *restrict out, long kv_heads, long group,
+                              long head_dim, long n, long start, long head_stride, float scale, int threads) {
+  const long per_item = group < PREFILL_ROWS ? PREFILL_ROWS / group : 1; /* query positions per item */
+  const long tiles = (n + per_item - 1) / per_item, heads = kv_heads * group;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (long item = 0; item < kv_heads * tiles; item++) {
+    const long kv = item / tiles, i0 = (item % tiles) * per_item;
+    const long i1 = n < i0 + per_item ? n : i0 + per_item, rows = (i1 - i0) * group, keys = start + i1;
+    const float *kh = k + kv * head_stride, *vh = v + kv * head_stride;
+    const float *qrow[PREFILL_ROWS], *prow[PREFILL_ROWS];
+    float *orow[PREFILL_ROWS], mx[PREFILL_ROWS], sum[PREFILL_ROWS];
+    float kt[ATTN_MAX_HEAD_DIM * PREFILL_KEYS], p[PREFILL_ROWS][PREFILL_KEYS], acc[GEMM_ROWS][32];
+    for (long r = 0; r < rows; r++) { /* row r: query position i0 + r / group, head kv * group + r % group */
+      const long i = i0 + r / group, h = kv * group + r % group;
+      qrow[r] = q + i * q_stride + h * head_dim;
+      orow[r] = out + (i * heads + h) * head_dim;
+      prow[r] = p[r];
+      for (long d = 0; d < head_dim; d++) orow[r][d] = 0.0f;
+    }
+    for (long j0 = 0; j0 < keys; j0 += PREFILL_KEYS) {
+      const long len = keys - j0 < PREFILL_KEYS ? keys - j0 : PREFILL_KEYS;
+      for (long d = 0; d < head_dim; d++) {
+        float *row = kt + d * PREFILL_KEYS;
+        for (long j = 0; j < len; j++) row[j] = kh[(j0 + j) * head_dim + d];
+        for (long j = len; j < PREFILL_KEYS; j++) row[j] = 0.0f;
+      }
+      for (long r0 = 0; r0 < rows; r0 += GEMM_ROWS) {
+        const long tr = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
+        for (long c0 = 0; c0 < PREFILL_KEYS; c0 += 32) {
+          rows_tile(qrow + r0, kt + c0, PREFILL_KEYS, head_dim, tr, acc);
+          for (long r = 0; r < tr; r++)
+            for (int j = 0; j < 32; j++) p[r0 + r][c0 + j] = acc[r][j] * scale;
+        }
+      }
+      for (long r = 0; r < rows; r++) {
+        long lim = start + i0 + r / group + 1 - j0; /* keys of this chunk that the row's query sees */
+        lim = lim < len ? lim : len;
+        if (lim <= 0) { /* none: the row is unchanged */
+          for (long j = 0; j < PREFILL_KEYS; j++) p[r][j] = 0.0f;
+          continue;
+        }
+        float m = p[r][0];
+        for (long j = 1; j < lim; j++) m = p[r][j] > m ? p[r][j] : m;
+        float l = 0.0f;
+        if (j0) { /* key 0 is in every row's first chunk: later chunks merge into the running max and sum */
+          m = mx[r] > m ? mx[r] : m;
+          const float f = expf(mx[r] - m);
+          l = sum[r] * f;
+          for (long d = 0; d < head_dim; d++) orow[r][d] *= f;
+        }
+        for (long j = 0; j < lim; j++) {
+          p[r][j] = expf(p[r][j] - m);
+          l += p[r][j];
+        }
+        for (long j = lim; j < PREFILL_KEYS; j++) p[r][j] = 0.0f;
+        mx[r] = m;
+        sum[r] = l;
+      }
+      for (long r0 = 0; r0 < rows; r0 += GEMM_ROWS) {
+        const long tr = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
+        for (long d0 = 0; d0 < head_dim; d0 += 32) {
+          rows_tile(prow + r0, vh + j0 * head_dim + d0, head_dim, len, tr, acc);
+          for (long r = 0; r < tr; r++)
+            for (int j = 0; j < 32; j++) orow[r0 + r][d0 + j] += acc[r][j];
+        }
+      }
+    }
+    for (long r = 0; r < rows; r++) {
+      const float inv = 1.0f / sum[r];
+      for (long d = 0; d < head_dim; d++) orow[r][d] *= inv;
+    }
   }
 }
 

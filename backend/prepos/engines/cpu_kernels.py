@@ -9,13 +9,15 @@ over 32-column blocks that each thread streams front to back, and a one-token at
 are (kv head, chunk of keys), so both threads share even one head's keys
 (``loadtest/chunking_bench.py --parts sweep,kernel,attention`` measures them). Prefill multiplies many
 rows by the same packed matrices, which is compute-bound: torch's matmul over the 32-column blocks ran at
-about 80-130 GFLOP/s there, and ``cpu_kernels.c``'s GEMM, which keeps a tile of 8 rows x 32 columns in
-vector registers while a block streams past, at about 160-220 (``--parts prefill``).
+about 85-125 GFLOP/s there, and ``cpu_kernels.c``'s GEMM, which keeps a tile of 8 rows x 32 columns in
+vector registers while a block streams past, at about 150-220 (``--parts prefill``). Prefill's causal
+attention uses the same register tiles, for scores and for values, over chunks of 64 keys with a running
+softmax per row.
 
 :func:`load` compiles the source with the system C compiler (``$CC``, else ``cc``) at ``-O3 -march=native
 -ffast-math -fopenmp`` into a cache directory (``$PREPOS_CACHE_DIR``, else ``$XDG_CACHE_HOME/prepos`` or
 ``~/.cache/prepos``), keyed by the source, the flags, the compiler's version and the CPU's flags, so the
-next load on the same machine reuses it; then checks both kernels against torch on random input before
+next load on the same machine reuses it; then checks every kernel against torch on random input before
 handing them out. The library links libgomp by soname, which torch has already loaded, so the kernels run
 on torch's own OpenMP runtime rather than a second thread pool. Where any step fails (no compiler, no
 OpenMP, a wrong result) :func:`load` logs why and returns ``None``, and the engine keeps torch's ops.
@@ -43,12 +45,17 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 ATTENTION_CHUNK = 256  # keys per work item, ATTN_CHUNK in the source
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # query heads per kv head and head size the attention kernel takes
-_ABI = 4
+_ABI = 5
 
 
 def attention_fits(group: int, head_dim: int) -> bool:
     """Whether the attention kernel takes ``group`` query heads per kv head of ``head_dim`` each."""
     return group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
+
+
+def prefill_attention_fits(head_dim: int) -> bool:
+    """Whether the prefill attention kernel takes ``head_dim`` (it reads values 32 columns at a time)."""
+    return head_dim % BLOCK == 0
 
 
 class CpuKernels:
@@ -66,6 +73,10 @@ class CpuKernels:
         self._gemm = lib.prepos_gemm32
         self._gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
         self._gemm.restype = None
+        self._prefill_attend = lib.prepos_prefill_attention
+        self._prefill_attend.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 6
+                                         + [ctypes.c_float, ctypes.c_int])
+        self._prefill_attend.restype = None
         self._layers = lib.prepos_decode_layers
         self._layers.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int])
         self._layers.restype = None
@@ -147,6 +158,40 @@ class CpuKernels:
         work = torch.empty(kv_heads * chunks * group * (head_dim + 2))
         self._attend(q.data_ptr(), k_ptr, v_ptr, out.data_ptr(), work.data_ptr(), kv_heads, group, head_dim, n,
                      head_stride, head_dim ** -0.5, torch.get_num_threads())
+        return out
+
+
+    def prefill_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``n`` new tokens: ``q [n, heads, head_dim]`` (each token's heads contiguous; tokens
+        may sit further apart) over keys and values ``[kv_heads, start + n, head_dim]`` that already hold the new
+        tokens at ``start..``; token ``i`` sees keys ``0..start + i``. Query head ``h`` reads kv head
+        ``h // (heads / kv_heads)``, scale ``1/sqrt(head_dim)``. Returns ``[n, heads * head_dim]``.
+        ``ValueError`` names what does not fit (as :meth:`attend`)."""
+        n, heads, head_dim = q.shape
+        kv_heads, keys = k.shape[0], k.shape[1]
+        if (kv_heads < 1 or heads % kv_heads or not attention_fits(heads // kv_heads, head_dim)
+                or not prefill_attention_fits(head_dim)):
+            raise ValueError(f"q: {heads} heads over {kv_heads} kv heads of head_dim {head_dim}: need a group of at "
+                             f"most {MAX_GROUP} and head_dim a multiple of {BLOCK} up to {MAX_HEAD_DIM}")
+        if q.stride()[1:] != (head_dim, 1) or q.stride(0) < heads * head_dim:
+            raise ValueError(f"q: each token's heads must be contiguous, got strides {q.stride()}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ValueError(f"{name}: need float32 on CPU, got {t.dtype} on {t.device}")
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != (kv_heads, keys, head_dim) or t.stride()[1:] != (head_dim, 1) or keys < n or n < 1:
+                raise ValueError(f"{name}: need [{kv_heads}, at least {max(n, 1)} keys, {head_dim}] with contiguous "
+                                 f"rows, got {tuple(t.shape)} strides {t.stride()}")
+        if k.stride(0) != v.stride(0):
+            raise ValueError(f"k and v: head strides differ ({k.stride(0)} vs {v.stride(0)})")
+        return self.prefill_attend_unchecked(q, q.stride(0), k.data_ptr(), v.data_ptr(), kv_heads, heads // kv_heads,
+                                             head_dim, n, keys - n, k.stride(0))
+
+    def prefill_attend_unchecked(self, q: torch.Tensor, q_stride: int, k_ptr: int, v_ptr: int, kv_heads: int,
+                                 group: int, head_dim: int, n: int, start: int, head_stride: int) -> torch.Tensor:
+        out = torch.empty(n, kv_heads * group * head_dim)
+        self._prefill_attend(q.data_ptr(), q_stride, k_ptr, v_ptr, out.data_ptr(), kv_heads, group,
+                             head_dim, n, start, head_stride, head_dim ** -0.5, torch.get_num_threads())
         return out
 
 
@@ -253,6 +298,24 @@ def _self_test(kernels: CpuKernels) -> None:
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
             raise RuntimeError(f"self-test: attention wrong for {kv_heads} kv heads x {group}, head_dim {head_dim}, "
                                f"{n} keys (max error {(got - want).abs().max().item():.3g})")
+    for kv_heads, group, head_dim, start, n in ((2, 3, 32, 0, 5), (1, 2, 64, 70, 30), (3, 1, 32, 130, 70)):
+        q = torch.randn(n, kv_heads * group, head_dim, generator=g) * 2
+        cache = torch.randn(2, kv_heads, start + n + 3, head_dim, generator=g)[:, :, :start + n]
+        got, want = kernels.prefill_attend(q, cache[0], cache[1]), causal_attention_reference(q, cache[0], cache[1])
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"self-test: prefill attention wrong for {n} tokens after {start} ({kv_heads} kv heads "
+                               f"x {group}, head_dim {head_dim}; max error {(got - want).abs().max().item():.3g})")
+
+
+def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """:meth:`CpuKernels.prefill_attend`'s result by SDPA: ``q [n, heads, hd]`` over ``k``/``v`` ``[kv_heads,
+    start + n, hd]``, token ``i`` seeing keys ``0..start + i``; ``[n, heads * hd]``."""
+    n, keys = q.shape[0], k.shape[1]
+    pos = torch.arange(keys)
+    mask = pos[None, :] <= pos[keys - n:, None]
+    a = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                                         enable_gqa=True)
+    return a[0].transpose(0, 1).reshape(n, -1)
 
 
 def load(cache_dir: str | os.PathLike | None = None) -> CpuKernels | None:

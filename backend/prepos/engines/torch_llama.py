@@ -153,6 +153,7 @@ class TorchLlamaEngine(Engine):
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self._kernels = kernels_lib.load() if cpu_kernels and cpu_fp32 else None
         self._kernel_attention = self._kernels is not None and kernels_lib.attention_fits(self.group, self.head_dim)
+        self._kernel_prefill_attention = self._kernel_attention and kernels_lib.prefill_attention_fits(self.head_dim)
         log.info("decode GEMVs: %s; decode attention: %s",
                  f"prepos CPU kernels ({self._kernels.path})" if self._kernels else "torch matmul",
                  "prepos CPU kernels" if self._kernel_attention else "torch SDPA")
@@ -417,7 +418,8 @@ class TorchLlamaEngine(Engine):
         sin = self.sin_signed[start:end, None, :]  # [seq, 1, hd]
         # Query i (position start+i) sees keys 0..start+i. SDPA's is_causal aligns to the top-left,
         # which is only right without a prefix, so a prefix needs the explicit offset mask.
-        if start:
+        kernel = self._kernel_prefill_attention and kv.is_contiguous()
+        if start and not kernel:
             pos = torch.arange(end, device=self.device)
             mask = pos[None, :] <= pos[start:, None]  # [seq, start+seq]
         else:
@@ -428,11 +430,15 @@ class TorchLlamaEngine(Engine):
             qk = qkv[:, : H + KV]  # [seq, H+KV, hd]: RoPE q and k in one go
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
             self._store_kv(kv, i, start, qk[:, H:], qkv[:, H + KV :])  # [seq, KV, hd] each
-            q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # q: [1, H, seq, hd]
-            k, v = self._load_kv(kv, i, end)  # [1, KV, start+seq, hd]
-            # 4-D inputs keep SDPA on its CPU flash kernel (3-D ones take the slow math path).
-            a = self._attend(q, k, v, mask)
-            x = self._rows_mm(self.wo[i], a[0].transpose(0, 1).reshape(n, H * hd), residual=x)  # a: [1, H, seq, hd]
+            if kernel:  # [seq, H*hd], each token's heads side by side
+                a = self._kernels.prefill_attend_unchecked(qk, (H + KV) * hd, kv[i, 0].data_ptr(), kv[i, 1].data_ptr(),
+                                                           KV, self.group, hd, n, start, kv.shape[3] * hd)
+            else:
+                q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # q: [1, H, seq, hd]
+                k, v = self._load_kv(kv, i, end)  # [1, KV, start+seq, hd]
+                # 4-D inputs keep SDPA on its CPU flash kernel (3-D ones take the slow math path).
+                a = self._attend(q, k, v, mask)[0].transpose(0, 1).reshape(n, H * hd)  # from [1, H, seq, hd]
+            x = self._rows_mm(self.wo[i], a, residual=x)
             gu = self._rows_mm(self.wgu[i], x, norm=True)  # [seq, 2*inter]
             x = self._rows_mm(self.wdown[i], F.silu(gu[:, :inter]) * gu[:, inter:], residual=x)
             yield

@@ -77,8 +77,9 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         if triton.knobs.runtime.interpret != (torch.device(device).type == "cpu"):
             raise ValueError(f"the decode attention kernel runs on CUDA, or on CPU under Triton's interpreter "
                              f"(TRITON_INTERPRET=1 before Triton is imported); not on {device} in this process")
+        # Its decode and attention are the Triton kernels', on CUDA (or interpreted): not the CPU kernels.
         super().__init__(model_dir, device=device, dtype=dtype, num_threads=num_threads,
-                         kv_block_tokens=page_tokens)
+                         kv_block_tokens=page_tokens, cpu_kernels=False)
         if self.head_dim & (self.head_dim - 1):
             raise ValueError(f"{model_dir}: head_dim {self.head_dim} is not a power of two (the decode kernel's)")
         self._paged_kernels = _attention_kernel
