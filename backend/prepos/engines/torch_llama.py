@@ -154,9 +154,10 @@ class TorchLlamaEngine(Engine):
         self._kernels = kernels_lib.load() if cpu_kernels and cpu_fp32 else None
         self._kernel_attention = self._kernels is not None and kernels_lib.attention_fits(self.group, self.head_dim)
         self._kernel_prefill_attention = self._kernel_attention and kernels_lib.prefill_attention_fits(self.head_dim)
-        log.info("decode GEMVs: %s; decode attention: %s",
+        log.info("matrix products: %s; decode attention: %s; prefill attention: %s",
                  f"prepos CPU kernels ({self._kernels.path})" if self._kernels else "torch matmul",
-                 "prepos CPU kernels" if self._kernel_attention else "torch SDPA")
+                 *("prepos CPU kernels" if on else "torch SDPA"
+                   for on in (self._kernel_attention, self._kernel_prefill_attention)))
         self._load_weights(model_dir, tie=cfg.get("tie_word_embeddings", False), host_arena=host_arena)
         self._build_rope(cfg["rope_theta"], max_context)
         self._sessions: dict[str, _Session] = {}
@@ -261,7 +262,7 @@ class TorchLlamaEngine(Engine):
         if self._on_gemv_kernel(w):
             x = x.contiguous()
             scale = torch.rsqrt(x.pow(2).sum(-1).add_(self._n_eps)) if norm else None
-            return self._kernels.gemm_unchecked(w, x, scale, residual)
+            return self._kernels.gemm_unchecked(w, x, scale, None if residual is None else residual.contiguous())
         y = self._mm(self._rms_scale(x) if norm else x, w)
         return y if residual is None else residual + y
 
