@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -117,6 +118,17 @@ def page_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
             "torch allocations": torch_llama.TorchLlamaEngine(model_dir, host_arena=False, cpu_kernels=False)}
 
 
+def interleaved_medians(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds of each run over ``reps`` passes that take every run in turn, after two warm-up passes."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(reps + 2):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[2:]) for name, t in times.items()}
+
+
 def attention_sweep(layers: int, kv_heads: int, group: int, head_dim: int, kernels: cpu_kernels.CpuKernels,
                     reps: int) -> dict[int, dict[str, float]]:
     """Seconds (median of ``reps``) for one token's attention in every layer, the kernel's and SDPA's, over a
@@ -130,13 +142,7 @@ def attention_sweep(layers: int, kv_heads: int, group: int, head_dim: int, kerne
         runs = {"kernel": lambda: [kernels.attend(q, ks[i], vs[i]) for i in range(layers)],
                 "sdpa": lambda: [torch.nn.functional.scaled_dot_product_attention(q[None], ks[i][None], vs[i][None])
                                  for i in range(layers)]}
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for _ in range(reps + 2):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-        result[n] = {name: statistics.median(t[2:]) for name, t in times.items()}
+        result[n] = interleaved_medians(runs, reps)
     return result
 
 
@@ -149,13 +155,7 @@ def gemm_sweep(shapes: dict[str, tuple[int, int]], rows: int, reps: int, kernels
         w, x = torch.randn(out // cpu_kernels.BLOCK, d_in, cpu_kernels.BLOCK), torch.randn(rows, d_in)
         runs = {"kernel": lambda: kernels.gemm(w, x),
                 "torch": lambda: torch.matmul(x, w).transpose(0, 1).reshape(rows, -1)}
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for _ in range(reps + 2):
-            for impl, run in runs.items():
-                start = time.perf_counter()
-                run()
-                times[impl].append(time.perf_counter() - start)
-        result[name] = {impl: 2 * rows * d_in * out / statistics.median(t[2:]) / 1e9 for impl, t in times.items()}
+        result[name] = {impl: 2 * rows * d_in * out / t / 1e9 for impl, t in interleaved_medians(runs, reps).items()}
     return result
 
 
@@ -174,13 +174,7 @@ def prefill_attention_sweep(layers: int, kv_heads: int, group: int, head_dim: in
                 "sdpa": lambda: [torch.nn.functional.scaled_dot_product_attention(
                     qh, kv[i, 0][None], kv[i, 1][None], attn_mask=mask, is_causal=mask is None, enable_gqa=True)
                     for i in range(layers)]}
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for _ in range(reps + 2):
-            for name, run in runs.items():
-                start_t = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start_t)
-        result[(start, n)] = {name: statistics.median(t[2:]) for name, t in times.items()}
+        result[(start, n)] = interleaved_medians(runs, reps)
     return result
 
 
