@@ -32,6 +32,7 @@ for sub in ("backend", "client", "loadtest"):
 from prepos.launcher import ServerOptions, TritonServer  # noqa: E402
 from prepos_client import Client  # noqa: E402
 from prepos_loadtest.repository import variant_repository  # noqa: E402
+from prepos_loadtest.stats import percentile  # noqa: E402
 from prepos_loadtest.workloads import SessionTrace, Step, bfcl_sessions, monitor_sessions  # noqa: E402
 
 log = logging.getLogger("prepos.bench")
@@ -58,14 +59,6 @@ class Sample:
     expected: str | None
     queue_ms: float | None = None  # server: arrival to the engine loop picking it up
     compute_ms: float | None = None  # server: engine-loop time spent on it
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def replay(url: str, model: str, traces: list[SessionTrace], workload: str,
@@ -173,8 +166,8 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
             return
         ttft = [s.ttft_ms for s in chosen]
         server = [s.server_first_token_ms for s in chosen if s.server_first_token_ms is not None]
-        figures[label] = {"n": len(chosen), "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-                          "server_p50": pct(server, 50), "server_p99": pct(server, 99)}
+        figures[label] = {"n": len(chosen), "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+                          "server_p50": percentile(server, 50), "server_p99": percentile(server, 99)}
         rows.append((label, chosen))
 
     workloads = [("bfcl", "BFCL tool routing"), ("monitor", "streaming monitor")]
@@ -262,7 +255,7 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
 
 def _queue_pcts(samples: list[Sample], workload: str) -> tuple[float, float]:
     waits = [s.queue_ms for s in samples if s.workload == workload and s.queue_ms is not None]
-    return pct(waits, 50), pct(waits, 99)
+    return percentile(waits, 50), percentile(waits, 99)
 
 
 def paired_ratio(samples: list[Sample]) -> float:

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import prepos.engines.torch_llama as torch_llama  # noqa: E402
 from prepos.engines import cpu_kernels  # noqa: E402
+from prepos_loadtest.stats import percentile  # noqa: E402
 
-from engine_microbench import p99  # noqa: E402  (a sibling script: loadtest/ is on the path)
 
 BLOCK_COUNTS = (2, 4, 8, 16, 32, 64)
 PARTS = ("sweep", "chunks", "pages", "kernel", "attention", "prefill")
@@ -207,7 +207,7 @@ def _print_paired(times: dict[str, list[float]], what: str = "decode step", toke
     for name, samples in times.items():
         rate = f"  {tokens / statistics.median(samples):.0f} tok/s" if tokens else ""
         print(f"  {name:22s} n={len(samples)}  p50 {statistics.median(samples) * 1e3:.2f} ms  "
-              f"p99 {p99(samples) * 1e3:.2f} ms{rate}")
+              f"p99 {percentile(samples, 99) * 1e3:.2f} ms{rate}")
     first, second = times
     ratio = statistics.median(times[first]) / statistics.median(times[second])
     print(f"  p50 ratio {first} / {second}: {ratio:.3f}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from prepos.engines.host_arena import HostArena  # noqa: E402
 from prepos.engines.torch_llama import TorchLlamaEngine  # noqa: E402
+from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("engine_microbench")
 
@@ -39,11 +39,6 @@ def _timed(fn, device: str) -> float:
     fn()
     _sync(device)
     return time.perf_counter() - t
-
-
-def p99(samples: list[float]) -> float:
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def read_bandwidth(device: str, gib: float = 1.0, runs: int = 7) -> float:
@@ -191,7 +186,7 @@ def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", thre
         "weight_bytes": info.weight_bytes,
         "decode_bound_ms": bound * 1e3,
         "engine_decode_median_ms": med * 1e3,
-        "engine_decode_p99_ms": p99(dec) * 1e3,
+        "engine_decode_p99_ms": percentile(dec, 99) * 1e3,
         "engine_decode_ratio_to_bound": statistics.median(ratios),
         "engine_decode_ratio_rounds": ratios,
         "engine_decode_ratio_to_fastest_probe": med / (info.weight_bytes / max(bandwidths)),

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from prepos_loadtest.stats import percentile
+
 log = logging.getLogger("gpu_bench")
 
 VOCABS = (49_152, 128_256, 151_936)
@@ -46,11 +48,6 @@ ARCHS = {  # Hugging Face config fields of the architectures the engine benchmar
                          num_key_value_heads=8, vocab_size=128_256, tie_word_embeddings=False, rope_theta=500000.0,
                          max_position_embeddings=8192),
 }
-
-
-def _p99(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
 def read_bandwidth(num_bytes: int = 2 << 30) -> float:
@@ -125,7 +122,7 @@ def bench_scan(bandwidth: float, host_repeats: int) -> dict:
                     t = time.perf_counter()
                     fn(pool[i % pool_n])
                     times.append(time.perf_counter() - t)
-                host[name] = (statistics.median(times), _p99(times))
+                host[name] = (statistics.median(times), percentile(times, 99))
             bound = nbytes / bandwidth
             rows[f"{dname}/{vocab}"] = {
                 "bytes": nbytes, "bound_us": bound * 1e6, "kernel_us": per_scan * 1e6,
@@ -204,7 +201,7 @@ def bench_engine(arch: str, bandwidth: float, context: int, delta: int, steps: i
                 times.append(dt)
         engine.release("d")
         result[f"decode_{name}_median_ms"] = statistics.median(times) * 1e3
-        result[f"decode_{name}_p99_ms"] = _p99(times) * 1e3
+        result[f"decode_{name}_p99_ms"] = percentile(times, 99) * 1e3
         result[f"decode_{name}_over_bound"] = statistics.median(times) / bound
         log.info("decode %s: median %.3f ms (bound %.3f ms)", name, statistics.median(times) * 1e3, bound * 1e3)
     # prefix path: the session holds `prefix`; a request's delta is prefilled, then its distribution scanned
@@ -227,8 +224,8 @@ def bench_engine(arch: str, bandwidth: float, context: int, delta: int, steps: i
         t = statistics.median(times[1:])
         tok_s.append((n, n / t))
     result |= {
-        "prefix_first_token_median_ms": statistics.median(prefix_t) * 1e3, "prefix_first_token_p99_ms": _p99(prefix_t) * 1e3,
-        "gated_first_token_median_ms": statistics.median(gated_t) * 1e3, "gated_first_token_p99_ms": _p99(gated_t) * 1e3,
+        "prefix_first_token_median_ms": statistics.median(prefix_t) * 1e3, "prefix_first_token_p99_ms": percentile(prefix_t, 99) * 1e3,
+        "gated_first_token_median_ms": statistics.median(gated_t) * 1e3, "gated_first_token_p99_ms": percentile(gated_t, 99) * 1e3,
         "prefix_over_gated": statistics.median(prefix_t) / statistics.median(gated_t),
         "prefill_tok_s": {str(n): v for n, v in tok_s},
     }

@@ -37,6 +37,7 @@ import torch
 
 from prepos.scan import scan_numpy, scan_torch
 from prepos.scan_onnxruntime import OnnxRuntimeScan
+from prepos_loadtest.stats import percentile
 
 log = logging.getLogger("scan_bench")
 
@@ -98,10 +99,6 @@ def time_scan(scan: Callable, pool: list, kwargs: dict, repeats: int) -> list[fl
     return times
 
 
-def _p99(xs: list[float]) -> float:
-    return float(np.percentile(xs, 99))
-
-
 def run(repeats: int, threads: int, temperature: float) -> dict:
     torch.set_num_threads(threads)
     bandwidth = read_bandwidth()
@@ -123,7 +120,7 @@ def run(repeats: int, threads: int, temperature: float) -> dict:
             else:
                 pool = pool_np
             times = time_scan(scan, pool, kwargs, repeats)
-            row = {"median_us": statistics.median(times) * 1e6, "p99_us": _p99(times) * 1e6}
+            row = {"median_us": statistics.median(times) * 1e6, "p99_us": percentile(times, 99) * 1e6}
             results["rows"].setdefault(name, {})[vocab] = row
             log.info("%s vocab %d: median %.1f us, p99 %.1f us", name, vocab, row["median_us"], row["p99_us"])
     return results

@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 
 from prepos.template import EngineManifest, Tokenizer
 from prepos_client import Answer
+from prepos_loadtest.stats import percentile  # noqa: F401  (the figures import it from here)
 
 log = logging.getLogger("prepos.figures")
 
@@ -135,14 +136,6 @@ class TokenCounter:
             lines.append(line)
             index += 1
         return "\n".join(lines)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(v for v in values if v is not None and not math.isnan(v))
-    if not ordered:
-        return math.nan
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def mean(values: Iterable[float | None]) -> float:
