@@ -17,8 +17,8 @@
 6. Prefill: each matrix shape's product for 40 rows, the CPU GEMM kernel's GFLOP/s
    against torch's matmul over the same 32-column blocks; causal attention in every
    layer, the prefill attention kernel's against SDPA's; then prefills of the two
-   engines of part 4 in alternating blocks (40 tokens over a 300-token prefix, and
-   512 tokens from nothing): p50 and p99 of each and the ratio of the p50s.
+   engines of part 4 in alternating blocks (40 tokens over a 300- and a 2,000-token
+   prefix, and 512 tokens from nothing): p50 and p99 of each and the ratio of the p50s.
 
     python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention,prefill]
 """
@@ -44,7 +44,7 @@ from prepos_loadtest.stats import percentile  # noqa: E402
 
 BLOCK_COUNTS = (2, 4, 8, 16, 32, 64)
 PARTS = ("sweep", "chunks", "pages", "kernel", "attention", "prefill")
-PREFILLS = ((300, 40), (0, 512))  # (cached prefix, new tokens)
+PREFILLS = ((300, 40), (2000, 40), (0, 512))  # (cached prefix, new tokens)
 GEMM_ROWS = 40
 ATTENTION_CONTEXTS = (100, 1000, 3000, 6000)
 

@@ -223,6 +223,22 @@ def test_prefill_attention_is_causal(kernels):
     assert not torch.allclose(after[12], before[12])
 
 
+def test_prefill_attention_scratch_is_rewritten_on_each_call(kernels):
+    """One scratch serves every layer of a prefill: whatever an earlier call (or nothing) left in it, each call
+    transposes its own keys, padding included, and gives the reference result."""
+    g = torch.Generator().manual_seed(5)
+    kv_heads, group, head_dim, start, n = 2, 3, 64, 100, 30  # 130 keys: the last chunk of 64 is padded
+    scratch = cpu_kernels.prefill_scratch(kv_heads, head_dim, 400)  # sized for a longer prefill, as reuse allows
+    scratch.fill_(float("nan"))
+    for layer in range(3):
+        q = torch.randn(n, kv_heads * group, head_dim, generator=g)
+        cache = torch.randn(2, kv_heads, start + n, head_dim, generator=g) * (layer + 1)
+        got = kernels.prefill_attend_unchecked(q, q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(), kv_heads,
+                                               group, head_dim, n, start, cache.stride(1), scratch)
+        want = cpu_kernels.causal_attention_reference(q, cache[0], cache[1])
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), f"layer {layer}"
+
+
 @pytest.mark.parametrize("q, k, v, problem", [
     (torch.ones(4, 6, 48), torch.ones(2, 4, 48), torch.ones(2, 4, 48), "head_dim a multiple of 32"),
     (torch.ones(4, 5, 32), torch.ones(2, 4, 32), torch.ones(2, 4, 32), "5 heads over 2 kv heads"),

@@ -9,7 +9,7 @@
 
 #include <math.h>
 
-int prepos_kernels_abi(void) { return 5; }
+int prepos_kernels_abi(void) { return 6; }
 
 /* y = alpha * (x @ W) [+ residual]. W is packed in 32-column blocks, [blocks, k, 32] row-major: block c
  * holds outputs 32c..32c+31 and is one contiguous run of memory. Each thread takes a contiguous range of
@@ -230,83 +230,96 @@ static inline void rows_tile(const float *const *x, const float *restrict w, lon
  * 0..start+i of kv head kv. q row i, head h at q + i * q_stride + h * head_dim; keys and values as for
  * prepos_decode_attention (they already hold the new positions); out [n, heads * head_dim] (each token's heads
  * side by side, as the o projection reads them). head_dim is a multiple of 32.
- * A work item is one kv head and up to PREFILL_ROWS query rows (the group's heads for each of a run of query
- * positions), all of which read the same keys. The keys they need are taken in chunks of 64, transposed once
- * per chunk; the chunk's scores and then its values times the probabilities are register tiles as in the GEMM
- * (8 rows x 32 columns), and each row keeps a running max and sum (online softmax: the earlier part of its
- * output is rescaled by exp(old max - new max)). Items are handed out dynamically: under the causal mask
- * later positions have more keys. */
+ * First every kv head's keys are transposed, in chunks of 64, into kt [kv_heads, chunks, head_dim, 64] (the
+ * caller's scratch, zero-padded past the last key), once for all the items that read them. A work item is then
+ * one kv head and up to PREFILL_ROWS query rows (the group's heads for each of a run of query positions), all
+ * of which read the same keys; per chunk, the scores and then the values times the probabilities are register
+ * tiles as in the GEMM (8 rows x 32 columns), and each row keeps a running max and sum (online softmax: the
+ * earlier part of its output is rescaled by exp(old max - new max)). Items are handed out dynamically: under
+ * the causal mask later positions have more keys. */
 void prepos_prefill_attention(const float *restrict q, long q_stride, const float *restrict k,
-                              const float *restrict v, float *restrict out, long kv_heads, long group,
-                              long head_dim, long n, long start, long head_stride, float scale, int threads) {
+                              const float *restrict v, float *restrict out, float *restrict kt_all,
+                              long kv_heads, long group, long head_dim, long n, long start, long head_stride,
+                              float scale, int threads) {
   const long per_item = group < PREFILL_ROWS ? PREFILL_ROWS / group : 1; /* query positions per item */
   const long tiles = (n + per_item - 1) / per_item, heads = kv_heads * group;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (long item = 0; item < kv_heads * tiles; item++) {
-    const long kv = item / tiles, i0 = (item % tiles) * per_item;
-    const long i1 = n < i0 + per_item ? n : i0 + per_item, rows = (i1 - i0) * group, keys = start + i1;
-    const float *kh = k + kv * head_stride, *vh = v + kv * head_stride;
-    const float *qrow[PREFILL_ROWS], *prow[PREFILL_ROWS];
-    float *orow[PREFILL_ROWS], mx[PREFILL_ROWS], sum[PREFILL_ROWS];
-    float kt[ATTN_MAX_HEAD_DIM * PREFILL_KEYS], p[PREFILL_ROWS][PREFILL_KEYS], acc[GEMM_ROWS][32];
-    for (long r = 0; r < rows; r++) { /* row r: query position i0 + r / group, head kv * group + r % group */
-      const long i = i0 + r / group, h = kv * group + r % group;
-      qrow[r] = q + i * q_stride + h * head_dim;
-      orow[r] = out + (i * heads + h) * head_dim;
-      prow[r] = p[r];
-      for (long d = 0; d < head_dim; d++) orow[r][d] = 0.0f;
+  const long chunks = (start + n + PREFILL_KEYS - 1) / PREFILL_KEYS, chunk_floats = head_dim * PREFILL_KEYS;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (long c = 0; c < kv_heads * chunks; c++) {
+      const long j0 = (c % chunks) * PREFILL_KEYS;
+      const long len = start + n - j0 < PREFILL_KEYS ? start + n - j0 : PREFILL_KEYS;
+      const float *kh = k + (c / chunks) * head_stride + j0 * head_dim;
+      float *kt = kt_all + c * chunk_floats;
+      for (long j = 0; j < len; j++)
+        for (long d = 0; d < head_dim; d++) kt[d * PREFILL_KEYS + j] = kh[j * head_dim + d];
+      for (long d = 0; d < head_dim; d++)
+        for (long j = len; j < PREFILL_KEYS; j++) kt[d * PREFILL_KEYS + j] = 0.0f;
     }
-    for (long j0 = 0; j0 < keys; j0 += PREFILL_KEYS) {
-      const long len = keys - j0 < PREFILL_KEYS ? keys - j0 : PREFILL_KEYS;
-      for (long d = 0; d < head_dim; d++) {
-        float *row = kt + d * PREFILL_KEYS;
-        for (long j = 0; j < len; j++) row[j] = kh[(j0 + j) * head_dim + d];
-        for (long j = len; j < PREFILL_KEYS; j++) row[j] = 0.0f;
+#pragma omp for schedule(dynamic, 1)
+    for (long item = 0; item < kv_heads * tiles; item++) {
+      const long kv = item / tiles, i0 = (item % tiles) * per_item;
+      const long i1 = n < i0 + per_item ? n : i0 + per_item, rows = (i1 - i0) * group, keys = start + i1;
+      const float *vh = v + kv * head_stride;
+      const float *qrow[PREFILL_ROWS], *prow[PREFILL_ROWS];
+      float *orow[PREFILL_ROWS], mx[PREFILL_ROWS], sum[PREFILL_ROWS];
+      float p[PREFILL_ROWS][PREFILL_KEYS], acc[GEMM_ROWS][32];
+      for (long r = 0; r < rows; r++) { /* row r: query position i0 + r / group, head kv * group + r % group */
+        const long i = i0 + r / group, h = kv * group + r % group;
+        qrow[r] = q + i * q_stride + h * head_dim;
+        orow[r] = out + (i * heads + h) * head_dim;
+        prow[r] = p[r];
+        for (long d = 0; d < head_dim; d++) orow[r][d] = 0.0f;
       }
-      for (long r0 = 0; r0 < rows; r0 += GEMM_ROWS) {
-        const long tr = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
-        for (long c0 = 0; c0 < PREFILL_KEYS; c0 += 32) {
-          rows_tile(qrow + r0, kt + c0, PREFILL_KEYS, head_dim, tr, acc);
-          for (long r = 0; r < tr; r++)
-            for (int j = 0; j < 32; j++) p[r0 + r][c0 + j] = acc[r][j] * scale;
+      for (long j0 = 0; j0 < keys; j0 += PREFILL_KEYS) {
+        const long len = keys - j0 < PREFILL_KEYS ? keys - j0 : PREFILL_KEYS;
+        const float *kt = kt_all + (kv * chunks + j0 / PREFILL_KEYS) * chunk_floats;
+        for (long r0 = 0; r0 < rows; r0 += GEMM_ROWS) {
+          const long tr = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
+          for (long c0 = 0; c0 < PREFILL_KEYS; c0 += 32) {
+            rows_tile(qrow + r0, kt + c0, PREFILL_KEYS, head_dim, tr, acc);
+            for (long r = 0; r < tr; r++)
+              for (int j = 0; j < 32; j++) p[r0 + r][c0 + j] = acc[r][j] * scale;
+          }
+        }
+        for (long r = 0; r < rows; r++) {
+          long lim = start + i0 + r / group + 1 - j0; /* keys of this chunk that the row's query sees */
+          lim = lim < len ? lim : len;
+          if (lim <= 0) { /* none: the row is unchanged */
+            for (long j = 0; j < PREFILL_KEYS; j++) p[r][j] = 0.0f;
+            continue;
+          }
+          float m = p[r][0];
+          for (long j = 1; j < lim; j++) m = p[r][j] > m ? p[r][j] : m;
+          float l = 0.0f;
+          if (j0) { /* key 0 is in every row's first chunk: later chunks merge into the running max and sum */
+            m = mx[r] > m ? mx[r] : m;
+            const float f = expf(mx[r] - m);
+            l = sum[r] * f;
+            for (long d = 0; d < head_dim; d++) orow[r][d] *= f;
+          }
+          for (long j = 0; j < lim; j++) {
+            p[r][j] = expf(p[r][j] - m);
+            l += p[r][j];
+          }
+          for (long j = lim; j < PREFILL_KEYS; j++) p[r][j] = 0.0f;
+          mx[r] = m;
+          sum[r] = l;
+        }
+        for (long r0 = 0; r0 < rows; r0 += GEMM_ROWS) {
+          const long tr = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
+          for (long d0 = 0; d0 < head_dim; d0 += 32) {
+            rows_tile(prow + r0, vh + j0 * head_dim + d0, head_dim, len, tr, acc);
+            for (long r = 0; r < tr; r++)
+              for (int j = 0; j < 32; j++) orow[r0 + r][d0 + j] += acc[r][j];
+          }
         }
       }
       for (long r = 0; r < rows; r++) {
-        long lim = start + i0 + r / group + 1 - j0; /* keys of this chunk that the row's query sees */
-        lim = lim < len ? lim : len;
-        if (lim <= 0) { /* none: the row is unchanged */
-          for (long j = 0; j < PREFILL_KEYS; j++) p[r][j] = 0.0f;
-          continue;
-        }
-        float m = p[r][0];
-        for (long j = 1; j < lim; j++) m = p[r][j] > m ? p[r][j] : m;
-        float l = 0.0f;
-        if (j0) { /* key 0 is in every row's first chunk: later chunks merge into the running max and sum */
-          m = mx[r] > m ? mx[r] : m;
-          const float f = expf(mx[r] - m);
-          l = sum[r] * f;
-          for (long d = 0; d < head_dim; d++) orow[r][d] *= f;
-        }
-        for (long j = 0; j < lim; j++) {
-          p[r][j] = expf(p[r][j] - m);
-          l += p[r][j];
-        }
-        for (long j = lim; j < PREFILL_KEYS; j++) p[r][j] = 0.0f;
-        mx[r] = m;
-        sum[r] = l;
+        const float inv = 1.0f / sum[r];
+        for (long d = 0; d < head_dim; d++) orow[r][d] *= inv;
       }
-      for (long r0 = 0; r0 < rows; r0 += GEMM_ROWS) {
-        const long tr = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
-        for (long d0 = 0; d0 < head_dim; d0 += 32) {
-          rows_tile(prow + r0, vh + j0 * head_dim + d0, head_dim, len, tr, acc);
-          for (long r = 0; r < tr; r++)
-            for (int j = 0; j < 32; j++) orow[r0 + r][d0 + j] += acc[r][j];
-        }
-      }
-    }
-    for (long r = 0; r < rows; r++) {
-      const float inv = 1.0f / sum[r];
-      for (long d = 0; d < head_dim; d++) orow[r][d] *= inv;
     }
   }
 }

@@ -12,7 +12,7 @@ rows by the same packed matrices, which is compute-bound: torch's matmul over th
 about 85-125 GFLOP/s there, and ``cpu_kernels.c``'s GEMM, which keeps a tile of 8 rows x 32 columns in
 vector registers while a block streams past, at about 150-220 (``--parts prefill``). Prefill's causal
 attention uses the same register tiles, for scores and for values, over chunks of 64 keys with a running
-softmax per row.
+softmax per row; each kv head's keys are transposed into those chunks once per layer, for all its work items.
 
 :func:`load` compiles the source with the system C compiler (``$CC``, else ``cc``) at ``-O3 -march=native
 -ffast-math -fopenmp`` into a cache directory (``$PREPOS_CACHE_DIR``, else ``$XDG_CACHE_HOME/prepos`` or
@@ -44,8 +44,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 ATTENTION_CHUNK = 256  # keys per work item, ATTN_CHUNK in the source
+PREFILL_KEYS = 64  # keys per chunk of the prefill attention, PREFILL_KEYS in the source
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # query heads per kv head and head size the attention kernel takes
-_ABI = 5
+_ABI = 6
 
 
 def attention_fits(group: int, head_dim: int) -> bool:
@@ -56,6 +57,13 @@ def attention_fits(group: int, head_dim: int) -> bool:
 def prefill_attention_fits(head_dim: int) -> bool:
     """Whether the prefill attention kernel takes ``head_dim`` (it reads values 32 columns at a time)."""
     return head_dim % BLOCK == 0
+
+
+def prefill_scratch(kv_heads: int, head_dim: int, keys: int) -> torch.Tensor:
+    """The prefill attention's scratch for ``keys`` keys: each kv head's keys transposed in chunks of
+    ``PREFILL_KEYS`` ([kv_heads, chunks, head_dim, PREFILL_KEYS] float32), so all its work items share one copy."""
+    chunks = -(-keys // PREFILL_KEYS)
+    return torch.empty(kv_heads * chunks * head_dim * PREFILL_KEYS)
 
 
 class CpuKernels:
@@ -74,7 +82,7 @@ class CpuKernels:
         self._gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
         self._gemm.restype = None
         self._prefill_attend = lib.prepos_prefill_attention
-        self._prefill_attend.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 6
+        self._prefill_attend.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
                                          + [ctypes.c_float, ctypes.c_int])
         self._prefill_attend.restype = None
         self._layers = lib.prepos_decode_layers
@@ -185,13 +193,17 @@ class CpuKernels:
         if k.stride(0) != v.stride(0):
             raise ValueError(f"k and v: head strides differ ({k.stride(0)} vs {v.stride(0)})")
         return self.prefill_attend_unchecked(q, q.stride(0), k.data_ptr(), v.data_ptr(), kv_heads, heads // kv_heads,
-                                             head_dim, n, keys - n, k.stride(0))
+                                             head_dim, n, keys - n, k.stride(0),
+                                             prefill_scratch(kv_heads, head_dim, keys))
 
     def prefill_attend_unchecked(self, q: torch.Tensor, q_stride: int, k_ptr: int, v_ptr: int, kv_heads: int,
-                                 group: int, head_dim: int, n: int, start: int, head_stride: int) -> torch.Tensor:
+                                 group: int, head_dim: int, n: int, start: int, head_stride: int,
+                                 scratch: torch.Tensor) -> torch.Tensor:
+        """As :meth:`prefill_attend`, with ``scratch`` from :func:`prefill_scratch` for at least ``start + n``
+        keys (one per prefill serves every layer: the kernel overwrites what it reads)."""
         out = torch.empty(n, kv_heads * group * head_dim)
-        self._prefill_attend(q.data_ptr(), q_stride, k_ptr, v_ptr, out.data_ptr(), kv_heads, group,
-                             head_dim, n, start, head_stride, head_dim ** -0.5, torch.get_num_threads())
+        self._prefill_attend(q.data_ptr(), q_stride, k_ptr, v_ptr, out.data_ptr(), scratch.data_ptr(), kv_heads,
+                             group, head_dim, n, start, head_stride, head_dim ** -0.5, torch.get_num_threads())
         return out
 
 

@@ -420,6 +420,7 @@ class TorchLlamaEngine(Engine):
         # Query i (position start+i) sees keys 0..start+i. SDPA's is_causal aligns to the top-left,
         # which is only right without a prefix, so a prefix needs the explicit offset mask.
         kernel = self._kernel_prefill_attention and kv.is_contiguous()
+        scratch = kernels_lib.prefill_scratch(KV, hd, end) if kernel else None  # every layer's transposed keys
         if start and not kernel:
             pos = torch.arange(end, device=self.device)
             mask = pos[None, :] <= pos[start:, None]  # [seq, start+seq]
@@ -433,7 +434,7 @@ class TorchLlamaEngine(Engine):
             self._store_kv(kv, i, start, qk[:, H:], qkv[:, H + KV :])  # [seq, KV, hd] each
             if kernel:  # [seq, H*hd], each token's heads side by side
                 a = self._kernels.prefill_attend_unchecked(qk, (H + KV) * hd, kv[i, 0].data_ptr(), kv[i, 1].data_ptr(),
-                                                           KV, self.group, hd, n, start, kv.shape[3] * hd)
+                                                           KV, self.group, hd, n, start, kv.shape[3] * hd, scratch)
             else:
                 q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # q: [1, H, seq, hd]
                 k, v = self._load_kv(kv, i, end)  # [1, KV, start+seq, hd]
