@@ -102,6 +102,7 @@ class FakeEngine(Engine):
         self.kv: dict = {}
         self.calls: list[tuple[str, object, int]] = []  # (method, session, tokens computed)
         self.on_compute: Callable[[], None] | None = None  # called mid-computation (tests inject arrivals here)
+        self.batches: list[tuple] = []  # the sessions of each decode_batch call
 
     def _compute(self, session_id, seq: list[int], num_new: int) -> torch.Tensor:
         self.clock.t += self.step_time_s + self.token_time_s * num_new / 2
@@ -133,6 +134,10 @@ class FakeEngine(Engine):
         self.calls.append(("prefill", session_id, num_new))
         self.kv[session_id] = list(token_ids)
         return torch.from_numpy(self.logits_fn(list(token_ids), self.info.vocab_size))
+
+    def decode_batch(self, session_ids, token_ids):
+        self.batches.append(tuple(session_ids))
+        return super().decode_batch(session_ids, token_ids)
 
     def decode(self, session_id, token_id):
         self.calls.append(("decode", session_id, 1))

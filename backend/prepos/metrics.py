@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 FIRST_TOKEN_BUCKETS_MS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ SPECS = (
     MetricSpec("prepos_prefill_tokens_total", "counter", "Tokens prefilled, by where the work ran", ("where",)),
     MetricSpec("prepos_engine_seconds_total", "counter",
                "Engine-loop seconds spent on requests (foreground) and on pre-positioning (background)", ("where",)),
+    MetricSpec("prepos_decode_batch_sessions", "histogram",
+               "Sessions in each decode step the engine ran (requests waiting to decode go in one batch)", (),
+               DECODE_BATCH_BUCKETS),
     MetricSpec("prepos_requests_abandoned_total", "counter",
                "Requests stopped before their end, by reason (cancelled, deadline); their turn is not accepted",
                ("reason",)),
@@ -181,6 +185,9 @@ class Metrics:
 
     def evicted(self, what: str) -> None:
         self.sink.inc("prepos_kv_evictions_total", {"what": what}, 1)
+
+    def decode_batch(self, sessions: int) -> None:
+        self.sink.observe("prepos_decode_batch_sessions", {}, sessions)
 
     def engine_time(self, where: str, seconds: float) -> None:
         self.sink.inc("prepos_engine_seconds_total", {"where": where}, seconds)

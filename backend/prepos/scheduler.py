@@ -7,7 +7,10 @@ run the new request's first step up to its first engine call (an ``exact`` or
 ``gated`` answer is a scan: no thread hand-off on the fastest paths).
 
 Work is cooperative: a foreground request is a generator that yields after
-each engine call (so sessions interleave token by token), and pre-positioning
+each engine call (so sessions interleave token by token). A request about to
+decode yields its :class:`~prepos.serving.DecodeStep` and waits; once every
+other ready session has had one step, the waiting decodes run as one batch
+(``Engine.decode_batch``: one read of the weights for all of them). Pre-positioning
 is a generator that yields after each layer of each chunk of at most
 ``chunk_tokens`` tokens. Before every step the loop admits new requests, and a
 foreground step always goes before background work: a new request waits at
@@ -41,7 +44,7 @@ from prepos.policies import IDLE_POLICIES
 from prepos.protocol import ProtocolError, Rejection, Request, ResponseSink, Status
 from prepos.residency import Residency
 from prepos.scan import ScanFn
-from prepos.serving import RequestServer
+from prepos.serving import DecodeStep, RequestServer
 from prepos.session import Positioned, Session
 from prepos.template import Framing, Tokenizer
 from prepos.turns import TurnBuilder
@@ -121,6 +124,8 @@ class Scheduler:
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
         self._inline = False  # the current step runs on a submitting thread: no engine work
         self._ready: deque[Session] = deque()
+        self._decoding: list[tuple[Session, DecodeStep]] = []  # requests waiting for the next decode batch
+        self._round_left = 0  # steps of other ready sessions still due before that batch runs
         self._idle: dict[str | int, Session] = {}  # idle sessions that are not positioned
         self._went_idle = False  # a session joined _idle since the policy last chose
         self._prep: _Background | None = None  # the background task the loop steps
@@ -149,7 +154,7 @@ class Scheduler:
             try:
                 self._inline = True
                 self._admit_queued()
-                if len(self._ready) == 1 and self._ready[0].session_id == request.session_id:
+                if not self._decoding and len(self._ready) == 1 and self._ready[0].session_id == request.session_id:
                     self._step_foreground()
             finally:
                 self._inline = False
@@ -205,6 +210,9 @@ class Scheduler:
         now = self._clock()
         if now >= self._next_housekeeping:  # also under sustained load: gauges stay fresh, idle sessions close
             self._housekeeping(now)
+        if self._decoding and (not self._ready or self._round_left <= 0):
+            self._run_decodes()
+            return True
         if self._ready:
             self._step_foreground()
             return True
@@ -260,9 +268,10 @@ class Scheduler:
 
     def _step_foreground(self) -> None:
         session = self._ready.popleft()
+        self._round_left -= 1
         began = self._clock()
         try:
-            next(session.task)
+            step = next(session.task)
         except StopIteration:
             session.task = None
             return
@@ -271,7 +280,39 @@ class Scheduler:
             self._metrics.engine_time("foreground", now - began)
             # Background compute holds both cores: let the response just sent leave the process first.
             self._background_after_s = now + self._config.background_delay_ms / 1e3
-        self._ready.append(session)
+        if isinstance(step, DecodeStep):
+            if not self._decoding:  # the sessions ready now get one step each before the batch
+                self._round_left = len(self._ready)
+            self._decoding.append((session, step))
+        else:
+            self._ready.append(session)
+
+    def _run_decodes(self) -> None:
+        """Run the waiting decodes as one batch and hand each request its logits, or the error that made its
+        step impossible (the request's own error handling answers its client)."""
+        waiting, self._decoding = self._decoding, []
+        steps = [step for _, step in waiting if step.wanted()]  # the others stop when resumed
+        if not steps:
+            self._ready.extend(session for session, _ in waiting)
+            return
+        began = self._clock()
+        try:
+            results = self._engine.decode_batch([st.session_id for st in steps], [st.token_id for st in steps])
+        except Exception as err:  # the engine failed as a whole: every request in the batch fails with it
+            log.exception("a batch of %d decodes failed", len(steps))
+            results = [err] * len(steps)
+        for step, result in zip(steps, results):
+            if isinstance(result, Exception):
+                step.error = result
+            else:
+                step.logits = result
+        now = self._clock()
+        for step in steps:
+            step.seconds, step.batch = now - began, len(steps)
+        self._metrics.engine_time("foreground", now - began)
+        self._metrics.decode_batch(len(steps))
+        self._background_after_s = now + self._config.background_delay_ms / 1e3
+        self._ready.extend(session for session, _ in waiting)
 
     def _step_prepositioning(self) -> bool:
         if self._clock() < self._background_after_s:

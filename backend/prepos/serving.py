@@ -1,7 +1,9 @@
 """Serving one request of a session: choose the path of its first token, stream its answer, accept its turn.
 
 A request is served by a generator the engine loop steps: it yields after
-each engine call, so sessions interleave token by token. The path of the
+each engine call, so sessions interleave token by token. A decode is not
+called here but yielded as a :class:`DecodeStep`: the loop runs the decodes
+that sessions are waiting on as one batch. The path of the
 first token is ``exact`` or ``gated`` (a scan of the positioned distribution,
 no engine work), ``prepaid`` (positioned, then the delta is prefilled),
 ``prefix`` (prefill from the longest cached prefix) or ``rebuild`` (the KV
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
+import torch
 
 from prepos.config import SchedulerConfig
 from prepos.engines.base import Engine, KVCapacityError, common_prefix_length
@@ -41,6 +45,22 @@ class _Abandoned(Exception):
         super().__init__(str(error))
         self.reason = reason
         self.error = error
+
+
+@dataclass
+class DecodeStep:
+    """A request's next decode, yielded to the engine loop, which runs it together with the other sessions'
+    (:meth:`prepos.engines.base.Engine.decode_batch`) and fills in ``logits`` or ``error`` before resuming the
+    request (neither when it was no longer ``wanted``); ``seconds`` is the engine time of the batch it ran in,
+    ``batch`` how many sessions that batch held."""
+
+    session_id: str | int
+    token_id: int
+    wanted: Callable[[], bool] = lambda: True  # False once the client went away or the deadline passed: skipped
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    batch: int = 0
 
 
 class ServedPath(str, enum.Enum):
@@ -123,6 +143,14 @@ class RequestServer:
         if cancel_check and sink.cancelled():
             raise _Abandoned("cancelled", ProtocolError(
                 "request", "cancelled by the client; its turn was not accepted", Status.CANCELLED))
+
+    def _alive(self, request: Request, sink: ResponseSink) -> bool:
+        """Whether the request still wants its next token (see :meth:`_check_alive`)."""
+        try:
+            self._check_alive(request, sink)
+        except _Abandoned:
+            return False
+        return True
 
     def _make_room(self, session: Session, request: Request, num_new: int) -> None:
         dropped = self._turns.make_room(session, request, num_new)
@@ -267,19 +295,28 @@ class RequestServer:
                 gate_outcome = ""
             if done:
                 break
-            clock.pause()
-            yield
-            clock.resume()
-            self._check_alive(request, sink)
             if prompt is None:
                 prompt = [*session.token_log, *turn_ids()]
                 max_new = min(request.max_tokens, self._max_context - len(prompt))
             sequence = [*prompt, *answer]
-            if kv_len == len(sequence) - 1:
-                with clock.measure("decode"):
-                    logits = self._engine.decode(sid, sequence[-1])
+            if kv_len == len(sequence) - 1:  # the loop decodes it, with the other sessions' decodes
+                step = DecodeStep(sid, sequence[-1], wanted=lambda: self._alive(request, sink))
+                clock.pause()
+                yield step
+                clock.resume()
+                self._check_alive(request, sink)
+                if step.error is not None:
+                    raise step.error
+                if step.logits is None:
+                    raise RuntimeError(f"session {sid!r}: the engine loop resumed a decode it did not run")
+                clock.add("decode", step.seconds)
+                logits = step.logits
                 self._residency.note_kv(session)
             else:
+                clock.pause()
+                yield
+                clock.resume()
+                self._check_alive(request, sink)
                 with clock.measure("prefill"):
                     logits = self._prefill(session, sequence)
             kv_len = len(sequence)

@@ -46,6 +46,12 @@ class RequestClock:
         finally:
             setattr(self, f"{phase}_s", getattr(self, f"{phase}_s") + self.now() - began)
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Count engine time spent for this request by the loop while it waited (a batched decode) as
+        ``phase`` and as compute: a batch's whole time counts for each request in it."""
+        setattr(self, f"{phase}_s", getattr(self, f"{phase}_s") + seconds)
+        self.compute_s += seconds
+
     def chunk(self, text: str, ids: Sequence[int], path: str, confidence: float, finish: str) -> ResponseChunk:
         now = self.now()
         if self.first_token_ms is None:

@@ -309,6 +309,13 @@ def test_engine_prefill_on_the_kernels_matches_torch_and_transformers(tie, tmp_p
         assert torch.allclose(got, want, atol=1e-5)
         assert (got - hf[end - 1]).abs().max().item() <= 1e-4
     assert list(kernel.cached_token_ids("s")) == ids
+    # Two sessions decoding as one batch: GEMM rows and the decode attention kernel against torch's ops.
+    for engine in (kernel, plain):
+        engine.prefill("t", ids[:40])
+    for token_s, token_t in zip(ids[50:54], ids[60:64]):
+        got, want = (e.decode_batch(["s", "t"], [token_s, token_t]) for e in (kernel, plain))
+        assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
+    assert list(kernel.cached_token_ids("t")) == [*ids[:40], *ids[60:64]]
 
 
 def test_engine_keeps_torch_matmul_off_float32(tied):

@@ -126,6 +126,43 @@ def test_decode_logits_match_hf_each_step(tied):
         assert _close(engine.decode("s", ids[i]), hf[i]), i
 
 
+@pytest.mark.parametrize("which", ["tied", "untied"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
+def test_decode_batch_matches_hf_for_each_session(which, kernels, request):
+    """Sessions of different lengths decode together (KV growing past a block on the way) and each gets the
+    logits a full forward of its own sequence gives."""
+    path, model = request.getfixturevalue(which)
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK, cpu_kernels=kernels)
+    seqs = {"a": _ids(5, seed=20), "b": _ids(14, seed=21), "c": _ids(31, seed=22)}
+    for sid, ids in seqs.items():
+        seqs[sid].append(int(engine.prefill(sid, ids).argmax()))
+    computed = engine.num_computed_tokens
+    for _ in range(4):
+        results = engine.decode_batch(list(seqs), [ids[-1] for ids in seqs.values()])
+        for (sid, ids), logits in zip(seqs.items(), results):
+            assert _close(logits, _hf_logits(model, ids)[-1]), sid
+            assert list(engine.cached_token_ids(sid)) == ids
+            ids.append(int(logits.argmax()))
+    assert engine.num_computed_tokens == computed + 4 * 3
+
+
+def test_decode_batch_refuses_an_impossible_step_alone(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    a, b = _ids(6, seed=23), _ids(9, seed=24)
+    engine.prefill("a", a)
+    engine.prefill("b", b)
+    results = engine.decode_batch(["a", "nosuch", "b"], [7, 8, 512])  # 512: past the vocabulary
+    assert isinstance(results[1], ValueError) and "'nosuch' has no KV" in str(results[1])
+    assert isinstance(results[2], ValueError) and "token id 512" in str(results[2])
+    assert _close(results[0], _hf_logits(model, [*a, 7])[-1])
+    assert list(engine.cached_token_ids("a")) == [*a, 7] and list(engine.cached_token_ids("b")) == b
+    for sids, toks, problem in ((["a", "a"], [1, 2], "appears twice"), (["a", "b"], [1], "2 sessions but 1 tokens")):
+        with pytest.raises(ValueError, match=problem):
+            engine.decode_batch(sids, toks)
+    assert list(engine.cached_token_ids("a")) == [*a, 7] and list(engine.cached_token_ids("b")) == b
+
+
 def test_hf_generate_agrees(tied):
     path, model = tied
     engine = TorchLlamaEngine(path)

@@ -76,6 +76,24 @@ class Engine(abc.ABC):
         but without the prefix comparison. The session must have KV.
         """
 
+    def decode_batch(self, session_ids: Sequence[str], token_ids: Sequence[int]) -> list[torch.Tensor | Exception]:
+        """``decode`` for several distinct sessions at once, one token each; one result per session, in order:
+        its logits, or the ``ValueError`` / ``KVCapacityError`` that made its step impossible (that session's
+        KV is then unchanged; the others' steps still happen).
+
+        An engine that reads its weights once for the whole batch makes a step of ``n`` sessions cost about
+        what one costs (a decode step is bound by reading the weights). This default decodes them one after
+        another. ``ValueError`` for the call as a whole when a session appears twice.
+        """
+        check_decode_batch(session_ids, token_ids)
+        results: list[torch.Tensor | Exception] = []
+        for sid, tok in zip(session_ids, token_ids):
+            try:
+                results.append(self.decode(sid, tok))
+            except (ValueError, KVCapacityError) as err:
+                results.append(err)
+        return results
+
     @abc.abstractmethod
     def cached_token_ids(self, session_id: str) -> Sequence[int]:
         """The tokens the session's KV holds now, in order (empty if it has none)."""
@@ -91,6 +109,14 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def kv_bytes(self, session_id: str) -> int:
         """Bytes of KV memory the session holds now (allocated capacity, not just used)."""
+
+
+def check_decode_batch(session_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+    """``ValueError`` unless ``decode_batch`` got one token per session and no session twice."""
+    if len(session_ids) != len(token_ids):
+        raise ValueError(f"decode_batch: {len(session_ids)} sessions but {len(token_ids)} tokens")
+    if len(set(session_ids)) != len(session_ids):
+        raise ValueError(f"decode_batch: a session appears twice in {list(session_ids)!r}")
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from prepos.engines.base import Engine, EngineInfo, common_prefix_length
+from prepos.engines.base import Engine, EngineInfo, KVCapacityError, check_decode_batch, common_prefix_length
 from prepos.engines import cpu_kernels as kernels_lib
 from prepos.engines.host_arena import HostArena, huge_page_bytes, thp_mode
 
@@ -468,6 +468,65 @@ class TorchLlamaEngine(Engine):
         s.ids.append(token_id)
         self.num_computed_tokens += 1
         return logits
+
+    @torch.inference_mode()
+    def decode_batch(self, session_ids: Sequence[str], token_ids: Sequence[int]) -> list[torch.Tensor | Exception]:
+        """One decode step of several sessions: their rows go through every matrix product together (the
+        weights are read once for the batch), and each attends over its own KV. Each step is checked first;
+        an impossible one gets its error and leaves its session as it was. One session decodes as
+        :meth:`decode` does."""
+        check_decode_batch(session_ids, token_ids)
+        results: list[torch.Tensor | Exception | None] = []
+        targets = []  # (result index, session, token, position) of the possible steps
+        for sid, tok in zip(session_ids, token_ids):
+            try:
+                s, tok, pos = self._decode_target(sid, tok)
+                if pos >= s.kv.shape[3]:
+                    self._ensure_capacity(s, pos + 1)
+            except (ValueError, KVCapacityError) as err:
+                results.append(err)
+                continue
+            targets.append((len(results), s, tok, pos))
+            results.append(None)  # filled below
+        if len(targets) == 1:
+            index, s, tok, _ = targets[0]
+            results[index] = self.decode(session_ids[index], tok)
+        elif targets:
+            logits = self._decode_batch_forward([(s.kv, pos, tok) for _, s, tok, pos in targets])
+            for (index, s, tok, _), row in zip(targets, logits.unbind(0)):
+                s.ids.append(tok)
+                results[index] = row
+            self.num_computed_tokens += len(targets)
+        return results
+
+    def _decode_batch_forward(self, steps: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
+        """Steps ``(kv, pos, token)`` of distinct sessions: each token at its ``pos`` over its own ``kv``;
+        writes their KV; float32 logits ``[batch, vocab]``. The matrix products take the batch's rows
+        together, as prefill takes a prompt's (the CPU GEMM kernel where the weights were packed for it)."""
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        n, inter = len(steps), self.intermediate
+        positions = torch.tensor([pos for _, pos, _ in steps], device=self.device)
+        cos, sin = self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]  # [n, 1, hd]
+        x = self._embed(torch.tensor([tok for _, _, tok in steps], device=self.device))  # [n, hidden]
+        for i in range(self.n_layers):
+            qkv = self._rows_mm(self.wqkv[i], x, norm=True).view(n, H + 2 * KV, hd)
+            qk = torch.addcmul(qkv[:, : H + KV] * cos, qkv[:, : H + KV].roll(hd // 2, -1), sin)  # RoPE
+            a = torch.empty(n, H * hd, device=self.device, dtype=x.dtype)
+            for b, (kv, pos, _) in enumerate(steps):
+                kv[i, 0, :, pos], kv[i, 1, :, pos] = qk[b, H:], qkv[b, H + KV:]
+                if self._kernel_attention and kv.is_contiguous():
+                    cap = kv.shape[3]
+                    a[b] = self._kernels.attend_unchecked(qk[b, :H].contiguous(), kv[i, 0].data_ptr(),
+                                                          kv[i, 1].data_ptr(), KV, self.group, hd, pos + 1, cap * hd)
+                else:  # [1, KV, G, hd] over [1, KV, pos + 1, hd]: GQA with every cached key visible
+                    a[b] = F.scaled_dot_product_attention(qk[b, :H].view(1, KV, self.group, hd),
+                                                          kv[i, 0, None, :, : pos + 1],
+                                                          kv[i, 1, None, :, : pos + 1]).reshape(-1)
+            x = self._rows_mm(self.wo[i], a, residual=x)
+            gu = self._rows_mm(self.wgu[i], x, norm=True)  # [n, 2*inter]
+            x = self._rows_mm(self.wdown[i], F.silu(gu[:, :inter]) * gu[:, inter:], residual=x)
+        h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
+        return self._rows_mm(self.lm_head, h).float()  # [n, vocab]
 
     def _decode_forward(self, kv: torch.Tensor, pos: int, token_id: int) -> torch.Tensor:
         """One token at ``pos`` over ``kv[:, :, :, :pos]``; writes its KV; returns float32 logits ``[vocab]``.

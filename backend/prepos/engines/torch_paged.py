@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from prepos.engines.base import KVCapacityError
+from prepos.engines.base import Engine, KVCapacityError
 from prepos.engines.torch_llama import TorchLlamaEngine
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,9 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(seq, end))
 
     # ---- decode: one graph for every session -----------------------------------------------
+
+    # One captured graph decodes one session over its pages; a batch is decoded one session after another.
+    decode_batch = Engine.decode_batch
 
     @torch.inference_mode()
     def decode(self, session_id: str, token_id: int) -> torch.Tensor:
