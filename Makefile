@@ -65,6 +65,13 @@ CALIBRATE_ARGS ?= --workload bfcl --sessions 120 --epsilon 0.05 --epsilon 0.13 -
 calibrate: $(ENGINE)
 	$(PY) -m prepos_client.calibrate_cli $(CALIBRATE_ARGS)
 
+# Decode batching: sessions answering at once with scheduler.max_decode_batch 32 against 1, alternating waves on
+# one server (out/batch_bench/batch_bench.md), about 2 minutes here, e.g. make bench-batch BATCH_BENCH_ARGS="--users 1,8,16"
+BATCH_BENCH_ARGS ?=
+.PHONY: bench-batch
+bench-batch: $(ENGINE)
+	$(PY) loadtest/batch_bench.py $(BATCH_BENCH_ARGS)
+
 # Vocabulary-scan microbenchmark: every scan implementation at 49k/128k/152k vocabularies against the
 # memory-bandwidth bound, e.g. make bench-scan SCAN_BENCH_ARGS="--repeats 500 --json out/scan_bench.json"
 SCAN_BENCH_ARGS ?=

@@ -19,8 +19,11 @@
    layer, the prefill attention kernel's against SDPA's; then prefills of the two
    engines of part 4 in alternating blocks (40 tokens over a 300- and a 2,000-token
    prefix, and 512 tokens from nothing): p50 and p99 of each and the ratio of the p50s.
+7. Decode batching: one decode step of 1, 2, 4, 8 and 16 sessions (300 cached tokens
+   each) through ``decode_batch``, the batch sizes taken in turn: time per step and
+   per token, and the step's time over one session's.
 
-    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention,prefill]
+    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention,prefill,batch]
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from prepos_loadtest.stats import percentile  # noqa: E402
 
 
 BLOCK_COUNTS = (2, 4, 8, 16, 32, 64)
-PARTS = ("sweep", "chunks", "pages", "kernel", "attention", "prefill")
+PARTS = ("sweep", "chunks", "pages", "kernel", "attention", "prefill", "batch")
+BATCH_SIZES = (1, 2, 4, 8, 16)
 PREFILLS = ((300, 40), (2000, 40), (0, 512))  # (cached prefix, new tokens)
 GEMM_ROWS = 40
 ATTENTION_CONTEXTS = (100, 1000, 3000, 6000)
@@ -197,6 +201,28 @@ def paired_prefill(engines: dict[str, torch_llama.TorchLlamaEngine], blocks: int
     return times
 
 
+def batched_decode(engine: torch_llama.TorchLlamaEngine, reps: int, context: int = 300) -> dict[int, float]:
+    """Median seconds of one ``decode_batch`` step for each of ``BATCH_SIZES`` sessions over ``context`` cached
+    tokens each; the sizes take turns, and the sessions go back to ``context`` tokens after every step."""
+    ids = [(7 * i) % 40_000 + 100 for i in range(context)]
+    sessions = [f"bench-{i}" for i in range(max(BATCH_SIZES))]
+    with torch.inference_mode():
+        for sid in sessions:
+            engine.prefill(sid, ids)
+
+        def step(n: int) -> Callable[[], object]:
+            def run() -> None:
+                engine.decode_batch(sessions[:n], [ids[-1]] * n)
+                for sid in sessions[:n]:
+                    engine.truncate(sid, context)
+            return run
+
+        medians = interleaved_medians({str(n): step(n) for n in BATCH_SIZES}, reps)
+    for sid in sessions:
+        engine.release(sid)
+    return {int(n): t for n, t in medians.items()}
+
+
 def kernel_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
     return {"cpu kernel": torch_llama.TorchLlamaEngine(model_dir),
             "torch matmul": torch_llama.TorchLlamaEngine(model_dir, cpu_kernels=False)}
@@ -224,7 +250,8 @@ def main() -> None:
                     help="comma-separated: sweep (GEMV sweep), chunks (paired decode of the packings, torch matmul), "
                          "pages (paired decode, host arena vs torch allocations), kernel (paired decode, the CPU "
                          "kernels vs torch's ops), attention (decode attention over a cache, kernel vs SDPA), "
-                         "prefill (GEMM sweep and paired prefill, the CPU kernels vs torch's ops)")
+                         "prefill (GEMM sweep and paired prefill, the CPU kernels vs torch's ops), batch (one "
+                         "decode step of 1-16 sessions at once)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
@@ -273,6 +300,14 @@ def main() -> None:
         for prefix, new in PREFILLS:
             _print_paired(paired_prefill(engines, args.blocks, prefix, new),
                           f"prefill of {new} tokens over {prefix} cached", new)
+    if "batch" in parts:
+        engine = torch_llama.TorchLlamaEngine(args.model_dir)
+        print("decode_batch, one step of n sessions over 300 cached tokens each "
+              f"({'CPU kernels' if engine._kernels is not None else 'torch ops'}):")
+        by_size = batched_decode(engine, args.reps)
+        for n, seconds in by_size.items():
+            print(f"  {n:3d} sessions  {seconds * 1e3:7.2f} ms per step  {seconds * 1e3 / n:6.2f} ms per token  "
+                  f"step / one session's {seconds / by_size[1]:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -95,6 +95,9 @@ class SchedulerConfig:
     """Which idle session to pre-position first: ``most_recent`` or ``least_recent``."""
     session_idle_timeout_s: float = 600.0
     """Sessions idle longer are closed; set from the model's ``max_sequence_idle_microseconds``."""
+    max_decode_batch: int = 32
+    """Most sessions one decode step takes: requests decoding at the same time run their steps as one batch
+    (the weights are read once for all of them). 1 decodes one session at a time."""
     default_max_tokens: int = 64
     """``max_tokens`` when a request does not send it."""
     context_overflow: str = "reject"
@@ -108,6 +111,7 @@ class SchedulerConfig:
         _check(0 <= self.background_delay_ms <= 10_000, "scheduler.background_delay_ms", "must be in [0, 10000]")
         _check(self.session_idle_timeout_s > 0, "scheduler.session_idle_timeout_s", "must be > 0")
         _check(self.default_max_tokens >= 0, "scheduler.default_max_tokens", "must be >= 0")
+        _check(1 <= self.max_decode_batch <= 1024, "scheduler.max_decode_batch", "must be in [1, 1024]")
 
 
 @dataclass(frozen=True)

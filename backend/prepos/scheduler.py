@@ -288,30 +288,29 @@ class Scheduler:
             self._ready.append(session)
 
     def _run_decodes(self) -> None:
-        """Run the waiting decodes as one batch and hand each request its logits, or the error that made its
-        step impossible (the request's own error handling answers its client)."""
+        """Run the waiting decodes in batches of at most ``max_decode_batch`` and hand each request its logits,
+        or the error that made its step impossible (the request's own error handling answers its client)."""
         waiting, self._decoding = self._decoding, []
-        steps = [step for _, step in waiting if step.wanted()]  # the others stop when resumed
-        if not steps:
-            self._ready.extend(session for session, _ in waiting)
-            return
-        began = self._clock()
-        try:
-            results = self._engine.decode_batch([st.session_id for st in steps], [st.token_id for st in steps])
-        except Exception as err:  # the engine failed as a whole: every request in the batch fails with it
-            log.exception("a batch of %d decodes failed", len(steps))
-            results = [err] * len(steps)
-        for step, result in zip(steps, results):
-            if isinstance(result, Exception):
-                step.error = result
-            else:
-                step.logits = result
-        now = self._clock()
-        for step in steps:
-            step.seconds, step.batch = now - began, len(steps)
-        self._metrics.engine_time("foreground", now - began)
-        self._metrics.decode_batch(len(steps))
-        self._background_after_s = now + self._config.background_delay_ms / 1e3
+        wanted = [step for _, step in waiting if step.wanted()]  # the others stop when resumed
+        size = self._config.max_decode_batch
+        for steps in (wanted[i:i + size] for i in range(0, len(wanted), size)):
+            began = self._clock()
+            try:
+                results = self._engine.decode_batch([st.session_id for st in steps], [st.token_id for st in steps])
+            except Exception as err:  # the engine failed as a whole: every request in the batch fails with it
+                log.exception("a batch of %d decodes failed", len(steps))
+                results = [err] * len(steps)
+            for step, result in zip(steps, results):
+                if isinstance(result, Exception):
+                    step.error = result
+                else:
+                    step.logits = result
+            now = self._clock()
+            for step in steps:
+                step.seconds, step.batch = now - began, len(steps)
+            self._metrics.engine_time("foreground", now - began)
+            self._metrics.decode_batch(len(steps))
+            self._background_after_s = now + self._config.background_delay_ms / 1e3
         self._ready.extend(session for session, _ in waiting)
 
     def _step_prepositioning(self) -> bool:

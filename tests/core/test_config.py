@@ -13,6 +13,7 @@ def test_parameters_and_environment_override_defaults():
     ({"gate.treshold": "1"}, "gate.treshold"),
     ({"scheduler.chunk_tokens": "0"}, "scheduler.chunk_tokens"),
     ({"scheduler.chunk_tokens": "many"}, "scheduler.chunk_tokens"),
+    ({"scheduler.max_decode_batch": "0"}, "scheduler.max_decode_batch"),
     ({"engine.name": "onnx"}, "engine.name"),
     ({"scheduler.preposition": "perhaps"}, "scheduler.preposition"),
 ])

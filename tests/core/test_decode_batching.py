@@ -101,3 +101,13 @@ def test_a_request_cancelled_while_it_waits_is_left_out_of_the_batch(tmp_path):
     assert sinks["b"].error.status is Status.CANCELLED
     assert h.engine.batches[before:] == [("a", "c")] * 9
     assert sinks["a"].error is None and len(sinks["a"].ids) == 10
+
+
+def test_max_decode_batch_splits_the_waiting_decodes(tmp_path):
+    h = Harness(tmp_path, logits_fn=endless_logits, max_decode_batch=2)
+    for sid in SESSIONS:
+        open_session(h, sid)
+    sinks = [h.submit(h.request(sid, "count", max_tokens=4)) for sid in SESSIONS]
+    run_all(h, sinks)
+    assert h.engine.batches == [("a", "b"), ("c",)] * 3
+    assert all(s.error is None and len(s.ids) == 4 for s in sinks)

@@ -1,0 +1,147 @@
+"""Decode batching benchmark: sessions answering at the same time, with and without decode batching, in one run.
+
+Starts one Triton server holding two models that share the engine directory and
+differ in one setting: ``prepos_batched`` (``scheduler.max_decode_batch`` 32:
+requests decoding at the same time take their steps as one batch) and
+``prepos_unbatched`` (1: one session's step at a time). Pre-positioning is off
+in both, so every answer is a ``prefix`` prefill followed by its decode and the
+two differ only in how the decodes run. A wave opens ``users`` sessions (a
+system turn each), asks every one a free-form question at the same moment
+(``--max-tokens`` greedy tokens at most) and closes them; waves alternate
+between the models. Reported per model and number of users: the answers'
+tokens per second over the wave's wall time (median of the waves), and the
+p50 / p99 of each request's total time, as the client sees it.
+
+    python loadtest/batch_bench.py [--users 1,4,8] [--waves 3] [--max-tokens 48] [--out out/batch_bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for sub in ("backend", "client", "loadtest"):
+    sys.path.insert(0, str(ROOT / sub))
+
+from prepos.launcher import ServerOptions, TritonServer  # noqa: E402
+from prepos_client import Client  # noqa: E402
+from prepos_loadtest.repository import variant_repository  # noqa: E402
+from prepos_loadtest.stats import percentile  # noqa: E402
+
+log = logging.getLogger("prepos.batch_bench")
+
+VARIANTS = {
+    "prepos_batched": {"scheduler.preposition": "false", "scheduler.max_decode_batch": "32"},
+    "prepos_unbatched": {"scheduler.preposition": "false", "scheduler.max_decode_batch": "1"},
+}
+SYSTEM = "You are a helpful assistant. Answer in full sentences."
+QUESTIONS = (
+    "Explain how a thermostat keeps a room warm.",
+    "Describe the water cycle to a child.",
+    "What should I pack for a weekend hiking trip?",
+    "Why do leaves change colour in autumn?",
+    "Give me three tips for writing a clear email.",
+    "How does a bicycle stay upright while moving?",
+    "What is the difference between weather and climate?",
+    "Suggest a simple recipe for dinner tonight.",
+)
+
+
+def wave(url: str, model: str, users: int, max_tokens: int) -> dict:
+    """All ``users`` sessions ask at once; returns the wave's wall time, tokens and per-request times."""
+    barrier = threading.Barrier(users)
+    results: list[tuple[float, float, int, float] | BaseException | None] = [None] * users
+
+    def user(i: int) -> None:
+        try:
+            with Client(url, model=model) as client, client.session() as session:
+                session.append(SYSTEM, role="system")
+                barrier.wait(timeout=120)
+                began = time.perf_counter()
+                answer = session.ask(QUESTIONS[i % len(QUESTIONS)], max_tokens=max_tokens)
+                results[i] = (began, time.perf_counter(), len(answer.token_ids), answer.total_ms)
+        except BaseException as err:  # reported below: a failed request fails the benchmark
+            results[i] = err
+            barrier.abort()
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [r for r in results if not isinstance(r, tuple)]
+    if failed:
+        raise RuntimeError(f"{model}: {len(failed)} of {users} requests failed: {failed[0]!r}")
+    wall_s = max(r[1] for r in results) - min(r[0] for r in results)
+    return {"wall_s": wall_s, "tokens": sum(r[2] for r in results), "total_ms": [r[3] for r in results]}
+
+
+def summarize(runs: dict, args: argparse.Namespace, machine: str) -> str:
+    lines = [f"Decode batching ({machine}; pre-positioning off in both; greedy, at most {args.max_tokens} tokens "
+             f"per answer; {args.waves} alternating waves per row)", "",
+             "| users | model | tokens/s (median wave) | request total p50 / p99 (ms) | tokens/s batched / unbatched |",
+             "| --- | --- | --- | --- | --- |"]
+    for users in args.users:
+        rates = {}
+        for model in VARIANTS:
+            waves = runs[users][model]
+            rates[model] = statistics.median(w["tokens"] / w["wall_s"] for w in waves)
+            totals = [ms for w in waves for ms in w["total_ms"]]
+            ratio = ""
+            if model == "prepos_unbatched":
+                ratio = f"{rates['prepos_batched'] / rates['prepos_unbatched']:.2f}"
+            lines.append(f"| {users} | {model} | {rates[model]:.1f} | {percentile(totals, 50):.0f} / "
+                         f"{percentile(totals, 99):.0f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=lambda s: [int(u) for u in s.split(",")], default=[1, 4, 8],
+                        help="comma-separated numbers of sessions asking at once")
+    parser.add_argument("--waves", type=int, default=3, help="waves per model and number of users")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--engine-dir", type=Path, default=ROOT / "engines" / "smollm2-135m-instruct")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "batch_bench")
+    parser.add_argument("--grpc-port", type=int, default=8121)
+    args = parser.parse_args(argv)
+    if min(args.users) < 1 or args.waves < 1 or args.max_tokens < 1:
+        parser.error("--users, --waves and --max-tokens must be at least 1")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_dir = ROOT / ".run" / "batch_bench"
+    repo = variant_repository(run_dir, "batch_repository", VARIANTS)
+    options = ServerOptions(model_repositories=(repo,), grpc_port=args.grpc_port, http_port=args.grpc_port + 1,
+                            metrics_port=args.grpc_port + 2, run_dir=run_dir)
+    runs: dict = {users: {model: [] for model in VARIANTS} for users in args.users}
+    with TritonServer(options, env={"PREPOS_ENGINE_DIR": str(args.engine_dir.resolve())}) as server:
+        for model in VARIANTS:  # warm-up: first requests pay one-time costs
+            wave(server.grpc_url, model, 2, 4)
+        for users in args.users:
+            for index in range(args.waves):
+                order = list(VARIANTS) if index % 2 == 0 else list(reversed(VARIANTS))
+                for model in order:
+                    result = wave(server.grpc_url, model, users, args.max_tokens)
+                    runs[users][model].append(result)
+                    log.info("%d users, %s: %d tokens in %.2f s", users, model, result["tokens"], result["wall_s"])
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    table = summarize(runs, args, machine)
+    (args.out / "batch_bench.md").write_text(table + "\n")
+    (args.out / "runs.json").write_text(json.dumps(runs, indent=1))
+    print(table)
+    print(f"\nwritten: {args.out / 'batch_bench.md'}, runs.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
