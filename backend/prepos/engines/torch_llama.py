@@ -503,26 +503,35 @@ class TorchLlamaEngine(Engine):
         """Steps ``(kv, pos, token)`` of distinct sessions: each token at its ``pos`` over its own ``kv``;
         writes their KV; float32 logits ``[batch, vocab]``. The matrix products take the batch's rows
         together, as prefill takes a prompt's (the CPU GEMM kernel where the weights were packed for it)."""
-        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
         n, inter = len(steps), self.intermediate
         positions = torch.tensor([pos for _, pos, _ in steps], device=self.device)
         cos, sin = self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]  # [n, 1, hd]
+        # Per session, made once per step: its new KV slots in every layer, and where the attention reads.
+        k_new = [kv[:, 0, :, pos] for kv, pos, _ in steps]  # n x [layers, KV, hd]
+        v_new = [kv[:, 1, :, pos] for kv, pos, _ in steps]
+        kernel = self._kernel_attention and all(kv.is_contiguous() for kv, _, _ in steps)
+        if kernel:  # layer i's K at base + i * layer bytes, its V half a layer on
+            reads = [(kv.data_ptr(), 2 * KV * kv.shape[3] * hd * kv.element_size(), kv.shape[3] * hd, pos + 1)
+                     for kv, pos, _ in steps]
         x = self._embed(torch.tensor([tok for _, _, tok in steps], device=self.device))  # [n, hidden]
         for i in range(self.n_layers):
             qkv = self._rows_mm(self.wqkv[i], x, norm=True).view(n, H + 2 * KV, hd)
             qk = torch.addcmul(qkv[:, : H + KV] * cos, qkv[:, : H + KV].roll(hd // 2, -1), sin)  # RoPE
-            a = torch.empty(n, H * hd, device=self.device, dtype=x.dtype)
-            for b, (kv, pos, _) in enumerate(steps):
-                kv[i, 0, :, pos], kv[i, 1, :, pos] = qk[b, H:], qkv[b, H + KV:]
-                if self._kernel_attention and kv.is_contiguous():
-                    cap = kv.shape[3]
-                    a[b] = self._kernels.attend_unchecked(qk[b, :H].contiguous(), kv[i, 0].data_ptr(),
-                                                          kv[i, 1].data_ptr(), KV, self.group, hd, pos + 1, cap * hd)
-                else:  # [1, KV, G, hd] over [1, KV, pos + 1, hd]: GQA with every cached key visible
-                    a[b] = F.scaled_dot_product_attention(qk[b, :H].view(1, KV, self.group, hd),
-                                                          kv[i, 0, None, :, : pos + 1],
-                                                          kv[i, 1, None, :, : pos + 1]).reshape(-1)
-            x = self._rows_mm(self.wo[i], a, residual=x)
+            q = qk[:, :H]  # [n, H, hd], contiguous rows
+            for b in range(n):
+                k_new[b][i].copy_(qk[b, H:])
+                v_new[b][i].copy_(qkv[b, H + KV:])
+            if kernel:
+                a = torch.stack([self._kernels.attend_unchecked(q[b], base + i * layer, base + i * layer + layer // 2,
+                                                                KV, G, hd, keys, head)
+                                 for b, (base, layer, head, keys) in enumerate(reads)])
+            else:  # [1, KV, G, hd] over [1, KV, pos + 1, hd]: GQA with every cached key visible
+                a = torch.stack([F.scaled_dot_product_attention(q[b].reshape(1, KV, G, hd),
+                                                                kv[i, 0, None, :, : pos + 1],
+                                                                kv[i, 1, None, :, : pos + 1]).reshape(-1)
+                                 for b, (kv, pos, _) in enumerate(steps)])
+            x = self._rows_mm(self.wo[i], a.reshape(n, H * hd), residual=x)
             gu = self._rows_mm(self.wgu[i], x, norm=True)  # [n, 2*inter]
             x = self._rows_mm(self.wdown[i], F.silu(gu[:, :inter]) * gu[:, inter:], residual=x)
         h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
