@@ -21,7 +21,8 @@
    prefix, and 512 tokens from nothing): p50 and p99 of each and the ratio of the p50s.
 7. Decode batching: one decode step of 1, 2, 4, 8 and 16 sessions (300 cached tokens
    each) through ``decode_batch``, the batch sizes taken in turn: time per step and
-   per token, and the step's time over one session's.
+   per token, and the step's time over one session's; then the GEMM kernel alone
+   over every layer matrix at the same numbers of rows.
 
     python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention,prefill,batch]
 """
@@ -223,6 +224,20 @@ def batched_decode(engine: torch_llama.TorchLlamaEngine, reps: int, context: int
     return {int(n): t for n, t in medians.items()}
 
 
+def layer_gemm_rows(shapes: dict[str, tuple[int, int]], layers: int, reps: int, kernels: cpu_kernels.CpuKernels
+                    ) -> dict[int, float]:
+    """Median seconds of the GEMM kernel over one copy per layer of every layer matrix (the weights come from
+    memory, as in a decode step), for each of ``BATCH_SIZES`` rows; the row counts take turns."""
+    weights = [torch.randn(out // cpu_kernels.BLOCK, d_in, cpu_kernels.BLOCK)
+               for name, (d_in, out) in shapes.items() if name != "lm_head" for _ in range(layers)]
+
+    def run(n: int) -> Callable[[], object]:
+        xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
+        return lambda: [kernels.gemm(w, xs[w.shape[1]]) for w in weights]
+
+    return {int(n): t for n, t in interleaved_medians({str(n): run(n) for n in BATCH_SIZES}, reps).items()}
+
+
 def kernel_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
     return {"cpu kernel": torch_llama.TorchLlamaEngine(model_dir),
             "torch matmul": torch_llama.TorchLlamaEngine(model_dir, cpu_kernels=False)}
@@ -305,9 +320,14 @@ def main() -> None:
         print("decode_batch, one step of n sessions over 300 cached tokens each "
               f"({'CPU kernels' if engine._kernels is not None else 'torch ops'}):")
         by_size = batched_decode(engine, args.reps)
+        del engine
         for n, seconds in by_size.items():
             print(f"  {n:3d} sessions  {seconds * 1e3:7.2f} ms per step  {seconds * 1e3 / n:6.2f} ms per token  "
                   f"step / one session's {seconds / by_size[1]:.2f}")
+        if kernels is not None:
+            print(f"  the GEMM kernel alone over every layer matrix ({layers} layers, from memory):")
+            for n, seconds in layer_gemm_rows(shapes, layers, args.reps, kernels).items():
+                print(f"  {n:3d} rows  {seconds * 1e3:7.2f} ms")
 
 if __name__ == "__main__":
     main()
