@@ -15,6 +15,7 @@ import numpy as np
 
 from prepos.config import ConfigError, EngineConfig, MemoryConfig, PreposConfig, read_config
 from prepos.engines.base import Engine
+from prepos.engines.openmp import release_calling_thread
 from prepos.metrics import BufferedSink, Metrics, MetricsSink
 from prepos.protocol import Rejection, Request, ResponseSink, parse_request
 from prepos.scan import get_scan
@@ -152,7 +153,11 @@ class Core:
         self.scheduler.submit(request, sink, inline=inline)
 
     def start(self) -> None:
+        """Start the engine loop; from then on it makes every engine call, and the calling thread gives back
+        the OpenMP threads loading the model left it (see :mod:`prepos.engines.openmp`)."""
         self.scheduler.start()
+        if release_calling_thread():
+            log.info("engine loop started; this thread's OpenMP workers released")
 
     def stop(self) -> None:
         self.scheduler.stop()
