@@ -23,8 +23,12 @@
    each) through ``decode_batch``, the batch sizes taken in turn: time per step and
    per token, and the step's time over one session's; then the GEMM kernel alone
    over every layer matrix at the same numbers of rows.
+8. Threads: decode steps (one session, then 8 in one batch) on the thread that loaded
+   the engine, on a second thread while the first keeps its OpenMP workers, and on a
+   second thread after the first released them (``prepos.engines.openmp``), as the
+   server's engine loop runs. Run last: the release leaves the main thread on one thread.
 
-    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention,prefill,batch]
+    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention,prefill,batch,thread]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -43,11 +48,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import prepos.engines.torch_llama as torch_llama  # noqa: E402
 from prepos.engines import cpu_kernels  # noqa: E402
+from prepos.engines.openmp import release_calling_thread  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 
 
 BLOCK_COUNTS = (2, 4, 8, 16, 32, 64)
-PARTS = ("sweep", "chunks", "pages", "kernel", "attention", "prefill", "batch")
+PARTS = ("sweep", "chunks", "pages", "kernel", "attention", "prefill", "batch", "thread")
 BATCH_SIZES = (1, 2, 4, 8, 16)
 PREFILLS = ((300, 40), (2000, 40), (0, 512))  # (cached prefix, new tokens)
 GEMM_ROWS = 40
@@ -238,6 +244,41 @@ def layer_gemm_rows(shapes: dict[str, tuple[int, int]], layers: int, reps: int, 
     return {int(n): t for n, t in interleaved_medians({str(n): run(n) for n in BATCH_SIZES}, reps).items()}
 
 
+def thread_decode(engine: torch_llama.TorchLlamaEngine, steps: int, context: int = 300) -> dict[str, dict[int, float]]:
+    """Median seconds of a decode step of 1 and of 8 sessions, on this thread, on a second thread, and on a
+    second thread after this one released its OpenMP workers."""
+    ids = [(7 * i) % 40_000 + 100 for i in range(context)]
+    sessions = [f"bench-{i}" for i in range(8)]
+    for sid in sessions:
+        engine.prefill(sid, ids)
+
+    def measure() -> dict[int, float]:
+        result = {}
+        for n in (1, 8):
+            times = []
+            for _ in range(steps + 2):
+                start = time.perf_counter()
+                engine.decode_batch(sessions[:n], [ids[-1]] * n)
+                times.append(time.perf_counter() - start)
+                for sid in sessions[:n]:
+                    engine.truncate(sid, context)
+            result[n] = statistics.median(times[2:])
+        return result
+
+    def on_thread() -> dict[int, float]:
+        out: dict[str, dict[int, float]] = {}
+        worker = threading.Thread(target=lambda: out.setdefault("r", measure()))
+        worker.start()
+        worker.join()
+        return out["r"]
+
+    with torch.inference_mode():
+        result = {"loading thread": measure(), "second thread": on_thread()}
+        release_calling_thread()
+        result["second thread, workers released"] = on_thread()
+    return result
+
+
 def kernel_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
     return {"cpu kernel": torch_llama.TorchLlamaEngine(model_dir),
             "torch matmul": torch_llama.TorchLlamaEngine(model_dir, cpu_kernels=False)}
@@ -266,7 +307,8 @@ def main() -> None:
                          "pages (paired decode, host arena vs torch allocations), kernel (paired decode, the CPU "
                          "kernels vs torch's ops), attention (decode attention over a cache, kernel vs SDPA), "
                          "prefill (GEMM sweep and paired prefill, the CPU kernels vs torch's ops), batch (one "
-                         "decode step of 1-16 sessions at once)")
+                         "decode step of 1-16 sessions at once), thread (decode on the loading thread against the "
+                         "engine loop's; last)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
@@ -328,6 +370,10 @@ def main() -> None:
             print(f"  the GEMM kernel alone over every layer matrix ({layers} layers, from memory):")
             for n, seconds in layer_gemm_rows(shapes, layers, args.reps, kernels).items():
                 print(f"  {n:3d} rows  {seconds * 1e3:7.2f} ms")
+    if "thread" in parts:
+        print("decode step by thread (median of steps), 1 session / 8 sessions in one batch:")
+        for where, by_n in thread_decode(torch_llama.TorchLlamaEngine(args.model_dir), args.blocks * 2).items():
+            print(f"  {where:34s} {by_n[1] * 1e3:7.2f} ms / {by_n[8] * 1e3:7.2f} ms")
 
 if __name__ == "__main__":
     main()
