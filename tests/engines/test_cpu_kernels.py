@@ -356,3 +356,34 @@ def test_decode_layers_refuses_matrices_it_cannot_read(kernels, tied):
     packed = TorchLlamaEngine(path)
     with pytest.raises(ValueError, match="outside what the attention kernel takes"):
         cpu_kernels.DecodeLayers(kernels, packed.wqkv, packed.wo, packed.wgu, packed.wdown, **{**dims, "kv_heads": 3})
+
+
+def test_engine_decode_batch_in_one_kernel_call_matches_op_by_op(tmp_path):
+    """A decode batch through prepos_decode_layers_batch: sessions at different positions (one past several
+    chunks of keys), KV of different capacities, one growing on the way; against the same batch op by op
+    (GEMM and attention kernels) and against torch's ops."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=320, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(4)
+    LlamaForCausalLM(config).save_pretrained(str(tmp_path), safe_serialization=True)
+    fused, by_op = TorchLlamaEngine(str(tmp_path), kv_block_tokens=64), TorchLlamaEngine(str(tmp_path), kv_block_tokens=64)
+    plain = TorchLlamaEngine(str(tmp_path), kv_block_tokens=64, cpu_kernels=False)
+    by_op._decode_layers = None
+    calls = []
+    batch = fused._decode_layers.batch
+    fused._decode_layers.batch = lambda *a: calls.append(len(a[1])) or batch(*a)
+    ids = torch.randint(0, 320, (700,), generator=torch.Generator().manual_seed(8)).tolist()
+    lengths = {"a": 5, "b": 62, "c": 600}  # b's KV grows past 64 on the way; c attends over 3 chunks of 256
+    for engine in (fused, by_op, plain):
+        for sid, n in lengths.items():
+            engine.prefill(sid, ids[:n])
+    for step in range(4):
+        tokens = [ids[n + step] for n in lengths.values()]
+        got, op, want = (e.decode_batch(list(lengths), tokens) for e in (fused, by_op, plain))
+        for sid, g, o, w in zip(lengths, got, op, want):
+            assert torch.allclose(g, o, atol=1e-5) and torch.allclose(g, w, atol=1e-4), (step, sid)
+    assert calls == [3] * 4
+    assert fused._sessions["b"].kv.shape[3] == 128
+    assert [list(fused.cached_token_ids(sid)) for sid in lengths] == [ids[:n + 4] for n in lengths.values()]

@@ -9,7 +9,7 @@
 
 #include <math.h>
 
-int prepos_kernels_abi(void) { return 6; }
+int prepos_kernels_abi(void) { return 7; }
 
 /* y = alpha * (x @ W) [+ residual]. W is packed in 32-column blocks, [blocks, k, 32] row-major: block c
  * holds outputs 32c..32c+31 and is one contiguous run of memory. Each thread takes a contiguous range of
@@ -100,10 +100,10 @@ static inline void gemm_tile(const float *restrict wc, const float *restrict x, 
  * A work item is one block over a panel of rows, items block by block, so each thread's items share its
  * blocks and a block is read from memory about once per panel. This is compute-bound where the GEMV is
  * memory-bound: the same weights serve every row of the tile. */
-void prepos_gemm32(const float *restrict w, const float *restrict x, float *y, const float *residual,
-                   const float *restrict scale, long n, long blocks, long k, int threads) {
+static void gemm_for(const float *restrict w, const float *restrict x, float *y, const float *residual,
+                     const float *restrict scale, long n, long blocks, long k) {
   const long panels = (n + GEMM_PANEL - 1) / GEMM_PANEL, ldy = blocks * 32;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp for schedule(static)
   for (long item = 0; item < blocks * panels; item++) {
     const long c = item / panels, p0 = (item % panels) * GEMM_PANEL;
     const long p1 = n < p0 + GEMM_PANEL ? n : p0 + GEMM_PANEL;
@@ -111,6 +111,12 @@ void prepos_gemm32(const float *restrict w, const float *restrict x, float *y, c
       gemm_tile(w + c * k * 32, x, y + c * 32, residual ? residual + c * 32 : 0, scale, r0,
                 p1 - r0 < GEMM_ROWS ? p1 - r0 : GEMM_ROWS, k, ldy);
   }
+}
+
+void prepos_gemm32(const float *restrict w, const float *restrict x, float *y, const float *residual,
+                   const float *restrict scale, long n, long blocks, long k, int threads) {
+#pragma omp parallel num_threads(threads)
+  gemm_for(w, x, y, residual, scale, n, blocks, k);
 }
 
 #define ATTN_CHUNK 256 /* keys per work item */
@@ -387,5 +393,76 @@ void prepos_decode_layers(float *restrict x, const float *const *wqkv, const flo
     }
 #pragma omp for schedule(static)
     for (long c = 0; c < hidden / 32; c++) gemv_block(wdown[i], act, x, x, 1.0f, c, inter);
+  }
+}
+
+/* Every decoder layer of n tokens of n different sessions (a decode batch), in one parallel region: x [n, hidden]
+ * in, the residual streams after the last layer out. Token b is at position pos[b] of its session, whose KV is
+ * kv[b] ([layers, 2, kv_heads, cap[b], head_dim]); cos and sin_signed are RoPE's whole tables ([max positions,
+ * head_dim]). Per layer as prepos_decode_layers, but each matrix product takes the n rows together (the GEMM's
+ * tiles, so the weights are read once for the batch) and the attention's work items are (token, kv head,
+ * chunk of keys) over all the tokens. scratch holds per token qkv, q and k after RoPE, the attention output,
+ * gate/up and the activation, then the attention's partial results (sizes in cpu_kernels.py). */
+void prepos_decode_layers_batch(float *restrict x, const float *const *wqkv, const float *const *wo,
+                                const float *const *wgu, const float *const *wdown, float *const *kv,
+                                const long *cap, const long *pos, const float *restrict cos,
+                                const float *restrict sin_signed, float *restrict scratch, long n, long layers,
+                                long hidden, long heads, long kv_heads, long head_dim, long inter, float n_eps,
+                                int threads) {
+  const long group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim;
+  const long qk_width = (heads + kv_heads) * head_dim, stride = head_dim + 2;
+  long first[n + 1]; /* token b's attention items are first[b] .. first[b + 1] - 1 */
+  first[0] = 0;
+  for (long b = 0; b < n; b++) first[b + 1] = first[b] + kv_heads * ((pos[b] + ATTN_CHUNK) / ATTN_CHUNK);
+  float *qkv = scratch, *qk = qkv + n * qkv_width, *attn = qk + n * qk_width, *gu = attn + n * heads * head_dim;
+  float *act = gu + n * 2 * inter, *rows = act + n * inter, *work = rows + n;
+  const float scale = 1.0f / sqrtf((float)head_dim);
+#pragma omp parallel num_threads(threads)
+  for (long i = 0; i < layers; i++) {
+#pragma omp for schedule(static)
+    for (long b = 0; b < n; b++) rows[b] = rms_scale(x + b * hidden, hidden, n_eps);
+    gemm_for(wqkv[i], x, qkv, 0, rows, n, qkv_width / 32, hidden);
+#pragma omp for schedule(static)
+    for (long t = 0; t < n * (heads + kv_heads); t++) {
+      const long b = t / (heads + kv_heads), h = t % (heads + kv_heads);
+      const float *src = qkv + b * qkv_width;
+      float *dst = qk + b * qk_width;
+      rope(src + h * head_dim, dst + h * head_dim, cos + pos[b] * head_dim, sin_signed + pos[b] * head_dim,
+           head_dim);
+      if (h >= heads) { /* this kv head's key (after RoPE) and value go into the session's cache at pos[b] */
+        const long j = h - heads, head_stride = cap[b] * head_dim;
+        float *k = kv[b] + i * 2 * kv_heads * head_stride, *v = k + kv_heads * head_stride;
+        for (long d = 0; d < head_dim; d++) {
+          k[j * head_stride + pos[b] * head_dim + d] = dst[h * head_dim + d];
+          v[j * head_stride + pos[b] * head_dim + d] = src[(heads + kv_heads + j) * head_dim + d];
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (long item = 0; item < first[n]; item++) {
+      long b = 0;
+      while (item >= first[b + 1]) b++;
+      const long head_stride = cap[b] * head_dim, chunks = (first[b + 1] - first[b]) / kv_heads;
+      const float *k = kv[b] + i * 2 * kv_heads * head_stride;
+      attention_item(qk + b * qk_width, k, k + kv_heads * head_stride, work + first[b] * group * stride,
+                     item - first[b], chunks, group, head_dim, pos[b] + 1, head_stride, scale);
+    }
+#pragma omp for schedule(static)
+    for (long t = 0; t < n * heads; t++) {
+      const long b = t / heads, chunks = (first[b + 1] - first[b]) / kv_heads;
+      attention_merge(work + first[b] * group * stride, attn + b * heads * head_dim, t % heads, chunks, group,
+                      head_dim);
+    }
+    gemm_for(wo[i], attn, x, x, 0, n, hidden / 32, heads * head_dim);
+#pragma omp for schedule(static)
+    for (long b = 0; b < n; b++) rows[b] = rms_scale(x + b * hidden, hidden, n_eps);
+    gemm_for(wgu[i], x, gu, 0, rows, n, 2 * inter / 32, hidden);
+#pragma omp for schedule(static)
+    for (long t = 0; t < n * inter; t++) {
+      const long b = t / inter, j = t % inter;
+      const float g = gu[b * 2 * inter + j];
+      act[t] = g / (1.0f + expf(-g)) * gu[b * 2 * inter + inter + j];
+    }
+    gemm_for(wdown[i], act, x, x, 0, n, hidden / 32, inter);
   }
 }

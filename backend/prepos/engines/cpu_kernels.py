@@ -46,7 +46,7 @@ LIBS = ("-lm",)
 ATTENTION_CHUNK = 256  # keys per work item, ATTN_CHUNK in the source
 PREFILL_KEYS = 64  # keys per chunk of the prefill attention, PREFILL_KEYS in the source
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # query heads per kv head and head size the attention kernel takes
-_ABI = 6
+_ABI = 7
 
 
 def attention_fits(group: int, head_dim: int) -> bool:
@@ -88,6 +88,9 @@ class CpuKernels:
         self._layers = lib.prepos_decode_layers
         self._layers.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int])
         self._layers.restype = None
+        self._layers_batch = lib.prepos_decode_layers_batch
+        self._layers_batch.argtypes = ([ctypes.c_void_p] * 11 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int])
+        self._layers_batch.restype = None
 
     def gemv(self, w: torch.Tensor, x: torch.Tensor, *, alpha: float = 1.0,
              residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,7 +216,7 @@ class DecodeLayers:
 
     def __init__(self, kernels: CpuKernels, wqkv: list[torch.Tensor], wo: list[torch.Tensor], wgu: list[torch.Tensor],
                  wdown: list[torch.Tensor], *, heads: int, kv_heads: int, head_dim: int, inter: int, n_eps: float):
-        self._fn = kernels._layers
+        self._fn, self._fn_batch = kernels._layers, kernels._layers_batch
         self.layers, self.hidden = len(wqkv), wqkv[0].shape[1]
         self.heads, self.kv_heads, self.head_dim, self.inter, self.n_eps = heads, kv_heads, head_dim, inter, n_eps
         if heads % kv_heads or not attention_fits(heads // kv_heads, head_dim) or head_dim % 2:
@@ -241,6 +244,23 @@ class DecodeLayers:
         self._fn(out.data_ptr(), *self._ptrs, kv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), scratch.data_ptr(),
                  self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, kv.shape[3], pos,
                  self.n_eps, torch.get_num_threads())
+        return out
+
+    def batch(self, x: torch.Tensor, kvs: list[torch.Tensor], positions: list[int], cos: torch.Tensor,
+              sin_signed: torch.Tensor) -> torch.Tensor:
+        """:meth:`__call__` for ``n`` tokens of ``n`` sessions at once (``prepos_decode_layers_batch``): ``x [n,
+        hidden]`` (float32, contiguous; not changed), token ``b`` at ``positions[b]`` of the session whose KV is
+        ``kvs[b]`` (each contiguous, ``[layers, 2, kv_heads, cap, head_dim]`` with ``position < cap``; distinct
+        sessions). ``cos``/``sin_signed`` are RoPE's whole tables (``[positions, head_dim]``, contiguous).
+        Each matrix product takes the ``n`` rows together. Returns the residual streams ``[n, hidden]``."""
+        n, group = len(kvs), self.heads // self.kv_heads
+        items = sum(self.kv_heads * (-(-(pos + 1) // ATTENTION_CHUNK)) for pos in positions)
+        scratch = torch.empty(n * (self._fixed + 1) + items * group * (self.head_dim + 2))
+        out = x.clone()
+        self._fn_batch(out.data_ptr(), *self._ptrs, (ctypes.c_void_p * n)(*(kv.data_ptr() for kv in kvs)),
+                       (ctypes.c_long * n)(*(kv.shape[3] for kv in kvs)), (ctypes.c_long * n)(*positions),
+                       cos.data_ptr(), sin_signed.data_ptr(), scratch.data_ptr(), n, self.layers, self.hidden,
+                       self.heads, self.kv_heads, self.head_dim, self.inter, self.n_eps, torch.get_num_threads())
         return out
 
 

@@ -503,6 +503,12 @@ class TorchLlamaEngine(Engine):
         """Steps ``(kv, pos, token)`` of distinct sessions: each token at its ``pos`` over its own ``kv``;
         writes their KV; float32 logits ``[batch, vocab]``. The matrix products take the batch's rows
         together, as prefill takes a prompt's (the CPU GEMM kernel where the weights were packed for it)."""
+        tokens = torch.tensor([tok for _, _, tok in steps], device=self.device)
+        if self._decode_layers is not None and all(kv.is_contiguous() for kv, _, _ in steps):
+            # Every layer of every session's token in one kernel call.
+            x = self._decode_layers.batch(self._embed(tokens).contiguous(), [kv for kv, _, _ in steps],
+                                          [pos for _, pos, _ in steps], self.cos, self.sin_signed)
+            return self._rows_mm(self.lm_head, F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)).float()
         H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
         n, inter = len(steps), self.intermediate
         positions = torch.tensor([pos for _, pos, _ in steps], device=self.device)
@@ -514,7 +520,7 @@ class TorchLlamaEngine(Engine):
         if kernel:  # layer i's K at base + i * layer bytes, its V half a layer on
             reads = [(kv.data_ptr(), 2 * KV * kv.shape[3] * hd * kv.element_size(), kv.shape[3] * hd, pos + 1)
                      for kv, pos, _ in steps]
-        x = self._embed(torch.tensor([tok for _, _, tok in steps], device=self.device))  # [n, hidden]
+        x = self._embed(tokens)  # [n, hidden]
         for i in range(self.n_layers):
             qkv = self._rows_mm(self.wqkv[i], x, norm=True).view(n, H + 2 * KV, hd)
             qk = torch.addcmul(qkv[:, : H + KV] * cos, qkv[:, : H + KV].roll(hd // 2, -1), sin)  # RoPE
