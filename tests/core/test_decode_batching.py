@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from fakes import IM_END, hashed_logits
 from prepos.engines.base import KVCapacityError
 from prepos.protocol import Status
 from test_scheduler import Harness, open_session
+from test_scheduler_lifecycle import endless_logits  # answers run to max_tokens
 
 SESSIONS = ("a", "b", "c")
-
-
-def endless_logits(seq, vocab):
-    logits = hashed_logits(seq, vocab)
-    logits[IM_END] = -1e9  # answers run to max_tokens
-    return logits
 
 
 def run_all(h, sinks, steps=10_000):
