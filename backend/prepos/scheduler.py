@@ -276,10 +276,7 @@ class Scheduler:
             session.task = None
             return
         finally:
-            now = self._clock()
-            self._metrics.engine_time("foreground", now - began)
-            # Background compute holds both cores: let the response just sent leave the process first.
-            self._background_after_s = now + self._config.background_delay_ms / 1e3
+            self._foreground_done(began)
         if isinstance(step, DecodeStep):
             if not self._decoding:  # the sessions ready now get one step each before the batch
                 self._round_left = len(self._ready)
@@ -305,13 +302,19 @@ class Scheduler:
                     step.error = result
                 else:
                     step.logits = result
-            now = self._clock()
+            seconds = self._foreground_done(began)
             for step in steps:
-                step.seconds, step.batch = now - began, len(steps)
-            self._metrics.engine_time("foreground", now - began)
+                step.seconds = seconds
             self._metrics.decode_batch(len(steps))
-            self._background_after_s = now + self._config.background_delay_ms / 1e3
         self._ready.extend(session for session, _ in waiting)
+
+    def _foreground_done(self, began: float) -> float:
+        """Count foreground engine time since ``began`` and hold background work off; returns the seconds."""
+        now = self._clock()
+        self._metrics.engine_time("foreground", now - began)
+        # Background compute holds both cores: let the response just sent leave the process first.
+        self._background_after_s = now + self._config.background_delay_ms / 1e3
+        return now - began
 
     def _step_prepositioning(self) -> bool:
         if self._clock() < self._background_after_s:

@@ -51,8 +51,7 @@ class _Abandoned(Exception):
 class DecodeStep:
     """A request's next decode, yielded to the engine loop, which runs it together with the other sessions'
     (:meth:`prepos.engines.base.Engine.decode_batch`) and fills in ``logits`` or ``error`` before resuming the
-    request (neither when it was no longer ``wanted``); ``seconds`` is the engine time of the batch it ran in,
-    ``batch`` how many sessions that batch held."""
+    request (neither when it was no longer ``wanted``); ``seconds`` is the engine time of the batch it ran in."""
 
     session_id: str | int
     token_id: int
@@ -60,7 +59,6 @@ class DecodeStep:
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     seconds: float = 0.0
-    batch: int = 0
 
 
 class ServedPath(str, enum.Enum):

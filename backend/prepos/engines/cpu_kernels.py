@@ -238,13 +238,18 @@ class DecodeLayers:
         """The residual stream after every layer, for ``x [hidden]`` (float32, contiguous; not changed) at ``pos``;
         writes each layer's key and value at ``pos`` of ``kv [layers, 2, kv_heads, cap, head_dim]`` (contiguous,
         ``pos < cap``). ``cos``/``sin_signed`` are RoPE's rows for ``pos`` (``[head_dim]``, sign folded into sin)."""
-        chunks = -(-(pos + 1) // ATTENTION_CHUNK)
-        scratch = torch.empty(self._fixed + self.kv_heads * chunks * (self.heads // self.kv_heads) * (self.head_dim + 2))
+        scratch = torch.empty(self._fixed + self._attention_floats([pos]))
         out = x.clone()
         self._fn(out.data_ptr(), *self._ptrs, kv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), scratch.data_ptr(),
                  self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, kv.shape[3], pos,
                  self.n_eps, torch.get_num_threads())
         return out
+
+    def _attention_floats(self, positions: list[int]) -> int:
+        """Scratch floats for the attention's partial results of tokens at ``positions``: per token, kv head and
+        chunk of keys, the group's heads' max, sum and weighted values."""
+        chunks = sum(-(-(pos + 1) // ATTENTION_CHUNK) for pos in positions)
+        return self.kv_heads * chunks * (self.heads // self.kv_heads) * (self.head_dim + 2)
 
     def batch(self, x: torch.Tensor, kvs: list[torch.Tensor], positions: list[int], cos: torch.Tensor,
               sin_signed: torch.Tensor) -> torch.Tensor:
@@ -253,9 +258,8 @@ class DecodeLayers:
         ``kvs[b]`` (each contiguous, ``[layers, 2, kv_heads, cap, head_dim]`` with ``position < cap``; distinct
         sessions). ``cos``/``sin_signed`` are RoPE's whole tables (``[positions, head_dim]``, contiguous).
         Each matrix product takes the ``n`` rows together. Returns the residual streams ``[n, hidden]``."""
-        n, group = len(kvs), self.heads // self.kv_heads
-        items = sum(self.kv_heads * (-(-(pos + 1) // ATTENTION_CHUNK)) for pos in positions)
-        scratch = torch.empty(n * (self._fixed + 1) + items * group * (self.head_dim + 2))
+        n = len(kvs)
+        scratch = torch.empty(n * (self._fixed + 1) + self._attention_floats(positions))  # + 1: each row's norm
         out = x.clone()
         self._fn_batch(out.data_ptr(), *self._ptrs, (ctypes.c_void_p * n)(*(kv.data_ptr() for kv in kvs)),
                        (ctypes.c_long * n)(*(kv.shape[3] for kv in kvs)), (ctypes.c_long * n)(*positions),

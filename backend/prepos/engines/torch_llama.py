@@ -488,15 +488,15 @@ class TorchLlamaEngine(Engine):
                 continue
             targets.append((len(results), s, tok, pos))
             results.append(None)  # filled below
-        if len(targets) == 1:
-            index, s, tok, _ = targets[0]
-            results[index] = self.decode(session_ids[index], tok)
-        elif targets:
-            logits = self._decode_batch_forward([(s.kv, pos, tok) for _, s, tok, pos in targets])
-            for (index, s, tok, _), row in zip(targets, logits.unbind(0)):
-                s.ids.append(tok)
-                results[index] = row
-            self.num_computed_tokens += len(targets)
+        steps = [(s.kv, pos, tok) for _, s, tok, pos in targets]
+        if len(steps) == 1:  # one token: the one-token forward
+            rows = [self._decode_forward(*steps[0])]
+        else:
+            rows = self._decode_batch_forward(steps).unbind(0) if steps else []
+        for (index, s, tok, _), row in zip(targets, rows):
+            s.ids.append(tok)
+            results[index] = row
+        self.num_computed_tokens += len(targets)
         return results
 
     def _decode_batch_forward(self, steps: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
