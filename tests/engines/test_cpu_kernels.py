@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -125,6 +128,23 @@ def test_build_is_cached_and_keyed(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "FLAGS", (*cpu_kernels.FLAGS, "-DPREPOS_TEST_KEY"))
     other = cpu_kernels.load(tmp_path)
     assert other.path != first.path and len(list(tmp_path.iterdir())) == 2  # new flags, new library
+
+
+def test_loading_the_kernels_leaves_subnormal_floats_alone(tmp_path):
+    """The library is not linked with -ffast-math's start-up code, which would flush subnormals to zero in the
+    process that loads it (numpy, torch and everything else in it). In a child process: the mode is per process."""
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from pathlib import Path
+        from prepos.engines import cpu_kernels
+        tiny = np.float32(1e-40)  # subnormal in float32
+        assert tiny * np.float32(1.0) != 0
+        assert cpu_kernels.load(Path({str(tmp_path)!r})) is not None
+        print(float(tiny * np.float32(1.0)))  # 0.0 once subnormals are flushed (or read as zero)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split()[-1]) > 0  # after the load, still not flushed to zero
 
 
 def test_no_compiler_or_a_failing_one_gives_none(tmp_path, monkeypatch, caplog):

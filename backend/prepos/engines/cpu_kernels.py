@@ -15,7 +15,8 @@ attention uses the same register tiles, for scores and for values, over chunks o
 softmax per row; each kv head's keys are transposed into those chunks once per layer, for all its work items.
 
 :func:`load` compiles the source with the system C compiler (``$CC``, else ``cc``) at ``-O3 -march=native
--ffast-math -fopenmp`` into a cache directory (``$PREPOS_CACHE_DIR``, else ``$XDG_CACHE_HOME/prepos`` or
+-ffast-math -fopenmp`` (then links it without ``-ffast-math``, which would switch on flush-to-zero for the
+whole process) into a cache directory (``$PREPOS_CACHE_DIR``, else ``$XDG_CACHE_HOME/prepos`` or
 ``~/.cache/prepos``), keyed by the source, the flags, the compiler's version and the CPU's flags, so the
 next load on the same machine reuses it; then checks every kernel against torch on random input before
 handing them out. The library links libgomp by soname, which torch has already loaded, so the kernels run
@@ -41,7 +42,10 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32  # columns per block, fixed by the kernel
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")  # compiling the source
+# Linking is a separate step without -ffast-math: with it the compiler links in crtfastmath, whose constructor
+# turns on flush-to-zero for the thread that loads the library, and every thread it starts later.
+LINK_FLAGS = ("-shared", "-fopenmp")
 LIBS = ("-lm",)
 ATTENTION_CHUNK = 256  # keys per work item, ATTN_CHUNK in the source
 PREFILL_KEYS = 64  # keys per chunk of the prefill attention, PREFILL_KEYS in the source
@@ -287,22 +291,25 @@ def _build(compiler: str, cache: Path) -> Path:
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in
-                                    (source, " ".join(FLAGS + LIBS), version, _cpu_flags(), platform.machine()))).hexdigest()
+                                    (source, " ".join(FLAGS + LINK_FLAGS + LIBS), version, _cpu_flags(),
+                                     platform.machine()))).hexdigest()
     path = cache / f"cpu_kernels-{key[:16]}.so"
     if path.exists():
         return path
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
     os.close(fd)
+    obj = tmp[:-3] + ".o"
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        for command in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", obj], [compiler, *LINK_FLAGS, obj, "-o", tmp, *LIBS]):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if done.returncode:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, path)  # atomic: a concurrent load sees the old state or the whole library
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     log.info("compiled %s -> %s", SOURCE.name, path)
     return path
 
