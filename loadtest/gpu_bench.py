@@ -16,7 +16,8 @@ Two parts, one JSON and one Markdown table:
   ``weight bytes / read bandwidth``; and a session's first token on the
   ``prefix`` path (prefill a delta over a cached prefix, then scan) against the
   ``gated`` path (scan the cached distribution), the ratio the paper puts at
-  39 ms vs 1.0 ms.
+  39 ms vs 1.0 ms; and decode steps of 1, 8 and 32 sessions at once
+  (``decode_batch``, a graph per batch size): step time and tokens/s.
 
     python loadtest/gpu_bench.py --json out/gpu_bench.json            (needs a CUDA device and Triton)
 """
@@ -39,6 +40,7 @@ from prepos_loadtest.stats import percentile
 log = logging.getLogger("gpu_bench")
 
 VOCABS = (49_152, 128_256, 151_936)
+BATCHES = (1, 8, 32)  # sessions per decode step in the engine part
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ARCHS = {  # Hugging Face config fields of the architectures the engine benchmark can build with random weights
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -165,12 +167,43 @@ def make_checkpoint(arch: str, path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(fn) -> float:
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - t
+
+
+def bench_decode_batches(engine, prefix: list[int], sizes: tuple[int, ...], steps: int) -> dict:
+    """Decode steps of ``n`` sessions at once (``decode_batch``), each session holding ``prefix``: per size, the
+    step's median and p99 seconds and tokens per second, and its cost relative to one session's step."""
+    out: dict = {}
+    sessions = [f"batch{i}" for i in range(max(sizes))]
+    for sid in sessions:
+        engine.prefill(sid, prefix)
+    for n in sizes:
+        batch = sessions[:n]
+        times = []
+        for i in range(steps + 3):  # the first steps of a size pay its graph's capture: left out
+            times.append(_timed(lambda: engine.decode_batch(batch, [17] * n)))
+            for sid in batch:
+                engine.truncate(sid, len(prefix))
+        times = times[3:]
+        median = statistics.median(times)
+        out[str(n)] = {"step_median_ms": median * 1e3, "step_p99_ms": percentile(times, 99) * 1e3,
+                       "tokens_per_s": n / median}
+        log.info("decode batch of %d: median %.3f ms, %.0f tokens/s", n, median * 1e3, n / median)
+    for r in out.values():
+        r["step_over_one"] = r["step_median_ms"] / out[str(sizes[0])]["step_median_ms"]
+    for sid in sessions:
+        engine.release(sid)
+    return out
 
 
 def bench_engine(arch: str, bandwidth: float, context: int, delta: int, steps: int, runs: int) -> dict:
@@ -181,7 +214,8 @@ def bench_engine(arch: str, bandwidth: float, context: int, delta: int, steps: i
     with tempfile.TemporaryDirectory() as tmp:
         log.info("writing random %s weights ...", arch)
         make_checkpoint(arch, Path(tmp))
-        paged = PagedTorchLlamaEngine(tmp, device="cuda", dtype="bfloat16", kv_pool_bytes=8 << 30)
+        paged = PagedTorchLlamaEngine(tmp, device="cuda", dtype="bfloat16", kv_pool_bytes=16 << 30,
+                                      max_batch=max(BATCHES))
         eager = TorchLlamaEngine(tmp, device="cuda", dtype="bfloat16")
     info = paged.info
     gen = torch.Generator().manual_seed(0)
@@ -204,6 +238,7 @@ def bench_engine(arch: str, bandwidth: float, context: int, delta: int, steps: i
         result[f"decode_{name}_p99_ms"] = percentile(times, 99) * 1e3
         result[f"decode_{name}_over_bound"] = statistics.median(times) / bound
         log.info("decode %s: median %.3f ms (bound %.3f ms)", name, statistics.median(times) * 1e3, bound * 1e3)
+    result["decode_batches"] = bench_decode_batches(paged, prefix, BATCHES, steps)
     # prefix path: the session holds `prefix`; a request's delta is prefilled, then its distribution scanned
     prefix_t, gated_t, tok_s = [], [], []
     paged.prefill("p", prefix)
@@ -260,6 +295,9 @@ def table(res: dict) -> str:
                   f"| {e['gated_first_token_p99_ms']:.3f} ms |",
                   f"| prefix / gated | {e['prefix_over_gated']:.0f}x | |"]
         lines += [f"| prefill +{n} tokens | {v:,.0f} tok/s | |" for n, v in e["prefill_tok_s"].items()]
+        lines += [f"| decode step of {n} sessions (paged + graph) | {r['step_median_ms']:.3f} ms "
+                  f"({r['step_over_one']:.2f}x one session's; {r['tokens_per_s']:,.0f} tokens/s) "
+                  f"| {r['step_p99_ms']:.3f} ms |" for n, r in e.get("decode_batches", {}).items()]
         lines.append("")
     return "\n".join(lines)
 

@@ -1,16 +1,17 @@
 """Decode attention over a paged KV pool, in OpenAI Triton (for ``prepos.engines.torch_paged``).
 
-One query token, grouped-query heads. The token's position and the session's
-block table are read from device memory, so one captured CUDA graph serves
-every session and every length. Split-K ("flash decoding"): program
-``(kv_head, split)`` walks the chunks of CHUNK positions ``split, split + SPLITS,
-...`` with an online softmax and writes a partial (max, sum, weighted values) per query head;
+One query token per batch row (each row a different session), grouped-query
+heads. Each row's token position and its session's block table are read from
+device memory, so one captured CUDA graph per batch size serves every session
+and every length. Split-K ("flash decoding"): program ``(kv_head, split, row)``
+walks the row's chunks of CHUNK positions ``split, split + SPLITS, ...`` with an
+online softmax and writes a partial (max, sum, weighted values) per query head;
 :func:`merge_splits` combines the partials.
 
 Pool layout per layer and K/V: ``[pages * PAGE, KV, HD]`` (a page holds PAGE
 consecutive positions of one session, all kv heads). ``meta`` is int32
-``[3 + max_pages]``: token id, position, flat slot of the position, then the
-block table. Like ``prepos._scan_kernel``, this module needs Triton and is run
+``[rows, meta_stride]``, one row per batch row: token id, position, flat slot of
+the position, then the block table. Like ``prepos._scan_kernel``, this module needs Triton and is run
 interpreted on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
@@ -19,11 +20,14 @@ import triton.language as tl
 
 
 @triton.jit
-def decode_attention_splits(q_ptr, k_ptr, v_ptr, meta_ptr, part_acc_ptr, part_ml_ptr, scale,
+def decode_attention_splits(q_ptr, k_ptr, v_ptr, meta_ptr, part_acc_ptr, part_ml_ptr, scale, meta_stride,
                             KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                             PAGE: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
+    row = tl.program_id(2)
+    meta_ptr += row * meta_stride
+    q_ptr += row * (KV * G * HD)
     g = tl.arange(0, GP)
     d = tl.arange(0, HD)
     r = tl.arange(0, CHUNK)
@@ -52,7 +56,7 @@ def decode_attention_splits(q_ptr, k_ptr, v_ptr, meta_ptr, part_acc_ptr, part_ml
         l_sum = l_sum * alpha + tl.sum(w, 1)
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], 1)
         m = m_new
-    out = (split * KV * G + heads)  # partial record of (split, head)
+    out = (row * SPLITS + split) * (KV * G) + heads  # partial record of (row, split, head)
     tl.store(part_acc_ptr + out[:, None] * HD + d[None, :], acc, mask=gm[:, None])
     tl.store(part_ml_ptr + out * 2, m, mask=gm)
     tl.store(part_ml_ptr + out * 2 + 1, l_sum, mask=gm)
@@ -62,9 +66,10 @@ def decode_attention_splits(q_ptr, k_ptr, v_ptr, meta_ptr, part_acc_ptr, part_ml
 def merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, H: tl.constexpr, HD: tl.constexpr,
                  SPLITS: tl.constexpr):
     h = tl.program_id(0)
+    row = tl.program_id(1)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, HD)
-    rec = s * H + h
+    rec = (row * SPLITS + s) * H + h
     m = tl.load(part_ml_ptr + rec * 2)
     l_sum = tl.load(part_ml_ptr + rec * 2 + 1)
     acc = tl.load(part_acc_ptr + rec[:, None] * HD + d[None, :])  # [SPLITS, HD]
@@ -72,4 +77,4 @@ def merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, H: tl.constexpr, HD: tl.con
     live = m > -float("inf")
     w = tl.where(live, tl.exp(tl.where(live, m - top, 0.0)), 0.0)
     o = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l_sum, 0)
-    tl.store(out_ptr + h * HD + d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + (row * H + h) * HD + d, o.to(out_ptr.dtype.element_ty))

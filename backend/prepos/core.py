@@ -26,11 +26,11 @@ log = logging.getLogger("prepos.core")
 
 
 def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int = 0,
-                  session_idle_timeout_s: float = 600.0) -> Engine:
+                  session_idle_timeout_s: float = 600.0, max_decode_batch: int = 32) -> Engine:
     """The engine named by ``config.name``, loaded from ``engine_dir``.
 
     The torch engine on CUDA is the paged one (static KV pool of ``kv_budget_bytes``, 0 = half the free GPU
-    memory; decode as a CUDA graph); on CPU the plain one (KV grows per session on demand). The TensorRT-LLM
+    memory; decode as CUDA graphs of up to ``max_decode_batch`` sessions per step); on CPU the plain one (KV grows per session on demand). The TensorRT-LLM
     engine keeps a session's KV blocks at high retention priority for ``session_idle_timeout_s``.
     """
     if config.name == "trtllm":
@@ -44,7 +44,7 @@ def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int =
 
         return PagedTorchLlamaEngine(str(engine_dir), device=config.device, dtype=config.dtype,
                                      kv_pool_bytes=kv_budget_bytes, page_tokens=config.page_tokens,
-                                     cuda_graph=config.cuda_graph)
+                                     cuda_graph=config.cuda_graph, max_batch=max_decode_batch)
     if config.name == "torch":
         from prepos.engines.torch_llama import TorchLlamaEngine
 
@@ -81,7 +81,8 @@ class Core:
         manifest = EngineManifest.load(engine_dir)
         self.tokenizer = Tokenizer(engine_dir / "tokenizer.json")
         self.engine = engine if engine is not None else create_engine(
-            config.engine, engine_dir, config.memory.kv_budget_bytes, config.scheduler.session_idle_timeout_s)
+            config.engine, engine_dir, config.memory.kv_budget_bytes, config.scheduler.session_idle_timeout_s,
+            config.scheduler.max_decode_batch)
         # Requests record into memory; the engine loop publishes to the sink off the path of any request.
         self.metrics = Metrics(BufferedSink(metrics_sink) if metrics_sink is not None else None)
         self.framing = manifest.framing

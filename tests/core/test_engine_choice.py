@@ -41,10 +41,10 @@ def test_cuda_builds_the_paged_engine_with_the_configured_pool_and_pages(monkeyp
     monkeypatch.setattr(torch_paged, "PagedTorchLlamaEngine", Recorder)
     config = read_config({"engine.device": "cuda:1", "engine.dtype": "bfloat16", "engine.page_tokens": "16",
                           "engine.cuda_graph": "false"}, environ={})
-    engine = core.create_engine(config.engine, tmp_path, kv_budget_bytes=1 << 30)
+    engine = core.create_engine(config.engine, tmp_path, kv_budget_bytes=1 << 30, max_decode_batch=12)
     assert isinstance(engine, Recorder)
     assert built == dict(model_dir=str(tmp_path), device="cuda:1", dtype="bfloat16", kv_pool_bytes=1 << 30,
-                         page_tokens=16, cuda_graph=False)
+                         page_tokens=16, cuda_graph=False, max_batch=12)
 
 
 def test_cpu_builds_the_plain_torch_engine(monkeypatch, tmp_path):

@@ -54,6 +54,68 @@ def test_greedy_output_is_token_identical_to_a_stateless_prefill_with_sessions_i
             assert int(torch.argmax(last[sid])) == int(torch.argmax(stateless.prefill(f"x{len(log)}", log)))
 
 
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_decode_batch_matches_hf_for_each_session_across_pages_and_padding(which, request):
+    """Three sessions of different lengths take each step as one batch (padded to 4 rows, which write and read
+    only the scratch page) while their KV crosses page boundaries; each gets the logits a full forward of its
+    own sequence gives, and the pages stay each session's own."""
+    path, model = request.getfixturevalue(which)
+    engine = _engine(path, max_batch=4)
+    seqs = {"a": _ids(3, seed=20), "b": _ids(9, seed=21), "c": _ids(14, seed=22)}
+    for sid, ids in seqs.items():
+        ids.append(int(engine.prefill(sid, ids).argmax()))
+    computed = engine.num_computed_tokens
+    for _ in range(6):
+        results = engine.decode_batch(list(seqs), [ids[-1] for ids in seqs.values()])
+        for (sid, ids), logits in zip(seqs.items(), results):
+            assert _close(logits.cpu(), _hf_logits(model, ids)[-1]), sid
+            assert list(engine.cached_token_ids(sid)) == ids
+            ids.append(int(logits.argmax()))
+    assert engine.num_computed_tokens == computed + 6 * 3
+    pages = [p for sid in seqs for p in engine._sessions[sid].pages]
+    assert len(pages) == len(set(pages)) and 0 not in pages
+    assert [engine.kv_bytes(sid) for sid in seqs] == [-(-(len(ids) - 1) // PAGE) * PAGE * engine.info.kv_bytes_per_token
+                                                     for ids in seqs.values()]
+
+
+def test_a_batch_larger_than_max_batch_is_taken_in_steps_with_the_same_answers(tied):
+    path, _ = tied
+    batched, alone = _engine(path, max_batch=2), _engine(path)
+    seqs = {f"s{i}": _ids(2 + 3 * i, seed=30 + i) for i in range(5)}
+    for sid, ids in seqs.items():
+        batched.prefill(sid, ids)
+        alone.prefill(sid, ids)
+    tokens = _ids(5, seed=40)
+    results = batched.decode_batch(list(seqs), tokens)
+    for (sid, ids), token, logits in zip(seqs.items(), tokens, results):
+        assert _close(logits.cpu(), alone.decode(sid, token).cpu()), sid
+        assert list(batched.cached_token_ids(sid)) == [*ids, token]
+
+
+def test_decode_batch_refuses_an_impossible_step_alone(tied):
+    """A session without KV, a token past the vocabulary and a step the pool has no page for each fail alone;
+    the others still decode and the failed sessions keep their KV and pages."""
+    path, model = tied
+    per_page = PAGE * TorchLlamaEngine(path).info.kv_bytes_per_token
+    engine = _engine(path, pool=5 * per_page)  # 4 usable pages
+    a, b, c = _ids(5, seed=23), _ids(4, seed=24), _ids(3, seed=25)
+    for sid, ids in (("a", a), ("b", b), ("c", c)):
+        engine.prefill(sid, ids)  # a: 2 pages, b and c: 1 each; b's next token needs a fifth page
+    free = len(engine._free)
+    results = engine.decode_batch(["a", "nosuch", "b", "c"], [7, 8, 9, 512])  # 512: past the vocabulary
+    assert isinstance(results[1], ValueError) and "'nosuch' has no KV" in str(results[1])
+    assert isinstance(results[2], KVPoolExhausted) and "KV pool exhausted" in str(results[2])
+    assert isinstance(results[3], ValueError) and "token id 512" in str(results[3])
+    assert _close(results[0].cpu(), _hf_logits(model, [*a, 7])[-1])
+    assert list(engine.cached_token_ids("a")) == [*a, 7]
+    assert list(engine.cached_token_ids("b")) == b and list(engine.cached_token_ids("c")) == c
+    assert len(engine._free) == free == 0
+    for sids, toks, problem in ((["a", "a"], [1, 2], "appears twice"), (["a", "b"], [1], "2 sessions but 1 tokens")):
+        with pytest.raises(ValueError, match=problem):
+            engine.decode_batch(sids, toks)
+    assert list(engine.cached_token_ids("a")) == [*a, 7] and list(engine.cached_token_ids("b")) == b
+
+
 def test_prefix_reuse_truncate_and_release_keep_pages_consistent(tied):
     path, model = tied
     engine = _engine(path)
@@ -109,6 +171,8 @@ def test_bad_arguments_are_named(tied):
         PagedTorchLlamaEngine(path, device=DEVICE, kv_pool_bytes=1)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):  # the kernels run on CUDA, or interpreted on CPU
         PagedTorchLlamaEngine(path, device="cpu" if CUDA else "cuda")
+    with pytest.raises(ValueError, match=r"max_batch must be in \[1, 1024\], got 0"):
+        _engine(path, max_batch=0)
     engine = _engine(path)
     with pytest.raises(ValueError, match="no KV"):
         engine.decode("nobody", 1)
@@ -145,5 +209,45 @@ def test_cuda_graph_decode_is_token_identical_to_a_stateless_prefill(tied, dtype
             if float(top2[0] - top2[1]) > 2 * tol:
                 decided += 1
                 assert int(torch.argmax(last[sid])) == int(torch.argmax(ref))
-    assert engine._graph is not None
+    assert list(engine._graphs) == [1]
     assert dtype == "float32" or decided >= 10  # the token check was not vacuous
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_graph_decode_batches_match_the_eager_step_for_each_session(tied):
+    """Batches of 1, 2 and 3 sessions through graphs of at most 2 rows (3 is taken as 2 + 1, back to back, so the
+    second step's inputs must not overwrite the first's before they are copied) give each session the logits
+    of the eager step."""
+    path, _ = tied
+    kw = dict(device="cuda", page_tokens=16, kv_pool_bytes=64 << 20, max_batch=2)
+    graphed, eager = PagedTorchLlamaEngine(path, **kw), PagedTorchLlamaEngine(path, cuda_graph=False, **kw)
+    logs = {sid: _ids(5 + 11 * i, seed=50 + i) for i, sid in enumerate("abc")}
+    for sid, log in logs.items():
+        graphed.prefill(sid, log)
+        log.append(int(eager.prefill(sid, log).argmax()))
+    for step in range(18):
+        live = list(logs)[: 1 + step % 3]
+        tokens = [logs[sid][-1] for sid in live]
+        got, want = graphed.decode_batch(live, tokens), eager.decode_batch(live, tokens)
+        for sid, g, w in zip(live, got, want):
+            assert g.device.type == "cuda" and _close(g.cpu(), w.cpu()), (step, sid)
+            logs[sid].append(int(w.argmax()))
+    assert sorted(graphed._graphs) == [1, 2] and not eager._graphs
+    assert all(list(graphed.cached_token_ids(sid)) == log[:-1] for sid, log in logs.items())
+
+
+def test_gpu_bench_times_each_decode_batch_size_and_leaves_the_pool_as_it_was(tied):
+    import gpu_bench
+
+    path, _ = tied
+    engine = _engine(path, max_batch=4)
+    free, computed = len(engine._free), engine.num_computed_tokens
+    prefix = _ids(6, seed=60)
+    res = gpu_bench.bench_decode_batches(engine, prefix, (1, 2, 3), steps=2)
+    assert list(res) == ["1", "2", "3"] and res["1"]["step_over_one"] == 1.0
+    for n, r in res.items():
+        assert r["tokens_per_s"] == pytest.approx(int(n) / (r["step_median_ms"] / 1e3))
+        assert r["step_p99_ms"] >= r["step_median_ms"] > 0
+    assert engine.num_computed_tokens - computed == 3 * len(prefix) + (1 + 2 + 3) * (2 + 3)  # 3 prefills, every step
+    assert len(engine._free) == free and not engine._sessions

@@ -7,13 +7,16 @@ weight reads take well under a millisecond. This engine removes that overhead:
 - **Static KV.** One pool ``[layers, 2, pages * PAGE, KV, hd]`` is allocated at
   start; a session owns a list of pages (``page_tokens`` positions each) and
   frees them on truncate/release. Addresses never move, so a graph can hold them.
-- **Captured decode.** The decode step reads its token, position, write slot and
-  the session's block table from one small device buffer (``meta``) and runs the
-  decode attention as an OpenAI Triton kernel over the pool
-  (``prepos._attention_kernel``), so one CUDA graph, captured on the first
-  decode, serves every session at every length. A step is then one host-to-device
-  copy of ``meta``, one graph replay and one copy of the logits out of the
-  graph's buffer (they must outlive the next session's step).
+- **Captured, batched decode.** A decode step takes the tokens of up to
+  ``max_batch`` sessions as the rows of one batch: the weights are read once for
+  all of them. Each row reads its token, position, write slot and its session's
+  block table from one small device buffer (``meta``, a row per session) and the
+  decode attention runs as an OpenAI Triton kernel over the pool
+  (``prepos._attention_kernel``), so one CUDA graph per batch size (1, 2, 4, ...,
+  captured on first use; a step is padded to the next size) serves every session
+  at every length. A step is then one host-to-device copy of ``meta``, one graph
+  replay and one copy of the logits out of the graph's buffer (they must outlive
+  the next step).
 - **The distribution stays on the device**; the server's scan of it runs on the
   GPU (``prepos.scan_triton``, ``engine.scan = auto``).
 
@@ -31,13 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from prepos.engines.base import Engine, KVCapacityError
+from prepos.engines.base import KVCapacityError, check_decode_batch
 from prepos.engines.torch_llama import TorchLlamaEngine
 
 log = logging.getLogger(__name__)
@@ -59,15 +63,19 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
 
     ``kv_pool_bytes`` sizes the pool (0: half the device memory free after the
     weights on CUDA, 256 MiB elsewhere). ``page_tokens`` and ``splits`` (pages
-    walked in parallel by the decode attention) must be powers of two.
+    walked in parallel by the decode attention) must be powers of two. ``max_batch``
+    is the most sessions one decode step takes; a graph is captured, on first use,
+    for each batch size of 1, 2, 4, ... up to it (a step is padded to the next one).
     """
 
     def __init__(self, model_dir: str, *, device: str = "cuda", dtype: str = "float32",
                  num_threads: int | None = None, kv_pool_bytes: int = 0, page_tokens: int = 64,
-                 splits: int = 32, cuda_graph: bool | None = None) -> None:
+                 splits: int = 32, cuda_graph: bool | None = None, max_batch: int = 32) -> None:
         for name, value in (("page_tokens", page_tokens), ("splits", splits)):
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")
+        if not 1 <= max_batch <= 1024:
+            raise ValueError(f"max_batch must be in [1, 1024], got {max_batch}")
         try:
             import triton
 
@@ -102,22 +110,26 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         self._free = list(range(n_pages - 1, 0, -1))  # page 0 is scratch; pop() hands out low pages first
         self.kv_capacity_bytes = (n_pages - 1) * page_bytes
         self._max_pages = -(-self.info.max_context // page_tokens)
-        # decode step inputs: token, position, flat slot of the position, block table
-        self._meta = torch.zeros(3 + self._max_pages, dtype=torch.int32, device=self.device)
+        # decode step inputs, one row per session of the step: token, position, flat slot of the position,
+        # block table
+        self.max_batch = max_batch
+        self._batch_sizes = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
+        self._meta = torch.zeros(max_batch, 3 + self._max_pages, dtype=torch.int32, device=self.device)
         pin = self.device.type == "cuda"
-        self._meta_host = torch.zeros(3 + self._max_pages, dtype=torch.int32, pin_memory=pin)
+        self._meta_host = torch.zeros(max_batch, 3 + self._max_pages, dtype=torch.int32, pin_memory=pin)
         self._meta_np = self._meta_host.numpy()
+        # set when the copy of the (pinned) host buffer is under way, so the next step does not overwrite it
+        self._meta_copied = torch.cuda.Event() if pin else None
         H = self.n_heads
-        self._part_acc = torch.empty(splits, H, self.head_dim, dtype=torch.float32, device=self.device)
-        self._part_ml = torch.empty(splits, H, 2, dtype=torch.float32, device=self.device)
-        self._attn = torch.empty(H, self.head_dim, dtype=self.dtype, device=self.device)
+        self._part_acc = torch.empty(max_batch, splits, H, self.head_dim, dtype=torch.float32, device=self.device)
+        self._part_ml = torch.empty(max_batch, splits, H, 2, dtype=torch.float32, device=self.device)
+        self._attn = torch.empty(max_batch, H, self.head_dim, dtype=self.dtype, device=self.device)
         self._use_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_logits: torch.Tensor | None = None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> graph, its logits
         self.info = dataclasses.replace(self.info, name="torch-paged")
-        log.info("paged KV pool: %d pages x %d tokens (%.1f MB), decode %s", n_pages, page_tokens,
-                 self.pool.numel() * self.pool.element_size() / 1e6,
-                 "captured as a CUDA graph" if self._use_graph else "eager")
+        log.info("paged KV pool: %d pages x %d tokens (%.1f MB), decode of up to %d sessions per step %s", n_pages,
+                 page_tokens, self.pool.numel() * self.pool.element_size() / 1e6, max_batch,
+                 "captured as CUDA graphs" if self._use_graph else "eager")
 
     # ---- pages ---------------------------------------------------------------------------
 
@@ -196,81 +208,125 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
             k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(seq, end))
 
-    # ---- decode: one graph for every session -----------------------------------------------
+    # ---- decode: one graph per batch size, for every session ------------------------------
 
-    # One captured graph decodes one session over its pages; a batch is decoded one session after another.
-    decode_batch = Engine.decode_batch
-
-    @torch.inference_mode()
-    def decode(self, session_id: str, token_id: int) -> torch.Tensor:
+    def _paged_target(self, session_id: str, token_id: int):
+        """The session, token and position of a decode step, with the step's page reserved; ``ValueError`` or
+        :class:`KVPoolExhausted` naming what makes it impossible (the session is then unchanged)."""
         s, token_id, pos = self._decode_target(session_id, token_id)
         if not pos:
             raise ValueError(f"session {session_id!r} has no KV; prefill it first")
         self._grow(s, pos + 1)
-        P = self.page_tokens
-        meta = self._meta_np
-        meta[0], meta[1], meta[2] = token_id, pos, s.pages[pos // P] * P + pos % P
-        meta[3:3 + len(s.pages)] = s.pages
-        self._meta.copy_(self._meta_host, non_blocking=True)
-        if self._use_graph:
-            if self._graph is None:
-                self._capture()
-            self._graph.replay()
-            logits = self._graph_logits.clone()  # the graph's buffer is the next step's too
-        else:
-            logits = self._decode_step()
+        return s, token_id, pos
+
+    @torch.inference_mode()
+    def decode(self, session_id: str, token_id: int) -> torch.Tensor:
+        s, token_id, pos = self._paged_target(session_id, token_id)
+        logits = self._decode_rows([(s, token_id, pos)])[0]
         s.ids.append(token_id)
         self.num_computed_tokens += 1
         return logits
 
-    def _capture(self) -> None:
-        """Warm up (compiles the Triton kernels) and capture the decode step; its scratch writes go to page 0."""
-        saved = self._meta.clone()
-        self._meta.zero_()
+    @torch.inference_mode()
+    def decode_batch(self, session_ids: Sequence[str], token_ids: Sequence[int]) -> list[torch.Tensor | Exception]:
+        """One decode step of several sessions as one step of the batch (up to ``max_batch`` rows per step;
+        more are taken ``max_batch`` at a time): the weights are read once for all of them and each row
+        attends over its own pages. An impossible step gets its error and leaves its session as it was."""
+        check_decode_batch(session_ids, token_ids)
+        results: list[torch.Tensor | Exception | None] = []
+        targets = []  # (result index, session, token, position) of the possible steps
+        for sid, tok in zip(session_ids, token_ids):
+            try:
+                s, tok, pos = self._paged_target(sid, tok)
+            except (ValueError, KVCapacityError) as err:
+                results.append(err)
+                continue
+            targets.append((len(results), s, tok, pos))
+            results.append(None)  # filled below
+        for start in range(0, len(targets), self.max_batch):
+            chunk = targets[start:start + self.max_batch]
+            rows = self._decode_rows([(s, tok, pos) for _, s, tok, pos in chunk])
+            for (index, s, tok, _), row in zip(chunk, rows):
+                s.ids.append(tok)
+                results[index] = row
+        self.num_computed_tokens += len(targets)
+        return results
+
+    def _decode_rows(self, steps: list[tuple[_PagedSession, int, int]]) -> list[torch.Tensor]:
+        """Steps ``(session, token, position)`` of at most ``max_batch`` distinct sessions, pages reserved:
+        one step of the smallest batch size that holds them (the rows past them are padding that writes and
+        reads the scratch page); float32 logits ``[vocab]`` per step, on the device."""
+        n = len(steps)
+        b = next(size for size in self._batch_sizes if size >= n)
+        if self._meta_copied is not None:
+            self._meta_copied.synchronize()  # the previous step's copy of the host buffer has been made
+        P, meta = self.page_tokens, self._meta_np
+        for r, (s, token_id, pos) in enumerate(steps):
+            meta[r, 0], meta[r, 1], meta[r, 2] = token_id, pos, s.pages[pos // P] * P + pos % P
+            meta[r, 3:3 + len(s.pages)] = s.pages
+        meta[n:b, :4] = 0  # padding: token 0 at position 0 of page 0
+        self._meta[:b].copy_(self._meta_host[:b], non_blocking=True)
+        if self._meta_copied is not None:
+            self._meta_copied.record()
+        if self._use_graph:
+            graph, out = self._graphs.get(b) or self._capture(b)
+            graph.replay()
+            logits = out[:n].clone()  # the graph's buffer is the next step's too
+        else:
+            logits = self._decode_step(b)[:n]
+        return list(logits.unbind(0))
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up (compiles the Triton kernels) and capture the decode step of ``b`` rows; its scratch writes
+        go to page 0."""
+        saved = self._meta[:b].clone()
+        self._meta[:b].zero_()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._decode_step()
+                self._decode_step(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._graph_logits = self._decode_step()
-        self._graph = graph
-        self._meta.copy_(saved)
-        log.info("decode step captured as a CUDA graph (%d layers)", self.n_layers)
+            out = self._decode_step(b)
+        self._meta[:b].copy_(saved)
+        self._graphs[b] = (graph, out)
+        log.info("decode step of %d session(s) captured as a CUDA graph (%d layers)", b, self.n_layers)
+        return graph, out
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """``_rms_scale`` as one fused RMSNorm: its weight, the constant 1/sqrt(hidden), undoes the sqrt(hidden)
         folded into the matrices with the norms' own weights."""
         return F.rms_norm(x, (self.hidden,), self._inv_root_n, self.eps)
 
-    def _decode_step(self) -> torch.Tensor:
-        """One token from ``self._meta`` through every layer; float32 logits ``[vocab]``. Graph-capturable:
-        no host reads, fixed shapes."""
+    def _decode_step(self, b: int) -> torch.Tensor:
+        """One token per row of ``self._meta[:b]`` through every layer; float32 logits ``[b, vocab]``.
+        Graph-capturable: no host reads, fixed shapes."""
         H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
         inter = self.intermediate
-        meta = self._meta.long()
-        token, pos, slot = meta[0:1], meta[1:2], meta[2:3]
-        cos, sin = self.cos.index_select(0, pos), self.sin_signed.index_select(0, pos)  # [1, hd]
-        x = self._embed(token).reshape(1, self.hidden)  # [1, hidden]
+        meta = self._meta[:b].long()
+        token, pos, slot = meta[:, 0], meta[:, 1], meta[:, 2]
+        cos, sin = self.cos.index_select(0, pos)[:, None], self.sin_signed.index_select(0, pos)[:, None]  # [b, 1, hd]
+        x = self._embed(token).reshape(b, self.hidden)
         scale = hd ** -0.5
         gp = 1 << (G - 1).bit_length()
+        attn = self._attn[:b].view(b, H * hd)
         for i, (wqkv, wo, wgu, wdown) in enumerate(self._layers):
-            qkv = self._mm(self._norm(x), wqkv).view(H + 2 * KV, hd)
-            qk = qkv[: H + KV]
-            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # RoPE at pos
-            self.pool[i, 0].index_copy_(0, slot, qk[H:][None])
-            self.pool[i, 1].index_copy_(0, slot, qkv[H + KV:][None])
-            q = qk[:H].contiguous()
-            self._paged_kernels.decode_attention_splits[(KV, self.splits)](
+            qkv = self._mm(self._norm(x), wqkv).view(b, H + 2 * KV, hd)
+            qk = qkv[:, : H + KV]
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # RoPE at each row's position
+            self.pool[i, 0].index_copy_(0, slot, qk[:, H:])
+            self.pool[i, 1].index_copy_(0, slot, qkv[:, H + KV:])
+            q = qk[:, :H].contiguous()  # [b, H, hd]
+            self._paged_kernels.decode_attention_splits[(KV, self.splits, b)](
                 q, self.pool[i, 0], self.pool[i, 1], self._meta, self._part_acc, self._part_ml, scale,
-                KV=KV, G=G, GP=gp, HD=hd, PAGE=self.page_tokens, CHUNK=min(16, self.page_tokens), SPLITS=self.splits)
-            self._paged_kernels.merge_splits[(H,)](self._part_acc, self._part_ml, self._attn, H=H, HD=hd,
-                                             SPLITS=self.splits)
-            x = x + self._mm(self._attn.view(1, H * hd), wo)
-            gu = self._mm(self._norm(x), wgu)  # [1, 2*inter]
+                self._meta.stride(0), KV=KV, G=G, GP=gp, HD=hd, PAGE=self.page_tokens,
+                CHUNK=min(16, self.page_tokens), SPLITS=self.splits)
+            self._paged_kernels.merge_splits[(H, b)](self._part_acc, self._part_ml, self._attn, H=H, HD=hd,
+                                                SPLITS=self.splits)
+            x = x + self._mm(attn, wo)
+            gu = self._mm(self._norm(x), wgu)  # [b, 2*inter]
             x = x + self._mm(F.silu(gu[:, :inter]) * gu[:, inter:], wdown)
         h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
-        return self._mm(h, self.lm_head)[0].float()  # [vocab]
-
+        return self._mm(h, self.lm_head).float()  # [b, vocab]
