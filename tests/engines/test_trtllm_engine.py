@@ -56,6 +56,7 @@ class _State:
         self.reject_next: str | None = None
         self.cumulative = [0, 0]  # reused, new: what the iteration stats report
         self.shut_down = False
+        self.awaits = []  # requests enqueued so far, at each await
 
 
 def make_fake(*, post_processor: bool = True, perf_metrics: bool = True, cuda: bool = False) -> types.SimpleNamespace:
@@ -108,6 +109,7 @@ def make_fake(*, post_processor: bool = True, perf_metrics: bool = True, cuda: b
             return len(state.requests)
 
         def await_responses(self, request_id, timeout):
+            state.awaits.append(len(state.requests))
             request = self._pending.pop(request_id)
             if state.fail_next:
                 message, state.fail_next = state.fail_next, None
@@ -281,6 +283,60 @@ def test_decode_is_a_prefill_of_the_cached_ids_plus_the_token(engine_dir):
     assert engine.cached_token_ids("a") == tuple(ids + [9])
     with pytest.raises(ValueError, match="prefill it first"):
         engine.decode("b", 9)
+
+
+def test_decode_batch_enqueues_every_step_before_awaiting_any(engine_dir):
+    fake = make_fake()
+    engine = _engine(engine_dir, fake)
+    logs = {"a": _ids(17), "b": _ids(9, start=4), "c": _ids(33, start=2)}
+    for sid, ids in logs.items():
+        engine.prefill(sid, ids)
+    sent, records = len(fake.state.requests), engine.reuse_stats().num_requests
+    results = engine.decode_batch(list(logs), [5, 6, 7])
+    assert fake.state.awaits[-3:] == [sent + 3] * 3  # the executor holds all three when the first is awaited
+    for (sid, ids), tok, logits in zip(logs.items(), [5, 6, 7], results):
+        assert torch.equal(logits, fake_logits(ids + [tok])[:VOCAB]), sid
+        assert engine.cached_token_ids(sid) == tuple(ids + [tok])
+    assert [r.input_token_ids for r in fake.state.requests[sent:]] == [ids + [t] for ids, t in zip(logs.values(), [5, 6, 7])]
+    assert len({r.client_id for r in fake.state.requests}) == len(fake.state.requests)
+    assert engine.reuse_stats().num_requests == records + 3 and not engine._captures
+
+
+def test_decode_batch_fails_an_impossible_or_failed_step_alone(engine_dir):
+    fake = make_fake()
+    engine = _engine(engine_dir, fake)
+    a, b, c = _ids(12), _ids(20, start=3), _ids(100)  # c is at max_context
+    for sid, ids in (("a", a), ("b", b), ("c", c)):
+        engine.prefill(sid, ids)
+    sent = len(fake.state.requests)
+    fake.state.fail_next = "no free KV cache blocks"  # the first request awaited: a's
+    results = engine.decode_batch(["a", "nobody", "b", "c", "d"], [1, 2, VOCAB, 3, 4])
+    assert isinstance(results[0], TrtllmRequestError) and "session 'a'" in str(results[0])
+    assert isinstance(results[1], ValueError) and "'nobody' has no KV" in str(results[1])
+    assert isinstance(results[2], ValueError) and "lie in" in str(results[2])
+    assert isinstance(results[3], ValueError) and "max_context" in str(results[3])
+    assert isinstance(results[4], ValueError) and "'d' has no KV" in str(results[4])
+    assert len(fake.state.requests) == sent + 1 and engine.cached_token_ids("a") == ()  # only a's was sent
+    assert engine.cached_token_ids("b") == tuple(b) and engine.cached_token_ids("c") == tuple(c)
+    fake.state.reject_next = "queue full"
+    results = engine.decode_batch(["b", "c"], [8, 0])
+    assert isinstance(results[0], TrtllmRequestError) and "rejected" in str(results[0])
+    assert isinstance(results[1], ValueError) and engine.cached_token_ids("b") == ()
+    engine.prefill("b", b)  # what the scheduler does next: the full sequence
+    good = engine.decode_batch(["b"], [8])[0]
+    assert torch.equal(good, fake_logits(b + [8])[:VOCAB]) and not engine._captures
+
+
+def test_decode_batch_without_per_request_metrics_runs_the_steps_one_after_another(engine_dir):
+    fake = make_fake(perf_metrics=False)
+    engine = _engine(engine_dir, fake)
+    for sid, ids in (("a", _ids(12)), ("b", _ids(20, start=3))):
+        engine.prefill(sid, ids)
+    sent = len(fake.state.requests)
+    results = engine.decode_batch(["a", "b"], [1, 2])
+    assert fake.state.awaits[-2:] == [sent + 1, sent + 2]  # each awaited before the next was sent
+    assert torch.equal(results[1], fake_logits(_ids(20, start=3) + [2])[:VOCAB])
+    assert [r.source for r in [engine.reuse_stats().last]] == ["iteration"]
 
 
 def test_each_session_keeps_its_own_logits_until_its_next_call(engine_dir):
@@ -480,4 +536,28 @@ def test_real_engine_greedy_tokens_match_the_torch_engine():
         assert int(torch.argmax(got)) == token
         got, want = engine.decode("s", token), reference.decode("s", token)
     assert engine.reuse_stats().last.reused_blocks >= 3  # the decode reused the session's full blocks
+    engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _have_trtllm(), reason="needs TensorRT-LLM (NVIDIA's Triton TensorRT-LLM container)")
+def test_real_engine_decode_batches_give_each_session_its_greedy_tokens():
+    from prepos.engines.torch_llama import TorchLlamaEngine
+
+    engine_dir = os.environ["PREPOS_TRTLLM_ENGINE_DIR"]
+    engine = TrtllmEngine(engine_dir)
+    reference = TorchLlamaEngine(engine_dir, device="cuda", dtype=engine.build.dtype)
+    gen = torch.Generator().manual_seed(1)
+    sids = ["a", "b", "c"]
+    got, want = {}, {}
+    for n, sid in zip((2, 3, 5), sids):
+        ids = [int(t) for t in torch.randint(0, engine.info.vocab_size, (n * engine.tokens_per_block + n,), generator=gen)]
+        got[sid], want[sid] = engine.prefill(sid, ids), reference.prefill(sid, ids)
+    for _ in range(6):
+        tokens = [int(torch.argmax(want[sid])) for sid in sids]
+        assert [int(torch.argmax(got[sid])) for sid in sids] == tokens
+        for sid, logits in zip(sids, engine.decode_batch(sids, tokens)):
+            assert not isinstance(logits, Exception), logits
+            got[sid] = logits.clone()  # the session's buffer is rewritten by its next request
+        want = {sid: reference.decode(sid, tok) for sid, tok in zip(sids, tokens)}
     engine.close()

@@ -22,6 +22,8 @@ the contract maps onto requests like this:
   token itself is discarded: the scheduler decides the answer with its own scan.
 - **decode(session, token)** is the prefill of ``cached + [token]``: one new token plus
   the recomputed rest of the last partial block, as one context-phase request.
+  **decode_batch** enqueues the requests of all its sessions before it awaits any, so
+  the executor's in-flight batching runs them as one batch.
 - **prefill_steps** stays the base default (one step): the executor runs a prefill as
   one request and cannot be paused part-way.
 - **Retention.** Each request carries a ``KvCacheRetentionConfig`` that gives the
@@ -52,7 +54,8 @@ Differences from the torch engines, and how they are handled:
   matched blocks (``enable_partial_reuse``) may do better than the prediction.
 - Blocks become reusable only when their request finishes. The engine waits for each
   request's final response before returning, and the engine loop runs one call at a
-  time, so a session's next request always finds its previous one finished.
+  time (a decode batch holds at most one request per session), so a session's next
+  request always finds its previous one finished.
 - Nothing guarantees that blocks are still resident: under memory pressure a prefill
   may pay more than expected. This is never a correctness issue, because the prompt is
   always the full token sequence; ``missed_blocks`` in the reuse statistics measures it.
@@ -78,7 +81,7 @@ before and after the request. Metric names for them, should they be published:
 Engine directory: see :mod:`prepos.engines.trtllm_dir`.
 
 All executor calls live in :func:`build_request`, :meth:`TrtllmEngine._init_executor`,
-:meth:`TrtllmEngine._submit`, :meth:`TrtllmEngine._iteration_reuse` and
+:meth:`TrtllmEngine._enqueue`, :meth:`TrtllmEngine._await_final`, :meth:`TrtllmEngine._iteration_reuse` and
 :meth:`TrtllmEngine.close`; ``executor_module`` lets tests pass a small fake with the same
 names as ``tensorrt_llm.bindings.executor``.
 """
@@ -95,7 +98,7 @@ from typing import Any, Sequence
 
 import torch
 
-from prepos.engines.base import Engine, EngineInfo, common_prefix_length
+from prepos.engines.base import Engine, EngineInfo, check_decode_batch, common_prefix_length
 from prepos.engines.trtllm_dir import BUILD_FILE, TRTLLM_SUBDIR, TrtllmBuild, TrtllmEngineDirError, TrtllmModel
 
 log = logging.getLogger(__name__)
@@ -214,7 +217,7 @@ class _Session:
 
 @dataclass
 class _Capture:
-    """Where the post-processor writes the in-flight request's logits, and what it left there."""
+    """Where the post-processor writes an in-flight request's logits, and what it left there."""
 
     client_id: int
     buffer: torch.Tensor
@@ -252,7 +255,7 @@ class TrtllmEngine(Engine):
         self._reuse = ReuseStats()
         self._iteration_counts = (0, 0)  # cumulative (reused, new) blocks at the last iteration-stats reading
         self._next_client_id = 0
-        self._capture: _Capture | None = None
+        self._captures: dict[int, _Capture] = {}  # requests in flight, by client id
         log.info("trtllm engine %s: %d tokens per block, max context %d, logits via %s, retention %d for %.0f s",
                  self.trtllm_dir, self.tokens_per_block, self.info.max_context, self.logits_source,
                  self.retention.priority, self.retention.duration_s)
@@ -338,6 +341,37 @@ class TrtllmEngine(Engine):
     # ---- forward passes -------------------------------------------------------------------------
 
     def prefill(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor:
+        return self._run(session_id, self._checked(token_ids))
+
+    def decode(self, session_id: str, token_id: int) -> torch.Tensor:
+        return self._run(session_id, self._decode_ids(session_id, token_id))
+
+    def decode_batch(self, session_ids: Sequence[str], token_ids: Sequence[int]) -> list[torch.Tensor | Exception]:
+        """Every possible step's request is enqueued before any is awaited, so the executor's in-flight batching
+        runs them together; each is a decode's request (the cached ids plus the token). A step refused here gets
+        its ``ValueError``, a request the executor fails its :class:`TrtllmRequestError`; the others go on.
+
+        Without per-request metrics (older TensorRT-LLM), concurrent requests' block reuse could not be told
+        apart in the iteration statistics: the steps then run one after another."""
+        check_decode_batch(session_ids, token_ids)
+        if not self._per_request_stats:
+            return super().decode_batch(session_ids, token_ids)
+        results: list[torch.Tensor | Exception | None] = []
+        jobs, where = [], []
+        for sid, tok in zip(session_ids, token_ids):
+            try:
+                ids = self._decode_ids(sid, tok)
+            except ValueError as err:
+                results.append(err)
+                continue
+            where.append(len(results))
+            results.append(None)  # filled below
+            jobs.append((sid, ids))
+        for index, result in zip(where, self._run_many(jobs)):
+            results[index] = result
+        return results
+
+    def _checked(self, token_ids: Sequence[int]) -> list[int]:
         ids = [int(t) for t in token_ids]
         if not ids:
             raise ValueError("token_ids is empty")
@@ -345,47 +379,77 @@ class TrtllmEngine(Engine):
             raise ValueError(f"{len(ids)} tokens exceed max_context {self.info.max_context}")
         if min(ids) < 0 or max(ids) >= self.info.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.info.vocab_size})")
-        return self._run(session_id, ids)
+        return ids
 
-    def decode(self, session_id: str, token_id: int) -> torch.Tensor:
+    def _decode_ids(self, session_id: str, token_id: int) -> list[int]:
+        """The prompt of a decode step: the session's cached ids plus ``token_id``; ``ValueError`` if impossible."""
         s = self._sessions.get(session_id)
         if s is None or not s.ids:
             raise ValueError(f"session {session_id!r} has no KV; prefill it first")
-        return self.prefill(session_id, [*s.ids, int(token_id)])
+        return self._checked([*s.ids, int(token_id)])
 
     def _run(self, session_id: str, ids: list[int]) -> torch.Tensor:
-        s = self._sessions.get(session_id)
-        if s is None:
-            s = self._sessions[session_id] = _Session(torch.empty(self.info.vocab_size, dtype=torch.float32,
-                                                                  device=self.device))
-        # Full blocks of the cached prefix; the last token is always recomputed for its logits.
-        expected = min(common_prefix_length(s.ids, ids), len(ids) - 1) // self.tokens_per_block
-        s.ids = []  # unknown until the request succeeds: a failure leaves the session without KV
-        result = self._submit(session_id, ids, s.logits)
-        reused, new, source = self._reuse_counts(result)
-        self._reuse = self._reuse.add(ReuseRecord(session_id, len(ids), reused, new, expected, source))
-        if reused < expected:
-            log.debug("session %r: %d of %d expected KV blocks reused (evicted)", session_id, reused, expected)
-        s.ids = ids
-        return s.logits
+        (result,) = self._run_many([(session_id, ids)])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-    def _submit(self, session_id: str, ids: list[int], buffer: torch.Tensor) -> Any:
-        """Run one request to its final result; its logits land in ``buffer``."""
+    def _run_many(self, jobs: list[tuple[str, list[int]]]) -> list[torch.Tensor | Exception]:
+        """One request per ``(session, ids)`` of distinct sessions, all enqueued before any is awaited; per job the
+        session's logits, or the error that failed its request (that session is then without KV)."""
+        flight: list[Any] = []
+        for session_id, ids in jobs:
+            s = self._sessions.get(session_id)
+            if s is None:
+                s = self._sessions[session_id] = _Session(torch.empty(self.info.vocab_size, dtype=torch.float32,
+                                                                      device=self.device))
+            # Full blocks of the cached prefix; the last token is always recomputed for its logits.
+            expected = min(common_prefix_length(s.ids, ids), len(ids) - 1) // self.tokens_per_block
+            s.ids = []  # unknown until the request succeeds: a failure leaves the session without KV
+            try:
+                flight.append((session_id, ids, s, expected, *self._enqueue(session_id, ids, s.logits)))
+            except TrtllmRequestError as err:
+                flight.append(err)
+        results: list[torch.Tensor | Exception] = []
+        for job in flight:
+            if isinstance(job, Exception):
+                results.append(job)
+                continue
+            session_id, ids, s, expected, request_id, capture = job
+            try:
+                result = self._finish(session_id, request_id, capture, s.logits)
+            except Exception as err:  # noqa: BLE001 - this job's error; the others are still awaited
+                results.append(err)
+                continue
+            reused, new, source = self._reuse_counts(result)
+            self._reuse = self._reuse.add(ReuseRecord(session_id, len(ids), reused, new, expected, source))
+            if reused < expected:
+                log.debug("session %r: %d of %d expected KV blocks reused (evicted)", session_id, reused, expected)
+            s.ids = ids
+            results.append(s.logits)
+        return results
+
+    def _enqueue(self, session_id: str, ids: list[int], buffer: torch.Tensor) -> tuple[int, _Capture]:
+        """Send one request whose logits will land in ``buffer``; its executor id and capture."""
         self._next_client_id += 1
         capture = _Capture(self._next_client_id, buffer)
         post_processor = LOGITS_PROCESSOR_NAME if self.logits_source == "post_processor" else None
         request = build_request(self._tle, ids, retention=self.retention, logits_post_processor=post_processor,
                                 return_perf_metrics=self._per_request_stats, client_id=capture.client_id)
-        self._capture = capture  # before enqueueing: the executor's thread may call back at once
+        self._captures[capture.client_id] = capture  # before enqueueing: the executor's thread may call back at once
         try:
-            try:
-                request_id = self._executor.enqueue_request(request)
-            except RuntimeError as err:
-                raise TrtllmRequestError(f"session {session_id!r}: TensorRT-LLM rejected the request: {err}") from err
+            return self._executor.enqueue_request(request), capture
+        except RuntimeError as err:
+            del self._captures[capture.client_id]
+            raise TrtllmRequestError(f"session {session_id!r}: TensorRT-LLM rejected the request: {err}") from err
+
+    def _finish(self, session_id: str, request_id: int, capture: _Capture, buffer: torch.Tensor) -> Any:
+        """Wait for an enqueued request's final result; its logits are then in ``buffer``."""
+        try:
             result = self._await_final(session_id, request_id)
         finally:
-            self._capture = None
-        if post_processor is None:
+            self._captures.pop(capture.client_id, None)
+        if self.logits_source != "post_processor":
             self._copy_generation_logits(session_id, result, buffer)
         elif capture.error is not None:
             raise TrtllmRequestError(f"session {session_id!r}: copying the logits failed: {capture.error}")
@@ -417,8 +481,12 @@ class TrtllmEngine(Engine):
         CUDA stream; the copy is enqueued on that stream and an event marks its end. An
         exception must not reach the executor: it is kept for the engine loop to raise.
         """
-        capture = self._capture
-        if capture is None or (client_id is not None and client_id != capture.client_id):
+        captures = self._captures
+        if client_id is None:  # a post-processor called without the request's client id: only one can be meant
+            capture = next(iter(captures.values())) if len(captures) == 1 else None
+        else:
+            capture = captures.get(client_id)
+        if capture is None:
             return
         try:
             row = logits.reshape(-1, logits.shape[-1])[0, : self.info.vocab_size]  # [vocab]
