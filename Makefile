@@ -72,6 +72,12 @@ BATCH_BENCH_ARGS ?=
 bench-batch: $(ENGINE)
 	$(PY) loadtest/batch_bench.py $(BATCH_BENCH_ARGS)
 
+# HTTP bridge round trip against gRPC straight to prepos (out/http_bench/http_bench.md), under a minute here
+HTTP_BENCH_ARGS ?=
+.PHONY: bench-http
+bench-http: $(ENGINE)
+	$(PY) loadtest/http_bench.py $(HTTP_BENCH_ARGS)
+
 # Vocabulary-scan microbenchmark: every scan implementation at 49k/128k/152k vocabularies against the
 # memory-bandwidth bound, e.g. make bench-scan SCAN_BENCH_ARGS="--repeats 500 --json out/scan_bench.json"
 SCAN_BENCH_ARGS ?=

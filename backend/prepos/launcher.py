@@ -321,7 +321,9 @@ def serve(options: ServerOptions) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         with server:
-            print(f"prepos is ready\n  gRPC     {server.grpc_url}\n  HTTP     {server.http_url}\n"
+            bridge = any((Path(repo) / "prepos_http").is_dir() for repo in options.model_repositories)
+            print(f"prepos is ready\n  gRPC     {server.grpc_url}\n  HTTP     {server.http_url}"
+                  + (" (POST /v2/models/prepos_http/generate or generate_stream)" if bridge else "") + "\n"
                   f"  metrics  {server.metrics_url}\n  log      {server.log_file}\n"
                   f"  journal  {env.get('PREPOS_JOURNAL_DIR') or os.environ.get('PREPOS_JOURNAL_DIR') or 'off'}\n"
                   + (f"  access   token required: gRPC header {GRPC_ACCESS_TOKEN_HEADER}, HTTP header {ACCESS_TOKEN_HEADER}\n"

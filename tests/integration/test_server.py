@@ -1,11 +1,15 @@
-"""The real Triton server with the real model, over gRPC: paths, token identity, errors, metrics."""
+"""The real Triton server with the real model, over gRPC: paths, token identity, errors, metrics; and over HTTP
+through the bridge model ``prepos_http``."""
 
 from __future__ import annotations
 
+import json
 import math
 import queue
 import re
 import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -239,3 +243,92 @@ def test_metrics_on_the_metrics_port(server):
                    + server.metric("prepos_sessions", state="resident") >= 1)
         eventually(lambda: server.metric("prepos_kv_bytes") > 0)
         assert not math.isnan(server.metric("prepos_kv_budget_bytes"))
+
+
+# ---- the HTTP bridge (prepos_http) over Triton's generate endpoints ----------------------------------------------
+
+
+def _strict_json(text: str) -> dict:
+    def refuse(constant):
+        raise AssertionError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _generate(server, body: dict, *, stream: bool = False) -> tuple[int, list[dict]]:
+    """POST to prepos_http's generate (or generate_stream) endpoint: the status and the JSON object(s) sent."""
+    url = f"{server.http_url}/v2/models/prepos_http/generate{'_stream' if stream else ''}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    if not stream:
+        return status, [_strict_json(text)]
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return status, [_strict_json(event) for event in events]
+
+
+def _ids_of(message: dict) -> list[int]:
+    ids = message.get("output_ids", [])
+    return ids if isinstance(ids, list) else [ids]  # the endpoint writes a one-value array as a number
+
+
+def test_http_generate_answers_one_turn_sessions_as_a_stateless_prefill_would(server, engine_manifest, tokenizer,
+                                                                              reference_model):
+    question = "What is the capital of France?"
+    status, (answer,) = _generate(server, {"text_input": question, "max_tokens": 12})
+    assert status == 200 and answer["path"] == "prefix" and answer["finish_reason"] in ("stop", "length")
+    conv = Conversation(engine_manifest, tokenizer)
+    want = reference_greedy(reference_model, conv.prompt("user", question), 12, conv.f["stop_token_ids"])
+    assert _ids_of(answer) == want and answer["text_output"] == tokenizer.decode(want)
+    assert answer["first_token_ms"] > 0 and answer["compute_ms"] >= answer["first_token_ms"] - answer["queue_ms"]
+    # A second one-turn request is a new session: the same question gets the same answer.
+    assert _ids_of(_generate(server, {"text_input": question, "max_tokens": 12})[1][0]) == want
+
+
+def test_http_named_session_streams_and_keeps_its_log(server, engine_manifest, tokenizer, reference_model):
+    conv = Conversation(engine_manifest, tokenizer)
+    sid = "bridge-test-session"
+    status, (update,) = _generate(server, {"session_id": sid, "start": True, "text_input": SYSTEM, "role": "system",
+                                           "max_tokens": 0})
+    assert status == 200 and update["path"] == "append" and update["finish_reason"] == "appended"
+    assert "confidence" not in update  # unset for an update: left out, not NaN
+    conv.append("system", SYSTEM)
+    for question in ("Name a primary colour.", "Name another one."):
+        status, events = _generate(server, {"session_id": sid, "text_input": question, "max_tokens": 10,
+                                            "stream": True}, stream=True)
+        assert status == 200 and len(events) > 2  # one event per token, then the final one
+        ids = [t for event in events for t in _ids_of(event)]
+        assert events[-1]["finish_reason"] in ("stop", "length") and all(not e["finish_reason"] for e in events[:-1])
+        prompt = conv.prompt("user", question)
+        assert ids == reference_greedy(reference_model, prompt, 10, conv.f["stop_token_ids"])
+        conv.answered(prompt, ids, events[-1]["finish_reason"])
+    # Bad input is named and changes nothing; the session goes on from the same log.
+    for body, field in (({"session_id": sid, "text_input": "hi", "max_tokens": -1}, "max_tokens"),
+                        ({"text_input": "hi", "end": True}, "end"),
+                        ({"session_id": "", "text_input": "hi"}, "session_id")):
+        status, (error,) = _generate(server, body)
+        assert status == 400 and error["error"].startswith(f"{field}: "), error
+    status, (answer,) = _generate(server, {"session_id": sid, "text_input": "And a third?", "max_tokens": 8})
+    prompt = conv.prompt("user", "And a third?")
+    assert _ids_of(answer) == reference_greedy(reference_model, prompt, 8, conv.f["stop_token_ids"])
+    status, (closed,) = _generate(server, {"session_id": sid, "end": True, "max_tokens": 0})
+    assert status == 200 and closed["path"] == "close"
+    status, (error,) = _generate(server, {"session_id": sid, "text_input": "Still there?"})
+    assert status == 400 and "START" in error["error"]  # closed: the next request must open it again
+
+
+def test_http_bridge_takes_every_prepos_input_and_gives_every_prepos_output(server):
+    def config(model):
+        with urllib.request.urlopen(f"{server.http_url}/v2/models/{model}/config", timeout=30) as response:
+            return json.loads(response.read())
+
+    bridge, prepos = config("prepos_http"), config("prepos")
+    fields = lambda entries: {e["name"]: (e["data_type"], e["dims"]) for e in entries}  # noqa: E731
+    assert fields(bridge["input"]) == fields(prepos["input"]) | {
+        "session_id": ("TYPE_STRING", [1]), "start": ("TYPE_BOOL", [1]), "end": ("TYPE_BOOL", [1]),
+        "stream": ("TYPE_BOOL", [1])}
+    assert fields(bridge["output"]) == fields(prepos["output"])

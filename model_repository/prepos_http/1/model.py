@@ -1,0 +1,87 @@
+"""Triton adapter of the HTTP bridge (``prepos.bridge``): a request in, the same request to ``prepos`` as its session.
+
+Each request is relayed on a thread of its own (a BLS call to a decoupled model blocks while it streams), so
+long answers do not hold up other sessions' requests. All logic lives in ``prepos.bridge``; this file only converts.
+"""
+
+import json
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+try:
+    import prepos  # noqa: F401  (installed into the environment)
+except ImportError:  # running from a source checkout: model_repository/prepos_http/1/model.py -> backend/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
+
+from prepos.bridge import absent_outputs, bridge_target, forwarded_inputs, merge_responses
+from prepos.protocol import ProtocolError
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+log = logging.getLogger("prepos.bridge")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.target_model = parameters.get("bridge.target_model", "prepos")
+        self.outputs = [output["name"] for output in config["output"]]
+        self.pool = ThreadPoolExecutor(max_workers=int(parameters.get("bridge.max_streams", "256")),
+                                       thread_name_prefix="bridge")
+
+    def execute(self, requests):
+        for request in requests:
+            self.pool.submit(self._relay, request)
+        return None
+
+    def _relay(self, request):
+        sender = request.get_response_sender()
+        try:
+            inputs = {tensor.name(): tensor for tensor in request.inputs()}
+            try:
+                target = bridge_target({name: tensor.as_numpy() for name, tensor in inputs.items()
+                                        if name in ("session_id", "start", "end", "stream")})
+            except ProtocolError as err:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG)),
+                            flags=FINAL)
+                return
+            flags = ((pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if target.start else 0)
+                     | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if target.end else 0))
+            forward = pb_utils.InferenceRequest(
+                model_name=self.target_model, requested_output_names=self.outputs,
+                inputs=[inputs[name] for name in forwarded_inputs(list(inputs))],
+                correlation_id=target.session_id, flags=flags, timeout=request.timeout())
+            held = []
+            for response in forward.exec(decoupled=True):
+                if response.has_error():
+                    sender.send(pb_utils.InferenceResponse(error=response.error()), flags=FINAL)
+                    return
+                tensors = response.output_tensors()
+                if not tensors or sender.is_cancelled():  # a cancelled client's request still runs to its end
+                    continue
+                outputs = {tensor.name(): tensor.as_numpy() for tensor in tensors}
+                if target.stream:
+                    unset = absent_outputs(outputs)
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[t for t in tensors if t.name() not in unset]))
+                else:
+                    held.append(outputs)
+            if sender.is_cancelled():
+                return
+            merged = merge_responses(held)
+            if merged:
+                response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, v) for n, v in merged.items()])
+                sender.send(response, flags=FINAL)
+            else:
+                sender.send(flags=FINAL)
+        except Exception as err:  # noqa: BLE001 - the client gets an answer, never a hang
+            log.exception("relaying a request to %s failed", self.target_model)
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"prepos_http: {err}",
+                                                                              pb_utils.TritonError.INTERNAL)),
+                        flags=FINAL)
+
+    def finalize(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)

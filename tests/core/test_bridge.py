@@ -1,0 +1,84 @@
+"""The HTTP bridge's logic (prepos.bridge): which session a request goes to, and how a stream becomes one answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prepos.bridge import ONE_TURN_PREFIX, absent_outputs, bridge_target, forwarded_inputs, merge_responses
+from prepos.protocol import ProtocolError
+
+
+def _b(*values) -> np.ndarray:
+    return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
+
+
+def _bool(value) -> np.ndarray:
+    return np.array([value], dtype=np.bool_)
+
+
+def test_a_request_without_a_session_is_a_one_turn_session_of_its_own():
+    first, second = bridge_target({}), bridge_target({"stream": _bool(True)})
+    assert first.session_id.startswith(ONE_TURN_PREFIX) and first.session_id != second.session_id
+    assert (first.start, first.end, first.stream) == (True, True, False) and second.stream
+
+
+def test_a_named_session_gets_only_the_flags_the_request_sets():
+    target = bridge_target({"session_id": _b("chat-7"), "start": _bool(True)})
+    assert (target.session_id, target.start, target.end, target.stream) == ("chat-7", True, False, False)
+    target = bridge_target({"session_id": _b("chat-7"), "end": _bool(True), "start": _bool(False)})
+    assert (target.start, target.end) == (False, True)
+    assert bridge_target({"session_id": _b("é")}).session_id == "é"
+
+
+@pytest.mark.parametrize("inputs, field, problem", [
+    ({"start": _bool(True)}, "start", "needs session_id"),
+    ({"end": _bool(False)}, "end", "needs session_id"),
+    ({"session_id": _b("")}, "session_id", "empty"),
+    ({"session_id": _b("a", "b")}, "session_id", "expected one value"),
+    ({"session_id": np.array([5], np.int32)}, "session_id", "expected BYTES"),
+    ({"session_id": _b(b"\xff")}, "session_id", "not valid UTF-8"),
+    ({"session_id": _b("x" * 257)}, "session_id", "at most 256"),
+    ({"session_id": _b(ONE_TURN_PREFIX + "abc")}, "session_id", "one-turn sessions"),
+    ({"session_id": _b("s"), "stream": np.array([1], np.int32)}, "stream", "expected BOOL"),
+    ({"session_id": _b("s"), "start": np.array([True, False])}, "start", "expected one value"),
+])
+def test_bad_bridge_inputs_are_named(inputs, field, problem):
+    with pytest.raises(ProtocolError, match=problem) as err:
+        bridge_target(inputs)
+    assert err.value.field == field
+
+
+def test_only_the_bridges_own_inputs_stay_behind():
+    names = ["text_input", "session_id", "max_tokens", "start", "end", "stream", "choices"]
+    assert forwarded_inputs(names) == ["text_input", "max_tokens", "choices"]
+
+
+def _response(text: bytes, ids, path=b"prefix", confidence=0.5, finish=b"", compute=1.0, first=1.0) -> dict:
+    return {"text_output": _b(text), "output_ids": np.array(ids, np.int32), "path": _b(path),
+            "confidence": np.array([confidence], np.float32), "finish_reason": _b(finish),
+            "compute_ms": np.array([compute], np.float32), "first_token_ms": np.array([first], np.float32)}
+
+
+def test_a_stream_merges_into_one_answer_as_a_client_reads_it():
+    euro = "€".encode()  # three bytes, split over two responses
+    responses = [_response(b"Price: " + euro[:1], [5, 6], first=3.0, compute=3.0),
+                 {},  # a final flag alone
+                 _response(euro[1:], [7], path=b"", confidence=float("nan"), compute=5.0, first=float("nan")),
+                 _response(b"", [], path=b"", confidence=float("nan"), finish=b"stop", compute=6.0,
+                           first=float("nan"))]
+    merged = merge_responses(responses)
+    assert merged["text_output"].tolist() == ["Price: €".encode()]
+    assert merged["output_ids"].tolist() == [5, 6, 7] and merged["output_ids"].dtype == np.int32
+    assert merged["path"].tolist() == [b"prefix"] and float(merged["confidence"][0]) == 0.5
+    assert float(merged["first_token_ms"][0]) == 3.0  # the first token's anatomy: from the first response
+    assert merged["finish_reason"].tolist() == [b"stop"] and float(merged["compute_ms"][0]) == 6.0  # from the last
+    assert merge_responses([{}, {}]) == {}
+
+
+def test_numbers_no_response_set_are_left_out_rather_than_sent_as_nan():
+    update = _response(b"", [], path=b"append", confidence=float("nan"), finish=b"appended")
+    assert absent_outputs(update) == ["confidence"]
+    merged = merge_responses([update])
+    assert "confidence" not in merged and merged["path"].tolist() == [b"append"]
+    assert absent_outputs(_response(b"x", [1])) == []
