@@ -480,24 +480,33 @@ class TorchLlamaEngine(Engine):
         targets = []  # (result index, session, token, position) of the possible steps
         for sid, tok in zip(session_ids, token_ids):
             try:
-                s, tok, pos = self._decode_target(sid, tok)
-                if pos >= s.kv.shape[3]:
-                    self._ensure_capacity(s, pos + 1)
+                s, tok, pos = self._batch_target(sid, tok)
             except (ValueError, KVCapacityError) as err:
                 results.append(err)
                 continue
             targets.append((len(results), s, tok, pos))
             results.append(None)  # filled below
-        steps = [(s.kv, pos, tok) for _, s, tok, pos in targets]
-        if len(steps) == 1:  # one token: the one-token forward
-            rows = [self._decode_forward(*steps[0])]
-        else:
-            rows = self._decode_batch_forward(steps).unbind(0) if steps else []
+        rows = self._batch_rows([(s, tok, pos) for _, s, tok, pos in targets]) if targets else []
         for (index, s, tok, _), row in zip(targets, rows):
             s.ids.append(tok)
             results[index] = row
         self.num_computed_tokens += len(targets)
         return results
+
+    def _batch_target(self, session_id: str, token_id: int):
+        """The session, token and position of a batch's step, its KV room made; the error that makes it impossible."""
+        s, token_id, pos = self._decode_target(session_id, token_id)
+        if pos >= s.kv.shape[3]:
+            self._ensure_capacity(s, pos + 1)
+        return s, token_id, pos
+
+    def _batch_rows(self, steps: list) -> list[torch.Tensor]:
+        """Logits of the possible steps ``(session, token, position)`` of a batch (one session: the one-token
+        forward)."""
+        if len(steps) == 1:
+            s, tok, pos = steps[0]
+            return [self._decode_forward(s.kv, pos, tok)]
+        return list(self._decode_batch_forward([(s.kv, pos, tok) for s, tok, pos in steps]).unbind(0))
 
     def _decode_batch_forward(self, steps: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
         """Steps ``(kv, pos, token)`` of distinct sessions: each token at its ``pos`` over its own ``kv``;

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from prepos.engines.base import KVCapacityError, check_decode_batch
+from prepos.engines.base import KVCapacityError
 from prepos.engines.torch_llama import TorchLlamaEngine
 
 log = logging.getLogger(__name__)
@@ -227,30 +226,14 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         self.num_computed_tokens += 1
         return logits
 
-    @torch.inference_mode()
-    def decode_batch(self, session_ids: Sequence[str], token_ids: Sequence[int]) -> list[torch.Tensor | Exception]:
-        """One decode step of several sessions as one step of the batch (up to ``max_batch`` rows per step;
-        more are taken ``max_batch`` at a time): the weights are read once for all of them and each row
-        attends over its own pages. An impossible step gets its error and leaves its session as it was."""
-        check_decode_batch(session_ids, token_ids)
-        results: list[torch.Tensor | Exception | None] = []
-        targets = []  # (result index, session, token, position) of the possible steps
-        for sid, tok in zip(session_ids, token_ids):
-            try:
-                s, tok, pos = self._paged_target(sid, tok)
-            except (ValueError, KVCapacityError) as err:
-                results.append(err)
-                continue
-            targets.append((len(results), s, tok, pos))
-            results.append(None)  # filled below
-        for start in range(0, len(targets), self.max_batch):
-            chunk = targets[start:start + self.max_batch]
-            rows = self._decode_rows([(s, tok, pos) for _, s, tok, pos in chunk])
-            for (index, s, tok, _), row in zip(chunk, rows):
-                s.ids.append(tok)
-                results[index] = row
-        self.num_computed_tokens += len(targets)
-        return results
+    # decode_batch is the base's: each step checked by _batch_target, the possible ones run by _batch_rows.
+    _batch_target = _paged_target
+
+    def _batch_rows(self, steps: list[tuple[_PagedSession, int, int]]) -> list[torch.Tensor]:
+        """Up to ``max_batch`` sessions per step of the batch (more are taken ``max_batch`` at a time): the weights
+        are read once for all of them and each row attends over its own pages."""
+        return [row for start in range(0, len(steps), self.max_batch)
+                for row in self._decode_rows(steps[start:start + self.max_batch])]
 
     def _decode_rows(self, steps: list[tuple[_PagedSession, int, int]]) -> list[torch.Tensor]:
         """Steps ``(session, token, position)`` of at most ``max_batch`` distinct sessions, pages reserved:
