@@ -17,7 +17,7 @@ try:
 except ImportError:  # running from a source checkout: model_repository/prepos_http/1/model.py -> backend/
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
 
-from prepos.bridge import absent_outputs, bridge_target, forwarded_inputs, merge_responses
+from prepos.bridge import BRIDGE_INPUTS, absent_outputs, bridge_target, forwarded_inputs, merge_responses
 from prepos.protocol import ProtocolError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -44,7 +44,7 @@ class TritonPythonModel:
             inputs = {tensor.name(): tensor for tensor in request.inputs()}
             try:
                 target = bridge_target({name: tensor.as_numpy() for name, tensor in inputs.items()
-                                        if name in ("session_id", "start", "end", "stream")})
+                                        if name in BRIDGE_INPUTS})
             except ProtocolError as err:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG)),
                             flags=FINAL)
