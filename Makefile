@@ -72,6 +72,12 @@ BATCH_BENCH_ARGS ?=
 bench-batch: $(ENGINE)
 	$(PY) loadtest/batch_bench.py $(BATCH_BENCH_ARGS)
 
+# prefill batching: sessions asking together, their prefills as one forward pass or one at a time
+# (out/batch_bench/prefill_batch_bench.md), about a minute here
+.PHONY: bench-prefill-batch
+bench-prefill-batch: $(ENGINE)
+	$(PY) loadtest/batch_bench.py --mode prefill $(BATCH_BENCH_ARGS)
+
 # HTTP bridge round trip against gRPC straight to prepos (out/http_bench/http_bench.md), under a minute here
 HTTP_BENCH_ARGS ?=
 .PHONY: bench-http

@@ -1,18 +1,22 @@
-"""Decode batching benchmark: sessions answering at the same time, with and without decode batching, in one run.
+"""Batching benchmark: sessions answering at the same time, with and without decode (or prefill) batching, in one run.
 
 Starts one Triton server holding two models that share the engine directory and
-differ in one setting: ``prepos_batched`` (``scheduler.max_decode_batch`` 32:
-requests decoding at the same time take their steps as one batch) and
-``prepos_unbatched`` (1: one session's step at a time). Pre-positioning is off
-in both, so every answer is a ``prefix`` prefill followed by its decode and the
-two differ only in how the decodes run. A wave opens ``users`` sessions (a
-system turn each), asks every one a free-form question at the same moment
-(``--max-tokens`` greedy tokens at most) and closes them; waves alternate
-between the models. Reported per model and number of users: the answers'
-tokens per second over the wave's wall time (median of the waves), and the
-p50 / p99 of each request's total time, as the client sees it.
+differ in one setting. With ``--mode decode`` (the default): ``prepos_batched``
+(``scheduler.max_decode_batch`` 32: requests decoding at the same time take
+their steps as one batch) and ``prepos_unbatched`` (1: one session's step at a
+time). With ``--mode prefill``: ``scheduler.max_prefill_batch`` 16 (requests
+arriving together prefill their turns in one forward pass) against 1, and one
+token per answer by default, so a request is its prefill and one scan.
+Pre-positioning is off in both, so every answer is a ``prefix`` prefill
+(followed by its decode) and the two differ only in how the one setting's
+steps run. A wave opens ``users`` sessions (a system turn each), asks every one
+a free-form question at the same moment (``--max-tokens`` greedy tokens at
+most) and closes them; waves alternate between the models. Reported per model
+and number of users: the answers' tokens per second over the wave's wall time
+(median of the waves), and the p50 / p99 of each request's total time, as the
+client sees it.
 
-    python loadtest/batch_bench.py [--users 1,4,8] [--waves 3] [--max-tokens 48] [--out out/batch_bench]
+    python loadtest/batch_bench.py [--mode decode|prefill] [--users 1,4,8] [--waves 3] [--max-tokens 48]
 """
 
 from __future__ import annotations
@@ -39,10 +43,19 @@ from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("prepos.batch_bench")
 
-VARIANTS = {
-    "prepos_batched": {"scheduler.preposition": "false", "scheduler.max_decode_batch": "32"},
-    "prepos_unbatched": {"scheduler.preposition": "false", "scheduler.max_decode_batch": "1"},
+MODES = {  # the setting each mode compares: batched, then one at a time
+    "decode": ("scheduler.max_decode_batch", "32", "1"),
+    "prefill": ("scheduler.max_prefill_batch", "16", "1"),
 }
+MODELS = ("prepos_batched", "prepos_unbatched")
+OUTPUTS = {"decode": "batch_bench.md", "prefill": "prefill_batch_bench.md"}
+DEFAULT_MAX_TOKENS = {"decode": 48, "prefill": 1}
+
+
+def variants(mode: str) -> dict[str, dict[str, str]]:
+    """The two models of ``mode``: pre-positioning off, the mode's setting batched or one at a time."""
+    key, batched, single = MODES[mode]
+    return {model: {"scheduler.preposition": "false", key: value} for model, value in zip(MODELS, (batched, single))}
 SYSTEM = "You are a helpful assistant. Answer in full sentences."
 QUESTIONS = (
     "Explain how a thermostat keeps a room warm.",
@@ -86,13 +99,14 @@ def wave(url: str, model: str, users: int, max_tokens: int) -> dict:
 
 
 def summarize(runs: dict, args: argparse.Namespace, machine: str) -> str:
-    lines = [f"Decode batching ({machine}; pre-positioning off in both; greedy, at most {args.max_tokens} tokens "
-             f"per answer; {args.waves} alternating waves per row)", "",
+    key, batched, single = MODES[args.mode]
+    lines = [f"{args.mode.capitalize()} batching ({machine}; `{key}` {batched} / {single}; pre-positioning off in "
+             f"both; greedy, at most {args.max_tokens} tokens per answer; {args.waves} alternating waves per row)", "",
              "| users | model | tokens/s (median wave) | request total p50 / p99 (ms) | tokens/s batched / unbatched |",
              "| --- | --- | --- | --- | --- |"]
     for users in args.users:
         rates = {}
-        for model in VARIANTS:
+        for model in MODELS:
             waves = runs[users][model]
             rates[model] = statistics.median(w["tokens"] / w["wall_s"] for w in waves)
             totals = [ms for w in waves for ms in w["total_ms"]]
@@ -110,36 +124,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", type=lambda s: [int(u) for u in s.split(",")], default=[1, 4, 8],
                         help="comma-separated numbers of sessions asking at once")
     parser.add_argument("--waves", type=int, default=3, help="waves per model and number of users")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--mode", choices=sorted(MODES), default="decode", help="which batching to compare")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer at most (decode: 48, prefill: 1)")
     parser.add_argument("--engine-dir", type=Path, default=ROOT / "engines" / "smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "batch_bench")
     parser.add_argument("--grpc-port", type=int, default=8121)
     args = parser.parse_args(argv)
+    if args.max_tokens is None:
+        args.max_tokens = DEFAULT_MAX_TOKENS[args.mode]
     if min(args.users) < 1 or args.waves < 1 or args.max_tokens < 1:
         parser.error("--users, --waves and --max-tokens must be at least 1")
 
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = ROOT / ".run" / "batch_bench"
-    repo = variant_repository(run_dir, "batch_repository", VARIANTS)
+    models = variants(args.mode)
+    repo = variant_repository(run_dir, "batch_repository", models)
     options = ServerOptions(model_repositories=(repo,), grpc_port=args.grpc_port, http_port=args.grpc_port + 1,
                             metrics_port=args.grpc_port + 2, run_dir=run_dir)
-    runs: dict = {users: {model: [] for model in VARIANTS} for users in args.users}
+    runs: dict = {users: {model: [] for model in models} for users in args.users}
     with TritonServer(options, env={"PREPOS_ENGINE_DIR": str(args.engine_dir.resolve())}) as server:
-        for model in VARIANTS:  # warm-up: first requests pay one-time costs
+        for model in models:  # warm-up: first requests pay one-time costs
             wave(server.grpc_url, model, 2, 4)
         for users in args.users:
             for index in range(args.waves):
-                order = list(VARIANTS) if index % 2 == 0 else list(reversed(VARIANTS))
+                order = list(models) if index % 2 == 0 else list(reversed(models))
                 for model in order:
                     result = wave(server.grpc_url, model, users, args.max_tokens)
                     runs[users][model].append(result)
                     log.info("%d users, %s: %d tokens in %.2f s", users, model, result["tokens"], result["wall_s"])
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     table = summarize(runs, args, machine)
-    (args.out / "batch_bench.md").write_text(table + "\n")
-    (args.out / "runs.json").write_text(json.dumps(runs, indent=1))
+    table_file, runs_file = args.out / OUTPUTS[args.mode], args.out / f"runs_{args.mode}.json"
+    table_file.write_text(table + "\n")
+    runs_file.write_text(json.dumps(runs, indent=1))
     print(table)
-    print(f"\nwritten: {args.out / 'batch_bench.md'}, runs.json")
+    print(f"\nwritten: {table_file}, {runs_file}")
     return 0
 
 

@@ -23,12 +23,15 @@
    each) through ``decode_batch``, the batch sizes taken in turn: time per step and
    per token, and the step's time over one session's; then the GEMM kernel alone
    over every layer matrix at the same numbers of rows.
-8. Threads: decode steps (one session, then 8 in one batch) on the thread that loaded
+8. Prefill batching: 8 sessions (200 cached tokens each) prefilling 8, 32 and 64 new
+   tokens each, as one ``prefill_batch`` call and as 8 ``prefill`` calls, taken in turn:
+   time of each and the ratio.
+9. Threads: decode steps (one session, then 8 in one batch) on the thread that loaded
    the engine, on a second thread while the first keeps its OpenMP workers, and on a
    second thread after the first released them (``prepos.engines.openmp``), as the
    server's engine loop runs. Run last: the release leaves the main thread on one thread.
 
-    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention,prefill,batch,thread]
+    python loadtest/chunking_bench.py --model-dir engines/smollm2-135m-instruct [--parts sweep,chunks,pages,kernel,attention,prefill,batch,prefills,thread]
 """
 
 from __future__ import annotations
@@ -53,9 +56,10 @@ from prepos_loadtest.stats import percentile  # noqa: E402
 
 
 BLOCK_COUNTS = (2, 4, 8, 16, 32, 64)
-PARTS = ("sweep", "chunks", "pages", "kernel", "attention", "prefill", "batch", "thread")
+PARTS = ("sweep", "chunks", "pages", "kernel", "attention", "prefill", "batch", "prefills", "thread")
 BATCH_SIZES = (1, 2, 4, 8, 16)
 PREFILLS = ((300, 40), (2000, 40), (0, 512))  # (cached prefix, new tokens)
+PREFILL_BATCH_NEW = (8, 32, 64)  # new tokens per session of a batched prefill
 GEMM_ROWS = 40
 ATTENTION_CONTEXTS = (100, 1000, 3000, 6000)
 
@@ -230,6 +234,37 @@ def batched_decode(engine: torch_llama.TorchLlamaEngine, reps: int, context: int
     return {int(n): t for n, t in medians.items()}
 
 
+def batched_prefill(engine: torch_llama.TorchLlamaEngine, reps: int, sessions: int = 8, context: int = 200
+                    ) -> dict[int, dict[str, float]]:
+    """For each of ``PREFILL_BATCH_NEW``: median seconds of ``sessions`` prefills of that many new tokens over
+    ``context`` cached ones, as one ``prefill_batch`` call and one after another (taken in turn); the sessions
+    go back to ``context`` tokens after every run."""
+    ids = [(7 * i) % 40_000 + 100 for i in range(context)]
+    sids = [f"bench-{i}" for i in range(sessions)]
+    out = {}
+    with torch.inference_mode():
+        for sid in sids:
+            engine.prefill(sid, ids)
+        for new in PREFILL_BATCH_NEW:
+            prompts = [[*ids, *((11 * i + 13 * j) % 40_000 + 100 for j in range(new))] for i in range(sessions)]
+
+            def batched() -> None:
+                engine.prefill_batch(sids, prompts)
+                for sid in sids:
+                    engine.truncate(sid, context)
+
+            def serial() -> None:
+                for sid, prompt in zip(sids, prompts):
+                    engine.prefill(sid, prompt)
+                for sid in sids:
+                    engine.truncate(sid, context)
+
+            out[new] = interleaved_medians({"batched": batched, "serial": serial}, reps)
+    for sid in sids:
+        engine.release(sid)
+    return out
+
+
 def layer_gemm_rows(shapes: dict[str, tuple[int, int]], layers: int, reps: int, kernels: cpu_kernels.CpuKernels
                     ) -> dict[int, float]:
     """Median seconds of the GEMM kernel over one copy per layer of every layer matrix (the weights come from
@@ -370,6 +405,14 @@ def main() -> None:
             print(f"  the GEMM kernel alone over every layer matrix ({layers} layers, from memory):")
             for n, seconds in layer_gemm_rows(shapes, layers, args.reps, kernels).items():
                 print(f"  {n:3d} rows  {seconds * 1e3:7.2f} ms")
+    if "prefills" in parts:
+        engine = torch_llama.TorchLlamaEngine(args.model_dir)
+        print("prefill_batch, 8 sessions over 200 cached tokens each, n new tokens each "
+              f"({'CPU kernels' if engine._kernels is not None else 'torch ops'}):")
+        for new, by_way in batched_prefill(engine, args.reps).items():
+            print(f"  {new:3d} new tokens  one batch {by_way['batched'] * 1e3:7.1f} ms  one after another "
+                  f"{by_way['serial'] * 1e3:7.1f} ms  ratio {by_way['serial'] / by_way['batched']:.2f}")
+        del engine
     if "thread" in parts:
         print("decode step by thread (median of steps), 1 session / 8 sessions in one batch:")
         for where, by_n in thread_decode(torch_llama.TorchLlamaEngine(args.model_dir), args.blocks * 2).items():

@@ -103,6 +103,7 @@ class FakeEngine(Engine):
         self.calls: list[tuple[str, object, int]] = []  # (method, session, tokens computed)
         self.on_compute: Callable[[], None] | None = None  # called mid-computation (tests inject arrivals here)
         self.batches: list[tuple] = []  # the sessions of each decode_batch call
+        self.prefill_batches: list[tuple] = []  # the sessions of each prefill_batch call
 
     def _compute(self, session_id, seq: list[int], num_new: int) -> torch.Tensor:
         self.clock.t += self.step_time_s + self.token_time_s * num_new / 2
@@ -134,6 +135,10 @@ class FakeEngine(Engine):
         self.calls.append(("prefill", session_id, num_new))
         self.kv[session_id] = list(token_ids)
         return torch.from_numpy(self.logits_fn(list(token_ids), self.info.vocab_size))
+
+    def prefill_batch(self, session_ids, token_ids):
+        self.prefill_batches.append(tuple(session_ids))
+        return super().prefill_batch(session_ids, token_ids)
 
     def decode_batch(self, session_ids, token_ids):
         self.batches.append(tuple(session_ids))

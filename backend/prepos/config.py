@@ -98,6 +98,11 @@ class SchedulerConfig:
     max_decode_batch: int = 32
     """Most sessions one decode step takes: requests decoding at the same time run their steps as one batch
     (the weights are read once for all of them). 1 decodes one session at a time."""
+    max_prefill_batch: int = 16
+    """Most sessions one foreground prefill takes: requests that must prefill at the same time (their turns, or
+    a rebuild) run as one forward pass, the weights read once for all of them. 1 prefills one at a time."""
+    max_prefill_batch_tokens: int = 8192
+    """Most new tokens one batched prefill takes (a prefill longer than this alone still runs, by itself)."""
     default_max_tokens: int = 64
     """``max_tokens`` when a request does not send it."""
     context_overflow: str = "reject"
@@ -112,6 +117,8 @@ class SchedulerConfig:
         _check(self.session_idle_timeout_s > 0, "scheduler.session_idle_timeout_s", "must be > 0")
         _check(self.default_max_tokens >= 0, "scheduler.default_max_tokens", "must be >= 0")
         _check(1 <= self.max_decode_batch <= 1024, "scheduler.max_decode_batch", "must be in [1, 1024]")
+        _check(1 <= self.max_prefill_batch <= 1024, "scheduler.max_prefill_batch", "must be in [1, 1024]")
+        _check(self.max_prefill_batch_tokens >= 1, "scheduler.max_prefill_batch_tokens", "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,9 @@ SPECS = (
     MetricSpec("prepos_decode_batch_sessions", "histogram",
                "Sessions in each decode step the engine ran (requests waiting to decode go in one batch)", (),
                DECODE_BATCH_BUCKETS),
+    MetricSpec("prepos_prefill_batch_sessions", "histogram",
+               "Sessions in each foreground prefill the engine ran (requests waiting to prefill go in one batch)", (),
+               DECODE_BATCH_BUCKETS),
     MetricSpec("prepos_requests_abandoned_total", "counter",
                "Requests stopped before their end, by reason (cancelled, deadline); their turn is not accepted",
                ("reason",)),
@@ -186,8 +189,9 @@ class Metrics:
     def evicted(self, what: str) -> None:
         self.sink.inc("prepos_kv_evictions_total", {"what": what}, 1)
 
-    def decode_batch(self, sessions: int) -> None:
-        self.sink.observe("prepos_decode_batch_sessions", {}, sessions)
+    def engine_batch(self, kind: str, sessions: int) -> None:
+        """A batch of ``kind`` (``prefill`` or ``decode``) steps of ``sessions`` sessions ran."""
+        self.sink.observe(f"prepos_{kind}_batch_sessions", {}, sessions)
 
     def engine_time(self, where: str, seconds: float) -> None:
         self.sink.inc("prepos_engine_seconds_total", {"where": where}, seconds)

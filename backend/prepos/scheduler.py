@@ -8,9 +8,11 @@ run the new request's first step up to its first engine call (an ``exact`` or
 
 Work is cooperative: a foreground request is a generator that yields after
 each engine call (so sessions interleave token by token). A request about to
-decode yields its :class:`~prepos.serving.DecodeStep` and waits; once every
-other ready session has had one step, the waiting decodes run as one batch
-(``Engine.decode_batch``: one read of the weights for all of them). Pre-positioning
+prefill or decode yields its :class:`~prepos.serving.PrefillStep` or
+:class:`~prepos.serving.DecodeStep` and waits; once every other ready session
+has had one step, the waiting prefills run as one batch
+(``Engine.prefill_batch``), then the waiting decodes
+(``Engine.decode_batch``): one read of the weights for all of each. Pre-positioning
 is a generator that yields after each layer of each chunk of at most
 ``chunk_tokens`` tokens. Before every step the loop admits new requests, and a
 foreground step always goes before background work: a new request waits at
@@ -44,7 +46,7 @@ from prepos.policies import IDLE_POLICIES
 from prepos.protocol import ProtocolError, Rejection, Request, ResponseSink, Status
 from prepos.residency import Residency
 from prepos.scan import ScanFn
-from prepos.serving import DecodeStep, RequestServer
+from prepos.serving import EngineStep, PrefillStep, RequestServer
 from prepos.session import Positioned, Session
 from prepos.template import Framing, Tokenizer
 from prepos.turns import TurnBuilder
@@ -69,6 +71,22 @@ class _Background:
 
     def stop(self) -> None:
         self.task.close()
+
+
+def batches(steps: list[EngineStep], size: int, max_tokens: int | None = None) -> Iterator[list[EngineStep]]:
+    """``steps`` in order, cut into batches of at most ``size`` steps and (prefills) ``max_tokens`` new tokens;
+    a prefill longer than ``max_tokens`` goes alone."""
+    batch: list[EngineStep] = []
+    tokens = 0
+    for step in steps:
+        n = step.new_tokens if max_tokens is not None else 0
+        if batch and (len(batch) == size or (max_tokens is not None and tokens + n > max_tokens)):
+            yield batch
+            batch, tokens = [], 0
+        batch.append(step)
+        tokens += n
+    if batch:
+        yield batch
 
 
 class Scheduler:
@@ -113,7 +131,7 @@ class Scheduler:
         self._server = RequestServer(
             engine=engine, tokenizer=tokenizer, framing=framing, turns=self._turns, gate=Gate(gate_config), scan=scan,
             metrics=metrics, residency=self._residency, config=config, clock=clock, journaled=journal is not None,
-            is_inline=lambda: self._inline, close_session=self._close, reject=self._reject,
+            close_session=self._close, reject=self._reject,
             watch=self._watch, request_audit=self._audits.append,
         )
         self._idle_policy = IDLE_POLICIES[config.idle_policy]()
@@ -122,9 +140,8 @@ class Scheduler:
         self._inbox: queue.SimpleQueue[tuple[Request | Rejection, ResponseSink]] = queue.SimpleQueue()
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one token per submit: wakes the loop
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
-        self._inline = False  # the current step runs on a submitting thread: no engine work
         self._ready: deque[Session] = deque()
-        self._decoding: list[tuple[Session, DecodeStep]] = []  # requests waiting for the next decode batch
+        self._batched: list[tuple[Session, EngineStep]] = []  # requests waiting for the next batch of engine steps
         self._round_left = 0  # steps of other ready sessions still due before that batch runs
         self._idle: dict[str | int, Session] = {}  # idle sessions that are not positioned
         self._went_idle = False  # a session joined _idle since the policy last chose
@@ -152,12 +169,10 @@ class Scheduler:
         self._inbox.put((request, sink))
         if inline and self._loop_lock.acquire(blocking=False):
             try:
-                self._inline = True
                 self._admit_queued()
-                if not self._decoding and len(self._ready) == 1 and self._ready[0].session_id == request.session_id:
+                if not self._batched and len(self._ready) == 1 and self._ready[0].session_id == request.session_id:
                     self._step_foreground()
             finally:
-                self._inline = False
                 self._loop_lock.release()
         self._wake.put(None)
 
@@ -210,8 +225,8 @@ class Scheduler:
         now = self._clock()
         if now >= self._next_housekeeping:  # also under sustained load: gauges stay fresh, idle sessions close
             self._housekeeping(now)
-        if self._decoding and (not self._ready or self._round_left <= 0):
-            self._run_decodes()
+        if self._batched and (not self._ready or self._round_left <= 0):
+            self._run_batched()
             return True
         if self._ready:
             self._step_foreground()
@@ -277,25 +292,49 @@ class Scheduler:
             return
         finally:
             self._foreground_done(began)
-        if isinstance(step, DecodeStep):
-            if not self._decoding:  # the sessions ready now get one step each before the batch
+        if isinstance(step, EngineStep):
+            if not self._batched:  # the sessions ready now get one step each before the batch
                 self._round_left = len(self._ready)
-            self._decoding.append((session, step))
+            self._batched.append((session, step))
         else:
             self._ready.append(session)
 
-    def _run_decodes(self) -> None:
-        """Run the waiting decodes in batches of at most ``max_decode_batch`` and hand each request its logits,
-        or the error that made its step impossible (the request's own error handling answers its client)."""
-        waiting, self._decoding = self._decoding, []
-        wanted = [step for _, step in waiting if step.wanted()]  # the others stop when resumed
-        size = self._config.max_decode_batch
-        for steps in (wanted[i:i + size] for i in range(0, len(wanted), size)):
+    def _run_batched(self) -> None:
+        """Run the next batch of waiting engine steps and hand each of its requests its logits, or the error that
+        made its step impossible (the request's own error handling answers its client): the first waiting
+        prefills (at most ``max_prefill_batch`` sessions and ``max_prefill_batch_tokens`` new tokens), else every
+        waiting decode (in batches of at most ``max_decode_batch``). The requests resumed each take a step (a
+        prefill's first token goes out) before the next batch runs; steps no longer wanted are not run, and
+        their requests stop when resumed."""
+        waiting, resumed = [], []
+        for session, step in self._batched:
+            (waiting if step.wanted() else resumed).append((session, step))
+        prefills = [step for _, step in waiting if isinstance(step, PrefillStep)]
+        config = self._config
+        if prefills:
+            chosen = next(batches(prefills, config.max_prefill_batch, config.max_prefill_batch_tokens))
+            self._run_steps("prefill", [chosen],
+                            lambda steps: self._engine.prefill_batch([st.session_id for st in steps],
+                                                                     [st.token_ids for st in steps]))
+        else:
+            chosen = [step for _, step in waiting]
+            self._run_steps("decode", batches(chosen, config.max_decode_batch),
+                            lambda steps: self._engine.decode_batch([st.session_id for st in steps],
+                                                                    [st.token_id for st in steps]))
+        ran = {id(step) for step in chosen}
+        self._batched = [(session, step) for session, step in waiting if id(step) not in ran]
+        self._ready.extend(session for session, _ in resumed)
+        self._ready.extend(session for session, step in waiting if id(step) in ran)
+        if self._batched:
+            self._round_left = len(self._ready)
+
+    def _run_steps(self, kind: str, batched: Iterator[list], run: Callable[[list], list]) -> None:
+        for steps in batched:
             began = self._clock()
             try:
-                results = self._engine.decode_batch([st.session_id for st in steps], [st.token_id for st in steps])
+                results = run(steps)
             except Exception as err:  # the engine failed as a whole: every request in the batch fails with it
-                log.exception("a batch of %d decodes failed", len(steps))
+                log.exception("a batch of %d %ss failed", len(steps), kind)
                 results = [err] * len(steps)
             for step, result in zip(steps, results):
                 if isinstance(result, Exception):
@@ -305,8 +344,7 @@ class Scheduler:
             seconds = self._foreground_done(began)
             for step in steps:
                 step.seconds = seconds
-            self._metrics.decode_batch(len(steps))
-        self._ready.extend(session for session, _ in waiting)
+            self._metrics.engine_batch(kind, len(steps))
 
     def _foreground_done(self, began: float) -> float:
         """Count foreground engine time since ``began`` and hold background work off; returns the seconds."""

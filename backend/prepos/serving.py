@@ -1,9 +1,10 @@
 """Serving one request of a session: choose the path of its first token, stream its answer, accept its turn.
 
 A request is served by a generator the engine loop steps: it yields after
-each engine call, so sessions interleave token by token. A decode is not
-called here but yielded as a :class:`DecodeStep`: the loop runs the decodes
-that sessions are waiting on as one batch. The path of the
+each engine call, so sessions interleave token by token. Engine calls are not
+made here but yielded as a :class:`PrefillStep` or a :class:`DecodeStep`: the
+loop runs the prefills, and the decodes, that sessions are waiting on as one
+batch each. The path of the
 first token is ``exact`` or ``gated`` (a scan of the positioned distribution,
 no engine work), ``prepaid`` (positioned, then the delta is prefilled),
 ``prefix`` (prefill from the longest cached prefix) or ``rebuild`` (the KV
@@ -17,7 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -47,18 +48,33 @@ class _Abandoned(Exception):
         self.error = error
 
 
-@dataclass
-class DecodeStep:
-    """A request's next decode, yielded to the engine loop, which runs it together with the other sessions'
-    (:meth:`prepos.engines.base.Engine.decode_batch`) and fills in ``logits`` or ``error`` before resuming the
-    request (neither when it was no longer ``wanted``); ``seconds`` is the engine time of the batch it ran in."""
+@dataclass(kw_only=True)
+class EngineStep:
+    """A request's next engine call, yielded to the engine loop, which runs it together with the other sessions'
+    calls of its kind and fills in ``logits`` or ``error`` before resuming the request (neither when it was no
+    longer ``wanted``); ``seconds`` is the engine time of the batch it ran in."""
 
     session_id: str | int
-    token_id: int
     wanted: Callable[[], bool] = lambda: True  # False once the client went away or the deadline passed: skipped
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     seconds: float = 0.0
+
+
+@dataclass(kw_only=True)
+class PrefillStep(EngineStep):
+    """Make the session's KV hold ``token_ids`` (:meth:`prepos.engines.base.Engine.prefill_batch`); ``new_tokens``
+    of them are past what it holds now."""
+
+    token_ids: Sequence[int]
+    new_tokens: int
+
+
+@dataclass(kw_only=True)
+class DecodeStep(EngineStep):
+    """Append ``token_id`` to the session's KV (:meth:`prepos.engines.base.Engine.decode_batch`)."""
+
+    token_id: int
 
 
 class ServedPath(str, enum.Enum):
@@ -78,7 +94,7 @@ class RequestServer:
 
     def __init__(self, *, engine: Engine, tokenizer: Tokenizer, framing: Framing, turns: TurnBuilder, gate: Gate,
                  scan: ScanFn, metrics: Metrics, residency: Residency, config: SchedulerConfig,
-                 clock: Callable[[], float], journaled: bool, is_inline: Callable[[], bool],
+                 clock: Callable[[], float], journaled: bool,
                  close_session: Callable[[Session, str], None], reject: Callable[[ResponseSink, ProtocolError], None],
                  watch: GateWatch, request_audit: Callable[[Audit], None]):
         self._engine = engine
@@ -92,7 +108,6 @@ class RequestServer:
         self._config = config
         self._clock = clock
         self._journaled = journaled
-        self._is_inline = is_inline  # the step runs on a submitting thread: engine work must yield to the loop
         self._close_session = close_session
         self._reject = reject
         self._watch = watch
@@ -241,14 +256,9 @@ class RequestServer:
         else:
             path = ServedPath.REBUILD if session.evicted else ServedPath.PREFIX
         if path not in (ServedPath.EXACT, ServedPath.GATED):
-            if self._is_inline():  # engine work belongs to the loop thread
-                clock.pause()
-                yield
-                clock.resume()
             self._check_alive(request, sink)
             prompt = [*session.token_log, *turn_ids()]
-            with clock.measure("prefill"):
-                logits = self._prefill(session, [*prompt, *forced])
+            logits = yield from self._prefill(session, [*prompt, *forced], request, sink, clock)
             kv_len = len(prompt) + len(forced)
             with clock.measure("scan"):
                 first = self._scan_at(logits, trie, forced, request, rng)
@@ -298,25 +308,11 @@ class RequestServer:
                 max_new = min(request.max_tokens, self._max_context - len(prompt))
             sequence = [*prompt, *answer]
             if kv_len == len(sequence) - 1:  # the loop decodes it, with the other sessions' decodes
-                step = DecodeStep(sid, sequence[-1], wanted=lambda: self._alive(request, sink))
-                clock.pause()
-                yield step
-                clock.resume()
-                self._check_alive(request, sink)
-                if step.error is not None:
-                    raise step.error
-                if step.logits is None:
-                    raise RuntimeError(f"session {sid!r}: the engine loop resumed a decode it did not run")
-                clock.add("decode", step.seconds)
-                logits = step.logits
+                step = DecodeStep(session_id=sid, token_id=sequence[-1], wanted=lambda: self._alive(request, sink))
+                logits = yield from self._engine_step(step, "decode", request, sink, clock)
                 self._residency.note_kv(session)
             else:
-                clock.pause()
-                yield
-                clock.resume()
-                self._check_alive(request, sink)
-                with clock.measure("prefill"):
-                    logits = self._prefill(session, sequence)
+                logits = yield from self._prefill(session, sequence, request, sink, clock)
             kv_len = len(sequence)
             with clock.measure("scan"):
                 scan = self._scan_at(logits, trie, answer, request, rng)
@@ -331,10 +327,29 @@ class RequestServer:
             self._residency.release_kv(session)
             session.evicted = True
 
-    def _prefill(self, session: Session, token_ids: Sequence[int]):
-        cached = self._engine.cached_token_ids(session.session_id)
-        reused = common_prefix_length(cached, token_ids)
-        logits = self._engine.prefill(session.session_id, token_ids)
-        self._metrics.prefilled("foreground", max(1, len(token_ids) - reused))
+    def _prefill(self, session: Session, token_ids: Sequence[int], request: Request, sink: ResponseSink,
+                 clock: RequestClock) -> Generator[PrefillStep, None, torch.Tensor]:
+        new = max(1, len(token_ids) - common_prefix_length(self._engine.cached_token_ids(session.session_id), token_ids))
+        step = PrefillStep(session_id=session.session_id, token_ids=token_ids, new_tokens=new,
+                           wanted=lambda: self._alive(request, sink))
+        logits = yield from self._engine_step(step, "prefill", request, sink, clock)
+        self._metrics.prefilled("foreground", new)
         self._residency.note_kv(session)
         return logits
+
+    def _engine_step(self, step: EngineStep, phase: str, request: Request, sink: ResponseSink,
+                     clock: RequestClock) -> Generator[EngineStep, None, torch.Tensor]:
+        """Hand ``step`` to the engine loop and return its logits; its error raised, and after a decode, the
+        request's end meanwhile (a prefill's first token goes out even so). The batch's engine time counts as
+        the request's ``phase``."""
+        clock.pause()
+        yield step
+        clock.resume()
+        if phase == "decode" or (step.logits is None and step.error is None):  # a prefill left out: not wanted
+            self._check_alive(request, sink)
+        if step.error is not None:
+            raise step.error
+        if step.logits is None:
+            raise RuntimeError(f"session {step.session_id!r}: the engine loop resumed a {phase} it did not run")
+        clock.add(phase, step.seconds)
+        return step.logits

@@ -23,7 +23,8 @@ _ids = itertools.count()
 class Harness:
     def __init__(self, tmp_path, *, threshold=2.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True,
                  background_delay_ms=0.0, context_overflow="reject", max_log_tokens=0, journal=None, speculative_delta="",
-                 gate_kw=None, max_sessions=100, idle_timeout_s=600.0, max_decode_batch=32, **engine_kw):
+                 gate_kw=None, max_sessions=100, idle_timeout_s=600.0, max_decode_batch=32, max_prefill_batch=16,
+                 max_prefill_batch_tokens=8192, **engine_kw):
         gate_kw = gate_kw or {}
         self.clock = FakeClock()
         self.engine = FakeEngine(clock=self.clock, **engine_kw)
@@ -34,7 +35,8 @@ class Harness:
             engine=self.engine, tokenizer=self.tok, framing=self.framing,
             config=SchedulerConfig(chunk_tokens=chunk_tokens, retain_kv=retain_kv, background_delay_ms=background_delay_ms,
                                    context_overflow=context_overflow, session_idle_timeout_s=idle_timeout_s,
-                                   max_decode_batch=max_decode_batch),
+                                   max_decode_batch=max_decode_batch, max_prefill_batch=max_prefill_batch,
+                                   max_prefill_batch_tokens=max_prefill_batch_tokens),
  scan=scan_numpy, metrics=self.metrics,
             max_sessions=max_sessions, kv_budget_bytes=kv_budget, clock=self.clock, max_log_tokens=max_log_tokens,
             journal=journal, gate_config=GateConfig(threshold=threshold, speculative_delta=speculative_delta, **gate_kw),

@@ -336,6 +336,16 @@ def test_engine_prefill_on_the_kernels_matches_torch_and_transformers(tie, tmp_p
         got, want = (e.decode_batch(["s", "t"], [token_s, token_t]) for e in (kernel, plain))
         assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
     assert list(kernel.cached_token_ids("t")) == [*ids[:40], *ids[60:64]]
+    # Three sessions prefilling as one batch: GEMM rows of all, the attention kernel per session over its own KV.
+    for engine in (kernel, plain):
+        engine.truncate("s", 30)
+    batch = [("s", ids[:77]), ("t", [*ids[:40], *ids[60:64], *ids[10:19]]), ("u", ids[5:60])]
+    got, want = (e.prefill_batch([sid for sid, _ in batch], [seq for _, seq in batch]) for e in (kernel, plain))
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
+    for (sid, seq), logits in zip(batch, got):
+        with torch.no_grad():
+            assert (logits - model(torch.tensor([seq])).logits[0, -1]).abs().max().item() <= 1e-4, sid
+        assert list(kernel.cached_token_ids(sid)) == seq
 
 
 def test_engine_keeps_torch_matmul_off_float32(tied):

@@ -163,6 +163,47 @@ def test_decode_batch_refuses_an_impossible_step_alone(tied):
     assert list(engine.cached_token_ids("a")) == [*a, 7] and list(engine.cached_token_ids("b")) == b
 
 
+@pytest.mark.parametrize("which", ["tied", "untied"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
+def test_prefill_batch_matches_hf_for_each_session(which, kernels, request):
+    """Sessions prefill together from different starting points (no KV, a cached prefix, a diverging one, the
+    whole sequence cached, KV growing past a block): each gets the logits a full forward of its own sequence
+    gives, holds exactly its tokens, and only the new tokens are computed."""
+    path, model = request.getfixturevalue(which)
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK, cpu_kernels=kernels)
+    seqs = {"new": _ids(7, seed=40), "extend": _ids(29, seed=41), "diverge": _ids(20, seed=42), "same": _ids(9, seed=43)}
+    engine.prefill("extend", seqs["extend"][:12])
+    engine.prefill("diverge", [*seqs["diverge"][:6], *_ids(10, seed=44)])
+    engine.prefill("same", seqs["same"])
+    computed = engine.num_computed_tokens
+    results = engine.prefill_batch(list(seqs), list(seqs.values()))
+    for (sid, ids), logits in zip(seqs.items(), results):
+        assert _close(logits, _hf_logits(model, ids)[-1]), sid
+        assert list(engine.cached_token_ids(sid)) == ids, sid
+    assert engine.num_computed_tokens == computed + 7 + (29 - 12) + (20 - 6) + 1  # "same" recomputes its last
+    ids = seqs["extend"]
+    logits = engine.decode("extend", 3)  # the batch's KV is the session's own
+    assert _close(logits, _hf_logits(model, [*ids, 3])[-1])
+
+
+def test_prefill_batch_refuses_an_impossible_prefill_alone(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    a, b = _ids(6, seed=45), _ids(9, seed=46)
+    engine.prefill("b", b)
+    results = engine.prefill_batch(["a", "b", "c", "d"], [a, [*b, 512], [], _ids(300, seed=47)])
+    assert isinstance(results[1], ValueError) and "token ids must lie in [0, 512)" in str(results[1])
+    assert isinstance(results[2], ValueError)
+    assert isinstance(results[3], ValueError) and "exceed max_context 256" in str(results[3])
+    assert _close(results[0], _hf_logits(model, a)[-1])
+    assert list(engine.cached_token_ids("a")) == a and list(engine.cached_token_ids("b")) == b
+    assert not engine.cached_token_ids("c") and not engine.cached_token_ids("d")
+    for sids, seqs, problem in ((["a", "a"], [a, a], "appears twice"), (["a", "b"], [a], "2 sessions but 1 token")):
+        with pytest.raises(ValueError, match=problem):
+            engine.prefill_batch(sids, seqs)
+    assert list(engine.cached_token_ids("a")) == a and list(engine.cached_token_ids("b")) == b
+
+
 def test_hf_generate_agrees(tied):
     path, model = tied
     engine = TorchLlamaEngine(path)

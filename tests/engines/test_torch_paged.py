@@ -151,6 +151,27 @@ def test_an_exhausted_pool_is_a_clear_error_and_changes_nothing(tied):
     assert _close(engine.prefill("b", ids[:5]).cpu(), _hf_logits(model, ids[:5])[-1])
 
 
+def test_prefill_batch_matches_hf_for_each_session_through_the_pages(tied):
+    """Sessions prefill as one batch (one from nothing, one over a cached prefix ending mid-page, one fully
+    cached): each gets its own logits and keeps its own pages; a session the pool has no room for fails alone."""
+    path, model = tied
+    per_token = TorchLlamaEngine(path).info.kv_bytes_per_token
+    engine = _engine(path, pool=10 * PAGE * per_token)  # 9 usable pages
+    seqs = {"new": _ids(6, seed=50), "extend": _ids(15, seed=51), "same": _ids(5, seed=52)}
+    engine.prefill("extend", seqs["extend"][:7])
+    engine.prefill("same", seqs["same"])
+    results = engine.prefill_batch(list(seqs), list(seqs.values()))
+    for (sid, ids), logits in zip(seqs.items(), results):
+        assert _close(logits.cpu(), _hf_logits(model, ids)[-1]), sid
+        assert engine.cached_token_ids(sid) == tuple(ids)
+    assert _close(engine.decode("extend", 9).cpu(), _hf_logits(model, [*seqs["extend"], 9])[-1])
+    # 2 + 4 + 2 pages in use, 1 free: "more" (3 pages) cannot have its pages; "new" takes the free one.
+    more = _ids(12, seed=53)
+    results = engine.prefill_batch(["more", "new"], [more, [*seqs["new"], 1, 2, 3]])
+    assert isinstance(results[0], KVPoolExhausted) and not engine.cached_token_ids("more")
+    assert _close(results[1].cpu(), _hf_logits(model, [*seqs["new"], 1, 2, 3])[-1])
+
+
 def test_a_prefill_whose_pages_were_freed_meanwhile_is_refused(tied):
     path, _ = tied
     engine = _engine(path)

@@ -339,6 +339,28 @@ def test_decode_batch_without_per_request_metrics_runs_the_steps_one_after_anoth
     assert [r.source for r in [engine.reuse_stats().last]] == ["iteration"]
 
 
+def test_prefill_batch_enqueues_every_prefill_before_awaiting_any_and_fails_a_bad_one_alone(engine_dir):
+    fake = make_fake()
+    engine = _engine(engine_dir, fake)
+    engine.prefill("b", _ids(20, start=3))
+    sent = len(fake.state.requests)
+    prompts = {"a": _ids(17), "b": _ids(30, start=3), "bad": [1, VOCAB], "c": _ids(9, start=5)}
+    results = engine.prefill_batch(list(prompts), list(prompts.values()))
+    assert fake.state.awaits[-3:] == [sent + 3] * 3  # the executor holds all three when the first is awaited
+    assert isinstance(results[2], ValueError) and "lie in" in str(results[2]) and engine.cached_token_ids("bad") == ()
+    for sid in ("a", "b", "c"):
+        logits = results[list(prompts).index(sid)]
+        assert torch.equal(logits, fake_logits(prompts[sid])[:VOCAB]), sid
+        assert engine.cached_token_ids(sid) == tuple(prompts[sid])
+    assert [r.input_token_ids for r in fake.state.requests[sent:]] == [prompts[sid] for sid in ("a", "b", "c")]
+    with pytest.raises(ValueError, match="appears twice"):
+        engine.prefill_batch(["a", "a"], [_ids(3), _ids(4)])
+    fake = make_fake(perf_metrics=False)
+    engine = _engine(engine_dir, fake)
+    engine.prefill_batch(["a", "b"], [_ids(12), _ids(7)])
+    assert fake.state.awaits[-2:] == [1, 2]  # without per-request metrics: each awaited before the next is sent
+
+
 def test_each_session_keeps_its_own_logits_until_its_next_call(engine_dir):
     engine = _engine(engine_dir)
     a = engine.prefill("a", _ids(10))

@@ -7,6 +7,7 @@ import json
 import math
 import queue
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -139,6 +140,38 @@ def test_multi_turn_session_paths_match_stateless_prefill(server, engine_manifes
             ghost.ask("anyone there?", max_tokens=2)
         assert "START" in str(err.value)
         ghost.detach()
+
+
+def test_sessions_asking_at_once_each_get_the_stateless_answer(server, engine_manifest, tokenizer, reference_model):
+    """Requests of several sessions arriving together prefill (as a batch where they meet in the engine loop) and
+    decode together; each answer is still token-identical to its own stateless prefill."""
+    questions = ["Name a fruit.", "What is two plus two?", "Say hello in French.", "Which planet is red?"]
+    barrier = threading.Barrier(len(questions))
+    answers: list = [None] * len(questions)
+
+    def user(i: int) -> None:
+        try:
+            with Client(server.grpc_url) as client, client.session() as session:
+                session.append(SYSTEM, role="system")
+                barrier.wait(timeout=60)
+                answers[i] = session.ask(questions[i], max_tokens=8, speculate=False)
+        except BaseException as err:  # checked below
+            answers[i] = err
+            barrier.abort()
+
+    batches_before = server.metric("prepos_prefill_batch_sessions_count")
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for question, answer in zip(questions, answers):
+        assert not isinstance(answer, BaseException) and answer is not None, answer
+        conv = Conversation(engine_manifest, tokenizer)
+        conv.append("system", SYSTEM)
+        assert answer.path in ("prefix", "prepaid")
+        check_answer(reference_model, conv, answer, "user", question, 8)
+    eventually(lambda: server.metric("prepos_prefill_batch_sessions_count") > batches_before)
 
 
 def test_rebuild_after_eviction_matches_stateless_prefill(tmp_path, engine_manifest, tokenizer, reference_model):

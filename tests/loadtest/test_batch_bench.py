@@ -12,9 +12,18 @@ def test_rates_are_median_waves_and_the_ratio_is_batched_over_unbatched():
         return [{"wall_s": 10 / r, "tokens": 10, "total_ms": [100.0 * i for i in range(1, 5)]} for r in rates]
 
     runs = {4: {"prepos_batched": waves(90, 10, 100), "prepos_unbatched": waves(45, 50, 40)}}
-    table = batch_bench.summarize(runs, argparse.Namespace(users=[4], waves=3, max_tokens=48), "test machine")
+    table = batch_bench.summarize(runs, argparse.Namespace(users=[4], waves=3, max_tokens=48, mode="decode"), "test machine")
     rows = [line for line in table.splitlines() if line.startswith("| 4 |")]
     assert rows[0].startswith("| 4 | prepos_batched | 90.0 | ")
     assert rows[1].startswith("| 4 | prepos_unbatched | 45.0 | ")
     assert rows[1].endswith("| 2.00 |")  # 90 / 45
     assert "| 300 / 400 |" in rows[0]  # p50 / p99 of 100..400 ms, three times: ranks 6 and 11 of 12
+
+
+def test_each_mode_compares_its_own_setting_with_pre_positioning_off():
+    for mode, key in (("decode", "scheduler.max_decode_batch"), ("prefill", "scheduler.max_prefill_batch")):
+        models = batch_bench.variants(mode)
+        assert list(models) == ["prepos_batched", "prepos_unbatched"]
+        assert models["prepos_unbatched"][key] == "1" and int(models["prepos_batched"][key]) > 1
+        assert all(m["scheduler.preposition"] == "false" and set(m) == {"scheduler.preposition", key}
+                   for m in models.values())

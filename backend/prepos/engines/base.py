@@ -94,6 +94,24 @@ class Engine(abc.ABC):
                 results.append(err)
         return results
 
+    def prefill_batch(self, session_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[torch.Tensor | Exception]:
+        """``prefill`` for several distinct sessions at once; one result per session, in order: its logits, or
+        the ``ValueError`` / ``KVCapacityError`` that made its prefill impossible (that session's KV then holds
+        a prefix of what it held; the others' prefills still happen).
+
+        Requests that arrive together each bring a short turn: an engine that runs all their new tokens through
+        each weight together reads the weights once instead of once per session. This default prefills them one
+        after another. ``ValueError`` for the call as a whole when a session appears twice.
+        """
+        check_prefill_batch(session_ids, token_ids)
+        results: list[torch.Tensor | Exception] = []
+        for sid, ids in zip(session_ids, token_ids):
+            try:
+                results.append(self.prefill(sid, ids))
+            except (ValueError, KVCapacityError) as err:
+                results.append(err)
+        return results
+
     @abc.abstractmethod
     def cached_token_ids(self, session_id: str) -> Sequence[int]:
         """The tokens the session's KV holds now, in order (empty if it has none)."""
@@ -113,10 +131,19 @@ class Engine(abc.ABC):
 
 def check_decode_batch(session_ids: Sequence[str], token_ids: Sequence[int]) -> None:
     """``ValueError`` unless ``decode_batch`` got one token per session and no session twice."""
-    if len(session_ids) != len(token_ids):
-        raise ValueError(f"decode_batch: {len(session_ids)} sessions but {len(token_ids)} tokens")
+    _check_batch("decode_batch", session_ids, token_ids, "tokens")
+
+
+def check_prefill_batch(session_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
+    """``ValueError`` unless ``prefill_batch`` got one token sequence per session and no session twice."""
+    _check_batch("prefill_batch", session_ids, token_ids, "token sequences")
+
+
+def _check_batch(call: str, session_ids: Sequence[str], items: Sequence, what: str) -> None:
+    if len(session_ids) != len(items):
+        raise ValueError(f"{call}: {len(session_ids)} sessions but {len(items)} {what}")
     if len(set(session_ids)) != len(session_ids):
-        raise ValueError(f"decode_batch: a session appears twice in {list(session_ids)!r}")
+        raise ValueError(f"{call}: a session appears twice in {list(session_ids)!r}")
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from prepos.engines.base import Engine, EngineInfo, KVCapacityError, check_decode_batch, common_prefix_length
+from prepos.engines.base import (Engine, EngineInfo, KVCapacityError, check_decode_batch, check_prefill_batch,
+                                 common_prefix_length)
 from prepos.engines import cpu_kernels as kernels_lib
 from prepos.engines.host_arena import HostArena, huge_page_bytes, thp_mode
 
@@ -357,6 +358,53 @@ class TorchLlamaEngine(Engine):
         """``prefill`` yielding after each layer. Released between steps, the session stays released."""
         return (yield from self._prefill(session_id, token_ids))
 
+    @torch.inference_mode()
+    def prefill_batch(self, session_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[torch.Tensor | Exception]:
+        """:meth:`prefill` of several distinct sessions as one forward pass: every session's new tokens go
+        through each matrix product together (the weights are read once for all of them) and attend over their
+        own KV. Each prefill is checked first; an impossible one gets its error and leaves its session as it
+        was. One session prefills as :meth:`prefill` does."""
+        check_prefill_batch(session_ids, token_ids)
+        if len(session_ids) == 1:
+            return super().prefill_batch(session_ids, token_ids)
+        results: list[torch.Tensor | Exception | None] = []
+        targets = []  # (result index, session, its KV handle, kept tokens, new tokens)
+        for sid, ids in zip(session_ids, token_ids):
+            try:
+                ids = self._check_ids(ids)
+                s = self._session(sid)
+                keep = common_prefix_length(s.ids, ids)
+                if keep == len(ids):
+                    keep -= 1  # everything cached: recompute the last token for its logits
+                kv = self._reserve(s, len(ids))
+            except (ValueError, KVCapacityError) as err:
+                results.append(err)
+                continue
+            del s.ids[keep:]
+            targets.append((len(results), s, kv, keep, ids[keep:]))
+            results.append(None)  # filled below
+        if len(targets) == 1:  # the others were impossible: the one-session path
+            index, s, _, _, _ = targets[0]
+            results[index] = self.prefill(session_ids[index], token_ids[index])
+            return results
+        if targets:
+            parts = [(kv, keep, torch.tensor(new, device=self.device)) for _, _, kv, keep, new in targets]
+            steps = self._prefill_parts(parts)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    x = done.value
+                    break
+            ends = torch.tensor([len(new) for *_, new in targets], device=self.device).cumsum(0) - 1
+            h = F.rms_norm(x[ends], (self.hidden,), self.ln_final, self.eps)
+            rows = self._rows_mm(self.lm_head, h).float().unbind(0)  # [batch, vocab]
+            for (index, s, _, _, new), row in zip(targets, rows):
+                s.ids.extend(new)
+                results[index] = row
+                self.num_computed_tokens += len(new)
+        return results
+
     def _prefill(self, session_id: str, token_ids: Sequence[int]) -> Generator[None, None, torch.Tensor]:
         ids = self._check_ids(token_ids)
         s = self._session(session_id)
@@ -412,39 +460,71 @@ class TorchLlamaEngine(Engine):
 
         Yields after each layer; returns float32 logits ``[vocab]`` of the last token only.
         """
-        n, end = tokens.shape[0], start + tokens.shape[0]
+        x = yield from self._prefill_parts([(kv, start, tokens)])
+        return self._logits(x[-1])  # [vocab]: last position only
+
+    def _prefill_parts(
+        self, parts: Sequence[tuple[torch.Tensor, int, torch.Tensor]]
+    ) -> Generator[None, None, torch.Tensor]:
+        """Prefill several distinct sessions at once: part ``(kv, start, tokens)`` runs its tokens at positions
+        ``start..`` causally over its own ``kv[:, :, :, :start]`` and writes their KV. The parts' rows go through
+        every matrix product together (the weights are read once for all); attention is per part.
+
+        Yields after each layer; returns the residual stream ``[sum of lengths, hidden]`` after the last layer,
+        the parts' rows one after another.
+        """
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         inter = self.intermediate
-        cos = self.cos[start:end, None, :]  # [seq, 1, hd]
-        sin = self.sin_signed[start:end, None, :]  # [seq, 1, hd]
+        lengths = [tokens.shape[0] for _, _, tokens in parts]
+        offsets = [sum(lengths[:j]) for j in range(len(parts))]
+        n = sum(lengths)
+        if len(parts) == 1:
+            _, start, _ = parts[0]
+            cos = self.cos[start:start + n, None, :]  # [seq, 1, hd]
+            sin = self.sin_signed[start:start + n, None, :]
+            tokens = parts[0][2]
+        else:
+            positions = torch.cat([torch.arange(start, start + m, device=self.device)
+                                   for (_, start, _), m in zip(parts, lengths)])
+            cos, sin = self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]
+            tokens = torch.cat([tokens for _, _, tokens in parts])
         # Query i (position start+i) sees keys 0..start+i. SDPA's is_causal aligns to the top-left,
         # which is only right without a prefix, so a prefix needs the explicit offset mask.
-        kernel = self._kernel_prefill_attention and kv.is_contiguous()
-        scratch = kernels_lib.prefill_scratch(KV, hd, end) if kernel else None  # every layer's transposed keys
-        if start and not kernel:
-            pos = torch.arange(end, device=self.device)
-            mask = pos[None, :] <= pos[start:, None]  # [seq, start+seq]
-        else:
-            mask = None
+        plans = []  # per part: (kernel attention, its mask)
+        for (kv, start, _), m in zip(parts, lengths):
+            kernel = self._kernel_prefill_attention and kv.is_contiguous()
+            if start and not kernel:
+                pos = torch.arange(start + m, device=self.device)
+                plans.append((False, pos[None, :] <= pos[start:, None]))  # [seq, start+seq]
+            else:
+                plans.append((kernel, None))
+        longest = max(start + m for (_, start, _), m in zip(parts, lengths))
+        # Every layer's transposed keys, for the CPU attention kernel.
+        scratch = kernels_lib.prefill_scratch(KV, hd, longest) if any(k for k, _ in plans) else None
         x = self._embed(tokens)  # [seq, hidden]
         for i in range(self.n_layers):
             qkv = self._rows_mm(self.wqkv[i], x, norm=True).view(n, H + 2 * KV, hd)  # [seq, H+2KV, hd]
             qk = qkv[:, : H + KV]  # [seq, H+KV, hd]: RoPE q and k in one go
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
-            self._store_kv(kv, i, start, qk[:, H:], qkv[:, H + KV :])  # [seq, KV, hd] each
-            if kernel:  # [seq, H*hd], each token's heads side by side
-                a = self._kernels.prefill_attend_unchecked(qk, (H + KV) * hd, kv[i, 0].data_ptr(), kv[i, 1].data_ptr(),
-                                                           KV, self.group, hd, n, start, kv.shape[3] * hd, scratch)
-            else:
-                q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # q: [1, H, seq, hd]
-                k, v = self._load_kv(kv, i, end)  # [1, KV, start+seq, hd]
-                # 4-D inputs keep SDPA on its CPU flash kernel (3-D ones take the slow math path).
-                a = self._attend(q, k, v, mask)[0].transpose(0, 1).reshape(n, H * hd)  # from [1, H, seq, hd]
+            outs = []
+            for (kv, start, _), m, o, (kernel, mask) in zip(parts, lengths, offsets, plans):
+                qk_p = qk[o:o + m]
+                self._store_kv(kv, i, start, qk_p[:, H:], qkv[o:o + m, H + KV:])  # [seq, KV, hd] each
+                if kernel:  # [seq, H*hd], each token's heads side by side
+                    outs.append(self._kernels.prefill_attend_unchecked(
+                        qk_p, (H + KV) * hd, kv[i, 0].data_ptr(), kv[i, 1].data_ptr(), KV, self.group, hd, m,
+                        start, kv.shape[3] * hd, scratch))
+                else:
+                    q = qk_p[:, :H].transpose(0, 1).unsqueeze(0)  # q: [1, H, seq, hd]
+                    k, v = self._load_kv(kv, i, start + m)  # [1, KV, start+seq, hd]
+                    # 4-D inputs keep SDPA on its CPU flash kernel (3-D ones take the slow math path).
+                    outs.append(self._attend(q, k, v, mask)[0].transpose(0, 1).reshape(m, H * hd))
+            a = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = self._rows_mm(self.wo[i], a, residual=x)
             gu = self._rows_mm(self.wgu[i], x, norm=True)  # [seq, 2*inter]
             x = self._rows_mm(self.wdown[i], F.silu(gu[:, :inter]) * gu[:, inter:], residual=x)
             yield
-        return self._logits(x[-1])  # [vocab]: last position only
+        return x
 
     def _decode_target(self, session_id: str, token_id: int):
         """The session, token and position a decode writes; ``ValueError`` naming what makes it impossible."""

@@ -90,15 +90,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from prepos.engines.base import Engine, EngineInfo, check_decode_batch, common_prefix_length
+from prepos.engines.base import Engine, EngineInfo, check_decode_batch, check_prefill_batch, common_prefix_length
 from prepos.engines.trtllm_dir import BUILD_FILE, TRTLLM_SUBDIR, TrtllmBuild, TrtllmEngineDirError, TrtllmModel
 
 log = logging.getLogger(__name__)
@@ -346,6 +347,14 @@ class TrtllmEngine(Engine):
     def decode(self, session_id: str, token_id: int) -> torch.Tensor:
         return self._run(session_id, self._decode_ids(session_id, token_id))
 
+    def prefill_batch(self, session_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[torch.Tensor | Exception]:
+        """Every possible prefill's request is enqueued before any is awaited, so the executor's in-flight
+        batching runs them together (as :meth:`decode_batch` does its steps)."""
+        check_prefill_batch(session_ids, token_ids)
+        if not self._per_request_stats:
+            return super().prefill_batch(session_ids, token_ids)
+        return self._batch(session_ids, [functools.partial(self._checked, ids) for ids in token_ids])
+
     def decode_batch(self, session_ids: Sequence[str], token_ids: Sequence[int]) -> list[torch.Tensor | Exception]:
         """Every possible step's request is enqueued before any is awaited, so the executor's in-flight batching
         runs them together; each is a decode's request (the cached ids plus the token). A step refused here gets
@@ -356,11 +365,16 @@ class TrtllmEngine(Engine):
         check_decode_batch(session_ids, token_ids)
         if not self._per_request_stats:
             return super().decode_batch(session_ids, token_ids)
+        return self._batch(session_ids, [functools.partial(self._decode_ids, sid, tok)
+                                         for sid, tok in zip(session_ids, token_ids)])
+
+    def _batch(self, session_ids: Sequence[str], prompts: list[Callable[[], list[int]]]) -> list[torch.Tensor | Exception]:
+        """Per session, the request of its prompt (``ValueError`` where it has none), all run by :meth:`_run_many`."""
         results: list[torch.Tensor | Exception | None] = []
         jobs, where = [], []
-        for sid, tok in zip(session_ids, token_ids):
+        for sid, prompt in zip(session_ids, prompts):
             try:
-                ids = self._decode_ids(sid, tok)
+                ids = prompt()
             except ValueError as err:
                 results.append(err)
                 continue
