@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from prepos.engines.base import KVCapacityError
 from prepos.protocol import Status
 from prepos.scheduler import batches
@@ -40,26 +42,27 @@ def test_concurrent_answers_decode_together_and_match_answers_served_alone(tmp_p
     assert set(h.engine.batches) == {(f"alone-{sid}",) for sid in SESSIONS}
 
 
-def test_a_decode_that_fails_fails_only_its_own_request(tmp_path):
+@pytest.mark.parametrize("call", ["prefill", "decode"])
+def test_a_step_that_fails_fails_only_its_own_request(tmp_path, call):
     h = Harness(tmp_path, logits_fn=endless_logits)
-    for sid in SESSIONS:
+    for sid in (*SESSIONS, "twin"):
         open_session(h, sid)
-    open_session(h, "twin")
     log_b = h.log("b")
-    decode = h.engine.decode
+    original = getattr(h.engine, call)
 
-    def failing_for_b(session_id, token_id):
+    def failing_for_b(session_id, tokens):
         if session_id == "b":
-            raise KVCapacityError("no room for b's next token")
-        return decode(session_id, token_id)
+            raise KVCapacityError(f"no room for b's {call}")
+        return original(session_id, tokens)
 
-    h.engine.decode = failing_for_b
+    setattr(h.engine, call, failing_for_b)
     sinks = {sid: h.submit(h.request(sid, "same question", max_tokens=4)) for sid in SESSIONS}
     run_all(h, sinks.values())
+    assert SESSIONS in (h.engine.prefill_batches if call == "prefill" else h.engine.batches)
     assert sinks["b"].error is not None and sinks["b"].error.status is Status.RESOURCE_EXHAUSTED
-    assert "no room for b's next token" in str(sinks["b"].error)
+    assert f"no room for b's {call}" in str(sinks["b"].error)
     assert h.log("b") == log_b  # its turn was not accepted
-    h.engine.decode = decode
+    setattr(h.engine, call, original)
     want = h.serve(h.request("twin", "same question", max_tokens=4)).ids
     assert sinks["a"].error is None and sinks["a"].ids == want
     assert sinks["c"].error is None and sinks["c"].ids == want
@@ -127,31 +130,6 @@ def test_concurrent_prefills_run_as_one_batch_and_answer_as_served_alone(tmp_pat
         alone = h.serve(h.request(f"alone-{sid}", q, max_tokens=3))
         assert alone.ids == sinks[sid].ids and len(alone.ids) == 3
         assert h.log(f"alone-{sid}")[-8:] == h.log(sid)[-8:]
-
-
-def test_a_prefill_that_fails_fails_only_its_own_request(tmp_path):
-    h = Harness(tmp_path, logits_fn=endless_logits)
-    for sid in (*SESSIONS, "twin"):
-        open_session(h, sid)
-    log_b = h.log("b")
-    prefill = h.engine.prefill
-
-    def failing_for_b(session_id, token_ids):
-        if session_id == "b":
-            raise KVCapacityError("no room for b's turn")
-        return prefill(session_id, token_ids)
-
-    h.engine.prefill = failing_for_b
-    sinks = {sid: h.submit(h.request(sid, "same question", max_tokens=4)) for sid in SESSIONS}
-    run_all(h, sinks.values())
-    assert SESSIONS in h.engine.prefill_batches
-    assert sinks["b"].error is not None and sinks["b"].error.status is Status.RESOURCE_EXHAUSTED
-    assert "no room for b's turn" in str(sinks["b"].error)
-    assert h.log("b") == log_b  # its turn was not accepted
-    h.engine.prefill = prefill
-    want = h.serve(h.request("twin", "same question", max_tokens=4)).ids
-    assert sinks["a"].ids == want and sinks["c"].ids == want
-    assert h.serve(h.request("b", "same question", max_tokens=4)).ids == want  # b goes on as if never asked
 
 
 def test_a_whole_batch_failing_fails_each_request_with_an_internal_error_and_the_loop_goes_on(tmp_path):
