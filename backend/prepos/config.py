@@ -101,8 +101,11 @@ class SchedulerConfig:
     max_prefill_batch: int = 16
     """Most sessions one foreground prefill takes: requests that must prefill at the same time (their turns, or
     a rebuild) run as one forward pass, the weights read once for all of them. 1 prefills one at a time."""
-    max_prefill_batch_tokens: int = 8192
-    """Most new tokens one batched prefill takes (a prefill longer than this alone still runs, by itself)."""
+    max_prefill_batch_tokens: int = 512
+    """Most new tokens one batched prefill takes; prefills are taken in arrival order, and one longer than this
+    still runs, by itself. Short turns that arrive together share a batch, while a long one (a rebuild, say)
+    does not hold up the short ones that came before it. On a GPU, where a batch of a few thousand tokens
+    costs little more than one of a few hundred, raise it."""
     default_max_tokens: int = 64
     """``max_tokens`` when a request does not send it."""
     context_overflow: str = "reject"

@@ -208,3 +208,18 @@ def test_each_prefill_batch_sends_its_first_tokens_before_the_next_batch_runs(tm
     assert prefills == [[0, 0, 0], [1, 0, 0], [1, 1, 0]]
     assert h.engine.prefill_batches[-3:] == [("a",), ("b",), ("c",)]
     assert h.engine.batches == [SESSIONS] * 2  # then the three decode together
+
+
+def test_a_long_prefill_does_not_hold_up_the_short_ones_that_came_before_it(tmp_path):
+    h = Harness(tmp_path, logits_fn=endless_logits)  # the default limits
+    for sid in SESSIONS:
+        open_session(h, sid)
+    h.engine.prefill_batches.clear()
+    texts = {"a": "short one", "b": "another", "c": "w" * 600}  # c: past max_prefill_batch_tokens on its own
+    sinks = {sid: h.submit(h.request(sid, text, max_tokens=2)) for sid, text in texts.items()}
+    first_tokens_out = []
+    h.engine.on_compute = lambda: first_tokens_out.append(sum(bool(s.chunks) for s in sinks.values()))
+    run_all(h, sinks.values())
+    assert h.engine.prefill_batches == [("a", "b"), ("c",)]
+    assert first_tokens_out[2] == 2  # computes: a's prefill, b's, then c's, with a and b answered already
+    assert all(s.error is None for s in sinks.values())

@@ -24,7 +24,7 @@ class Harness:
     def __init__(self, tmp_path, *, threshold=2.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True,
                  background_delay_ms=0.0, context_overflow="reject", max_log_tokens=0, journal=None, speculative_delta="",
                  gate_kw=None, max_sessions=100, idle_timeout_s=600.0, max_decode_batch=32, max_prefill_batch=16,
-                 max_prefill_batch_tokens=8192, **engine_kw):
+                 max_prefill_batch_tokens=512, **engine_kw):
         gate_kw = gate_kw or {}
         self.clock = FakeClock()
         self.engine = FakeEngine(clock=self.clock, **engine_kw)
