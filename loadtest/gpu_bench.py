@@ -206,6 +206,34 @@ def bench_decode_batches(engine, prefix: list[int], sizes: tuple[int, ...], step
     return out
 
 
+def bench_prefill_batch(engine, prefix: list[int], delta: list[int], sessions: int, runs: int) -> dict:
+    """``sessions`` sessions each holding ``prefix`` prefill ``delta`` (its own tokens per session): as one
+    ``prefill_batch`` call and one ``prefill`` after another, taken in turn; median and p99 seconds of each."""
+    sids = [f"pbatch{i}" for i in range(sessions)]
+    prompts = [[*prefix, *((t + 31 * i) % engine.info.vocab_size for t in delta)] for i in range(sessions)]
+    for sid in sids:
+        engine.prefill(sid, prefix)
+    ways = {"batched": lambda: engine.prefill_batch(sids, prompts),
+            "serial": lambda: [engine.prefill(sid, p) for sid, p in zip(sids, prompts)]}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for i in range(runs + 2):  # the first two of each pay kernel selection for new shapes: left out
+        for way, run in ways.items():
+            dt = _timed(run)
+            for sid in sids:
+                engine.truncate(sid, len(prefix))
+            if i >= 2:
+                times[way].append(dt)
+    for sid in sids:
+        engine.release(sid)
+    out = {"sessions": sessions, "delta": len(delta)}
+    for way, t in times.items():
+        out[f"{way}_median_ms"], out[f"{way}_p99_ms"] = statistics.median(t) * 1e3, percentile(t, 99) * 1e3
+    out["serial_over_batched"] = out["serial_median_ms"] / out["batched_median_ms"]
+    log.info("prefill of %d sessions x %d tokens: batched %.3f ms, one after another %.3f ms", sessions, len(delta),
+             out["batched_median_ms"], out["serial_median_ms"])
+    return out
+
+
 def bench_engine(arch: str, bandwidth: float, context: int, delta: int, steps: int, runs: int) -> dict:
     from prepos.engines.torch_llama import TorchLlamaEngine
     from prepos.engines.torch_paged import PagedTorchLlamaEngine
@@ -239,6 +267,7 @@ def bench_engine(arch: str, bandwidth: float, context: int, delta: int, steps: i
         result[f"decode_{name}_over_bound"] = statistics.median(times) / bound
         log.info("decode %s: median %.3f ms (bound %.3f ms)", name, statistics.median(times) * 1e3, bound * 1e3)
     result["decode_batches"] = bench_decode_batches(paged, prefix, BATCHES, steps)
+    result["prefill_batch"] = bench_prefill_batch(paged, prefix, ext, max(BATCHES) // 4, runs)
     # prefix path: the session holds `prefix`; a request's delta is prefilled, then its distribution scanned
     prefix_t, gated_t, tok_s = [], [], []
     paged.prefill("p", prefix)
@@ -298,6 +327,13 @@ def table(res: dict) -> str:
         lines += [f"| decode step of {n} sessions (paged + graph) | {r['step_median_ms']:.3f} ms "
                   f"({r['step_over_one']:.2f}x one session's; {r['tokens_per_s']:,.0f} tokens/s) "
                   f"| {r['step_p99_ms']:.3f} ms |" for n, r in e.get("decode_batches", {}).items()]
+        if "prefill_batch" in e:
+            p = e["prefill_batch"]
+            lines += [f"| prefill of {p['sessions']} sessions x {p['delta']} tokens, one batch | "
+                      f"{p['batched_median_ms']:.3f} ms | {p['batched_p99_ms']:.3f} ms |",
+                      f"| prefill of {p['sessions']} sessions x {p['delta']} tokens, one after another | "
+                      f"{p['serial_median_ms']:.3f} ms ({p['serial_over_batched']:.2f}x the batch) | "
+                      f"{p['serial_p99_ms']:.3f} ms |"]
         lines.append("")
     return "\n".join(lines)
 

@@ -272,3 +272,25 @@ def test_gpu_bench_times_each_decode_batch_size_and_leaves_the_pool_as_it_was(ti
         assert r["step_p99_ms"] >= r["step_median_ms"] > 0
     assert engine.num_computed_tokens - computed == 3 * len(prefix) + (1 + 2 + 3) * (2 + 3)  # 3 prefills, every step
     assert len(engine._free) == free and not engine._sessions
+
+
+def test_gpu_bench_times_a_prefill_batch_against_one_after_another_and_leaves_the_pool_as_it_was(tied):
+    import gpu_bench
+
+    path, _ = tied
+    engine = _engine(path)
+    free, computed = len(engine._free), engine.num_computed_tokens
+    prefix, delta = _ids(6, seed=61), _ids(5, seed=62)
+    res = gpu_bench.bench_prefill_batch(engine, prefix, delta, sessions=3, runs=2)
+    assert res["sessions"] == 3 and res["delta"] == 5
+    for way in ("batched", "serial"):
+        assert res[f"{way}_p99_ms"] >= res[f"{way}_median_ms"] > 0
+    assert res["serial_over_batched"] == pytest.approx(res["serial_median_ms"] / res["batched_median_ms"])
+    assert engine.num_computed_tokens - computed == 3 * 6 + 2 * (2 + 2) * 3 * 5  # prefixes, then every prefill
+    assert len(engine._free) == free and not engine._sessions
+    row = gpu_bench.table({"gpu": "test", "torch": "-", "triton": "-", "read_bandwidth_gbps": 1.0, "engines": [{
+        "arch": "tiny", "weight_bytes": 1e9, "context": 6, "delta": 5, "decode_bound_ms": 1.0,
+        **{f"decode_{w}_{k}": 1.0 for w in ("paged+graph", "eager") for k in ("median_ms", "p99_ms", "over_bound")},
+        **{f"{p}_first_token_{k}": 1.0 for p in ("prefix", "gated") for k in ("median_ms", "p99_ms")},
+        "prefix_over_gated": 1.0, "prefill_tok_s": {}, "prefill_batch": res}]})
+    assert f"| prefill of 3 sessions x 5 tokens, one after another | {res['serial_median_ms']:.3f} ms (" in row
