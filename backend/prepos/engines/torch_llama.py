@@ -384,8 +384,11 @@ class TorchLlamaEngine(Engine):
             targets.append((len(results), s, kv, keep, ids[keep:]))
             results.append(None)  # filled below
         if len(targets) == 1:  # the others were impossible: the one-session path
-            index, s, _, _, _ = targets[0]
-            results[index] = self.prefill(session_ids[index], token_ids[index])
+            index = targets[0][0]
+            try:
+                results[index] = self.prefill(session_ids[index], token_ids[index])
+            except (ValueError, KVCapacityError) as err:
+                results[index] = err
             return results
         if targets:
             parts = [(kv, keep, torch.tensor(new, device=self.device)) for _, _, kv, keep, new in targets]
