@@ -6,8 +6,10 @@ differ in one setting. With ``--mode decode`` (the default): ``prepos_batched``
 their steps as one batch) and ``prepos_unbatched`` (1: one session's step at a
 time). With ``--mode prefill``: ``scheduler.max_prefill_batch`` 16 (requests
 arriving together prefill their turns in one forward pass) against 1, and one
-token per answer by default, so a request is its prefill and one scan.
-Pre-positioning is off in both, so every answer is a ``prefix`` prefill
+token per answer by default, so a request is its prefill and one scan. With
+``--mode scan``: ``engine.scan`` ``cpu`` (``prepos_scan_cpu``: the compiled
+greedy scan) against ``torch`` (``prepos_scan_torch``), which every decoded token
+of every session pays. Pre-positioning is off in both, so every answer is a ``prefix`` prefill
 (followed by its decode) and the two differ only in how the one setting's
 steps run. A wave opens ``users`` sessions (a system turn each), asks every one
 a free-form question at the same moment (``--max-tokens`` greedy tokens at
@@ -16,7 +18,7 @@ and number of users: the answers' tokens per second over the wave's wall time
 (median of the waves), and the p50 / p99 of each request's total time, as the
 client sees it.
 
-    python loadtest/batch_bench.py [--mode decode|prefill] [--users 1,4,8] [--waves 3] [--max-tokens 48]
+    python loadtest/batch_bench.py [--mode decode|prefill|scan] [--users 1,4,8] [--waves 3] [--max-tokens 48]
 """
 
 from __future__ import annotations
@@ -43,19 +45,20 @@ from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("prepos.batch_bench")
 
-MODES = {  # the setting each mode compares: batched, then one at a time
-    "decode": ("scheduler.max_decode_batch", "32", "1"),
-    "prefill": ("scheduler.max_prefill_batch", "16", "1"),
+BATCHING = ("prepos_batched", "prepos_unbatched")
+MODES = {  # the setting each mode compares, and the two models: the new way first, then the baseline
+    "decode": ("scheduler.max_decode_batch", dict(zip(BATCHING, ("32", "1")))),
+    "prefill": ("scheduler.max_prefill_batch", dict(zip(BATCHING, ("16", "1")))),
+    "scan": ("engine.scan", {"prepos_scan_cpu": "cpu", "prepos_scan_torch": "torch"}),
 }
-MODELS = ("prepos_batched", "prepos_unbatched")
-OUTPUTS = {"decode": "batch_bench.md", "prefill": "prefill_batch_bench.md"}
-DEFAULT_MAX_TOKENS = {"decode": 48, "prefill": 1}
+OUTPUTS = {"decode": "batch_bench.md", "prefill": "prefill_batch_bench.md", "scan": "scan_batch_bench.md"}
+DEFAULT_MAX_TOKENS = {"decode": 48, "prefill": 1, "scan": 48}
 
 
 def variants(mode: str) -> dict[str, dict[str, str]]:
-    """The two models of ``mode``: pre-positioning off, the mode's setting batched or one at a time."""
-    key, batched, single = MODES[mode]
-    return {model: {"scheduler.preposition": "false", key: value} for model, value in zip(MODELS, (batched, single))}
+    """The two models of ``mode``: pre-positioning off, the mode's setting the new way or the baseline's."""
+    key, values = MODES[mode]
+    return {model: {"scheduler.preposition": "false", key: value} for model, value in values.items()}
 SYSTEM = "You are a helpful assistant. Answer in full sentences."
 QUESTIONS = (
     "Explain how a thermostat keeps a room warm.",
@@ -99,20 +102,21 @@ def wave(url: str, model: str, users: int, max_tokens: int) -> dict:
 
 
 def summarize(runs: dict, args: argparse.Namespace, machine: str) -> str:
-    key, batched, single = MODES[args.mode]
-    lines = [f"{args.mode.capitalize()} batching ({machine}; `{key}` {batched} / {single}; pre-positioning off in "
-             f"both; greedy, at most {args.max_tokens} tokens per answer; {args.waves} alternating waves per row)", "",
-             "| users | model | tokens/s (median wave) | request total p50 / p99 (ms) | tokens/s batched / unbatched |",
+    key, values = MODES[args.mode]
+    new, base = values
+    lines = [f"`{key}` {' / '.join(values.values())} ({machine}; pre-positioning off in both; greedy, at most "
+             f"{args.max_tokens} tokens per answer; {args.waves} alternating waves per row)", "",
+             f"| users | model | tokens/s (median wave) | request total p50 / p99 (ms) | tokens/s {new} / {base} |",
              "| --- | --- | --- | --- | --- |"]
     for users in args.users:
         rates = {}
-        for model in MODELS:
+        for model in values:
             waves = runs[users][model]
             rates[model] = statistics.median(w["tokens"] / w["wall_s"] for w in waves)
             totals = [ms for w in waves for ms in w["total_ms"]]
             ratio = ""
-            if model == "prepos_unbatched":
-                ratio = f"{rates['prepos_batched'] / rates['prepos_unbatched']:.2f}"
+            if model == base:
+                ratio = f"{rates[new] / rates[base]:.2f}"
             lines.append(f"| {users} | {model} | {rates[model]:.1f} | {percentile(totals, 50):.0f} / "
                          f"{percentile(totals, 99):.0f} | {ratio} |")
     return "\n".join(lines)
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", type=lambda s: [int(u) for u in s.split(",")], default=[1, 4, 8],
                         help="comma-separated numbers of sessions asking at once")
     parser.add_argument("--waves", type=int, default=3, help="waves per model and number of users")
-    parser.add_argument("--mode", choices=sorted(MODES), default="decode", help="which batching to compare")
+    parser.add_argument("--mode", choices=sorted(MODES), default="decode", help="which setting to compare")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer at most (decode: 48, prefill: 1)")
     parser.add_argument("--engine-dir", type=Path, default=ROOT / "engines" / "smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "batch_bench")

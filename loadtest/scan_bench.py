@@ -7,8 +7,10 @@ A positioned session's logits were written an idle window ago, so each timed
 scan reads a different logits vector from a pool larger than that cache: the
 timings are cold-cache reads, like the bound.
 
-Implementations: ``numpy`` (reference), ``torch`` (CPU), ``onnxruntime`` (the
-standard ONNX form, one thread as served; more with ``--threads``), and where CUDA is
+Implementations: ``numpy`` (reference), ``torch`` (CPU), ``cpu-kernel`` (the
+compiled CPU kernel of ``prepos.scan_cpu``, one thread; greedy scans only, so it
+sits out ``--temperature``), ``onnxruntime`` (the standard ONNX form, one thread
+as served; more with ``--threads``), and where CUDA is
 present ``torch-cuda`` (the torch scan on the GPU), ``triton-kernel`` (the OpenAI
 Triton kernel of ``prepos.scan_triton``) and ``tensorrt`` (the plugin engine from
 ``prepos_build.scan_tensorrt``, needs TensorRT). These times are host-side: launch,
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 from prepos.scan import scan_numpy, scan_torch
+from prepos.scan_cpu import CpuKernelScan, CpuKernelUnavailable
 from prepos.scan_onnxruntime import OnnxRuntimeScan
 from prepos_loadtest.stats import percentile
 
@@ -59,13 +62,18 @@ def read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
     return num_bytes / best
 
 
-def _implementations(threads: int) -> dict[str, tuple[str, Callable]]:
+def _implementations(threads: int, temperature: float) -> dict[str, tuple[str, Callable]]:
     """name -> (device, scan); devices 'cpu' or 'cuda'."""
     impls = {
         "numpy": ("cpu", scan_numpy),
         f"torch ({threads} thread{'s' if threads > 1 else ''})": ("cpu", scan_torch),
         "onnxruntime (1 thread)": ("cpu", OnnxRuntimeScan(num_threads=1)),
     }
+    if temperature == 0.0:
+        try:
+            impls["cpu-kernel"] = ("cpu", CpuKernelScan())
+        except CpuKernelUnavailable as exc:
+            log.warning("cpu-kernel left out: %s", exc)
     if threads > 1:
         impls[f"onnxruntime ({threads} threads)"] = ("cpu", OnnxRuntimeScan(num_threads=threads))
     if torch.cuda.is_available():
@@ -107,7 +115,7 @@ def run(repeats: int, threads: int, temperature: float) -> dict:
     rng = np.random.default_rng(0)
     results: dict = {"machine": _machine(threads), "read_bandwidth_gbps": bandwidth / 1e9, "kwargs": kwargs,
                      "repeats": repeats, "rows": {}}
-    impls = _implementations(threads)
+    impls = _implementations(threads, temperature)
     for vocab in VOCAB_SIZES:
         pool_np = [rng.normal(0, 4, vocab).astype(np.float32) for _ in range(max(8, POOL_BYTES // (vocab * 4)))]
         bound_us = vocab * 4 / bandwidth * 1e6
@@ -115,7 +123,7 @@ def run(repeats: int, threads: int, temperature: float) -> dict:
         for name, (device, scan) in impls.items():
             if device == "cuda":
                 pool = [torch.from_numpy(x).cuda() for x in pool_np]
-            elif name.startswith("torch"):
+            elif name.startswith(("torch", "cpu-kernel")):
                 pool = [torch.from_numpy(x) for x in pool_np]
             else:
                 pool = pool_np

@@ -26,7 +26,7 @@ def _check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-SCAN_NAMES = ("auto", "torch", "triton", "numpy", "onnxruntime", "tensorrt")
+SCAN_NAMES = ("auto", "torch", "cpu", "triton", "numpy", "onnxruntime", "tensorrt")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,10 @@ class EngineConfig:
     num_threads: int = 0
     """Torch intra-op threads; 0 leaves torch's default."""
     scan: str = "auto"
-    """Vocabulary scan implementation: ``auto`` (``triton`` on a CUDA device, else ``torch``), ``torch`` (on the
-    logits' device), ``triton`` (the OpenAI Triton kernel; CUDA only), ``numpy`` (the reference),
+    """Vocabulary scan implementation: ``auto`` (``triton`` on a CUDA device; on CPU ``cpu`` where the CPU kernels
+    are on and built, else ``torch``), ``torch`` (on the logits' device), ``cpu`` (greedy whole-vocabulary scans
+    as one call of the compiled CPU kernels, the rest through ``torch``), ``triton`` (the OpenAI Triton kernel;
+    CUDA only), ``numpy`` (the reference),
     ``onnxruntime`` (the scan's ONNX graph on CPU) or ``tensorrt`` (a scan engine with our plugin; CUDA only)."""
     scan_engine: str = ""
     """Scan engine file from ``python -m prepos_build.scan_tensorrt`` (relative: to the model's directory);

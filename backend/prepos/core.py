@@ -19,6 +19,7 @@ from prepos.engines.openmp import release_calling_thread
 from prepos.metrics import BufferedSink, Metrics, MetricsSink
 from prepos.protocol import Rejection, Request, ResponseSink, parse_request
 from prepos.scan import get_scan
+from prepos.scan_cpu import CpuKernelScan, CpuKernelUnavailable
 from prepos.scheduler import Scheduler
 from prepos.template import EngineManifest, Tokenizer
 
@@ -128,7 +129,17 @@ class Core:
                     return TritonScan(config.engine.device)
                 except TritonUnavailable as exc:
                     log.warning("engine.scan auto: the Triton scan kernel is not usable (%s); using torch", exc)
+            elif config.engine.cpu_kernels:
+                try:
+                    return CpuKernelScan()
+                except CpuKernelUnavailable as exc:
+                    log.warning("engine.scan auto: %s; using torch", exc)
             return get_scan("torch")
+        if config.engine.scan == "cpu":
+            try:
+                return CpuKernelScan()
+            except CpuKernelUnavailable as exc:
+                raise ConfigError(f"engine.scan: cpu needs the CPU kernels, but {exc}") from None
         return get_scan(config.engine.scan)
 
     @classmethod

@@ -39,5 +39,21 @@ def test_the_triton_scan_is_for_cuda_and_auto_picks_by_device():
     with pytest.raises(ConfigError, match="^engine.scan: triton runs on CUDA only"):
         read_config({"engine.scan": "triton"}, environ={})
     assert read_config({"engine.scan": "triton", "engine.device": "cuda:1"}, environ={}).engine.scan == "triton"
-    config = read_config({}, environ={})
-    assert config.engine.scan == "auto" and Core._scan(config, ".") is scan_torch  # CPU: torch's scan
+    off = read_config({"engine.cpu_kernels": "false"}, environ={})
+    assert off.engine.scan == "auto" and Core._scan(off, ".") is scan_torch  # CPU without its kernels: torch's
+
+
+def test_auto_on_cpu_is_the_kernel_scan_where_the_kernels_build_and_torch_where_not(monkeypatch):
+    import prepos.engines.cpu_kernels as cpu_kernels
+    from prepos.core import Core
+    from prepos.scan import scan_torch
+    from prepos.scan_cpu import CpuKernelScan
+
+    config, explicit = read_config({}, environ={}), read_config({"engine.scan": "cpu"}, environ={})
+    if cpu_kernels.load() is not None:
+        assert isinstance(Core._scan(config, "."), CpuKernelScan)
+        assert isinstance(Core._scan(explicit, "."), CpuKernelScan)
+    monkeypatch.setattr(cpu_kernels, "load", lambda *a, **kw: None)  # no compiler, say
+    assert Core._scan(config, ".") is scan_torch
+    with pytest.raises(ConfigError, match="^engine.scan: cpu needs the CPU kernels"):
+        Core._scan(explicit, ".")

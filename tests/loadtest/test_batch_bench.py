@@ -25,5 +25,8 @@ def test_each_mode_compares_its_own_setting_with_pre_positioning_off():
         models = batch_bench.variants(mode)
         assert list(models) == ["prepos_batched", "prepos_unbatched"]
         assert models["prepos_unbatched"][key] == "1" and int(models["prepos_batched"][key]) > 1
+    assert batch_bench.variants("scan") == {"prepos_scan_cpu": {"scheduler.preposition": "false", "engine.scan": "cpu"},
+                                            "prepos_scan_torch": {"scheduler.preposition": "false", "engine.scan": "torch"}}
+    for mode, (key, _) in batch_bench.MODES.items():
         assert all(m["scheduler.preposition"] == "false" and set(m) == {"scheduler.preposition", key}
-                   for m in models.values())
+                   for m in batch_bench.variants(mode).values())

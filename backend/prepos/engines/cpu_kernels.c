@@ -1,6 +1,6 @@
 /* The torch engine's decode step on CPU, float32: the GEMV of every weight matrix and the attention of
- * one new token over a session's cached keys and values; and prefill's matrix products (GEMM) on the same
- * packed matrices.
+ * one new token over a session's cached keys and values; prefill's matrix products (GEMM) on the same
+ * packed matrices; and the greedy vocabulary scan of a distribution (prepos/scan_cpu.py).
  *
  * Built with -O3 -march=native -ffast-math -fopenmp by prepos/engines/cpu_kernels.py, on the machine that
  * runs it: the compiler vectorises the fixed-width loops for that CPU, and expf through its vector
@@ -8,8 +8,9 @@
  */
 
 #include <math.h>
+#include <stdint.h>
 
-int prepos_kernels_abi(void) { return 7; }
+int prepos_kernels_abi(void) { return 8; }
 
 /* y = alpha * (x @ W) [+ residual]. W is packed in 32-column blocks, [blocks, k, 32] row-major: block c
  * holds outputs 32c..32c+31 and is one contiguous run of memory. Each thread takes a contiguous range of
@@ -465,4 +466,45 @@ void prepos_decode_layers_batch(float *restrict x, const float *const *wqkv, con
     }
     gemm_for(wdown[i], act, x, x, 0, n, hidden / 32, inter);
   }
+}
+
+/* Largest of x[0..n-1]; -inf when n is 0. */
+static float max_of(const float *x, long n) {
+  float m = -INFINITY;
+  for (long i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+/* The greedy vocabulary scan's numbers for n float32 logits, on the calling thread: out = [first position of
+ * the max, the max, the second-largest value (the max again on a tie), S = sum exp(x - max),
+ * T = sum exp(x - max) * (x - max)], from which p_max = 1 / S, the runner-up's probability exp(second - max) / S
+ * and entropy = log S - T / S. Values more than 87 below the max count as 87 below it, a term under 1e-37.
+ * Returns 1, leaving out unset, when n < 1, a value is NaN or +inf, or every value is -inf: the caller's
+ * general scan then names the problem. Those checks read the bits, which -ffast-math leaves alone. */
+int prepos_scan_greedy(const float *x, long n, double *out) {
+  if (n < 1) return 1;
+  const uint32_t *u = (const uint32_t *)x;
+  uint32_t bad = 0, finite = 0;
+  for (long i = 0; i < n; i++) {
+    bad |= (u[i] & 0x7fffffffu) > 0x7f800000u || u[i] == 0x7f800000u;  /* NaN, +inf */
+    finite |= u[i] != 0xff800000u;                                     /* not -inf */
+  }
+  if (bad || !finite) return 1;
+  const float m = max_of(x, n);
+  long arg = 0;
+  while (x[arg] != m) arg++;
+  const float a = max_of(x, arg), b = max_of(x + arg + 1, n - arg - 1);
+  float s = 0.f, t = 0.f;
+  for (long i = 0; i < n; i++) {
+    const float d = fmaxf(x[i] - m, -87.f);
+    const float e = expf(d);
+    s += e;
+    t += e * d;
+  }
+  out[0] = (double)arg;
+  out[1] = m;
+  out[2] = a > b ? a : b;
+  out[3] = s;
+  out[4] = t;
+  return 0;
 }

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import logging
 import os
 import platform
@@ -50,7 +51,7 @@ LIBS = ("-lm",)
 ATTENTION_CHUNK = 256  # keys per work item, ATTN_CHUNK in the source
 PREFILL_KEYS = 64  # keys per chunk of the prefill attention, PREFILL_KEYS in the source
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # query heads per kv head and head size the attention kernel takes
-_ABI = 7
+_ABI = 8
 
 
 def attention_fits(group: int, head_dim: int) -> bool:
@@ -95,6 +96,21 @@ class CpuKernels:
         self._layers_batch = lib.prepos_decode_layers_batch
         self._layers_batch.argtypes = ([ctypes.c_void_p] * 11 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int])
         self._layers_batch.restype = None
+        self._scan = lib.prepos_scan_greedy
+        self._scan.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+        self._scan.restype = ctypes.c_int
+        self._scan_out = torch.empty(5, dtype=torch.float64)
+
+    def scan_greedy(self, logits: torch.Tensor) -> list[float] | None:
+        """The greedy scan's numbers of 1-D float32 contiguous CPU ``logits`` (``ValueError`` otherwise):
+        ``[first position of the max, max, second-largest value, S, T]`` (see ``prepos_scan_greedy``), or None
+        when a logit is NaN or +inf or all are -inf. Not thread-safe: one result buffer per instance."""
+        if logits.dim() != 1 or logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous():
+            raise ValueError(f"logits: need a contiguous float32 CPU tensor [vocab], got {tuple(logits.shape)} "
+                             f"{logits.dtype} on {logits.device}")
+        if self._scan(logits.data_ptr(), logits.numel(), self._scan_out.data_ptr()):
+            return None
+        return self._scan_out.tolist()
 
     def gemv(self, w: torch.Tensor, x: torch.Tensor, *, alpha: float = 1.0,
              residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -348,6 +364,27 @@ def _self_test(kernels: CpuKernels) -> None:
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
             raise RuntimeError(f"self-test: prefill attention wrong for {n} tokens after {start} ({kv_heads} kv heads "
                                f"x {group}, head_dim {head_dim}; max error {(got - want).abs().max().item():.3g})")
+    _scan_self_test(kernels, g)
+
+
+def _scan_self_test(kernels: CpuKernels, g: torch.Generator) -> None:
+    for n, ties in ((1, False), (7, True), (49_152, False), (50_000, True)):
+        x = torch.randn(n, generator=g) * 4
+        if ties:
+            x[n // 2] = x[n - 1] = x.max() + 1  # two maxima: the first is the answer, the runner-up ties it
+        x[:: max(2, n // 9)] = float("-inf") if n > 1 else x[0]
+        got = kernels.scan_greedy(x)
+        d = x.double() - x.double().max()
+        want = [float(torch.argmax(x)), x.max().item(), torch.topk(x, 2).values[-1].item() if n > 1 else float("-inf"),
+                d.exp().sum().item(), torch.where(d > -87, d.exp() * d, 0).sum().item()]
+        if got is None or got[:3] != want[:3] or not math.isclose(got[3], want[3], rel_tol=1e-4) \
+                or not math.isclose(got[4], want[4], rel_tol=1e-3, abs_tol=1e-4):
+            raise RuntimeError(f"self-test: greedy scan wrong for {n} logits: {got} against {want}")
+    for bad in (float("nan"), float("inf")):
+        if kernels.scan_greedy(torch.tensor([0.0, bad, 1.0])) is not None:
+            raise RuntimeError(f"self-test: greedy scan did not refuse a logit {bad}")
+    if kernels.scan_greedy(torch.full((4,), float("-inf"))) is not None:
+        raise RuntimeError("self-test: greedy scan did not refuse logits that are all -inf")
 
 
 def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
