@@ -50,8 +50,11 @@ class PreposUnavailable(PreposError):
 class PreposTimeout(PreposError, TimeoutError):
     """A call did not complete within its timeout.
 
-    The request may still be running on the server; the session stays usable
-    and its next request is served after this one.
+    The timeout went with the request (Triton's request timeout), so the
+    server stops it at the same deadline and its turn is not accepted; only a
+    last response already on its way when the time ran out can have taken
+    effect. The session stays usable, and its next request is served after
+    this one.
     """
 
 

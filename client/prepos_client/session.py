@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import queue
 import threading
 import time
@@ -82,6 +83,14 @@ class _Inflight:
     closes_session: bool
 
 
+def server_timeout_us(timeout_s: float) -> int | None:
+    """Triton's request timeout (microseconds) for a call limited to ``timeout_s``; None (no limit) for an
+    infinite or non-positive one."""
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        return None
+    return max(1, int(timeout_s * 1e6))
+
+
 class Session:
     """One prepos session: a Triton sequence over its own gRPC stream.
 
@@ -146,7 +155,7 @@ class Session:
             PreposTimeout: no acknowledgement within the timeout.
         """
         inputs = build_inputs(text, ids=ids, role=role, max_tokens=0)
-        inflight = self._send(inputs, end=end)
+        inflight = self._send(inputs, end=end, timeout_s=timeout_s)
         return Update.from_chunks(list(self._receive(inflight, timeout_s)))
 
     def generate(
@@ -190,7 +199,7 @@ class Session:
             speculate=speculate,
             gate_threshold=gate_threshold,
         )
-        inflight = self._send(inputs, end=end)
+        inflight = self._send(inputs, end=end, timeout_s=timeout_s)
         return self._receive(inflight, timeout_s)
 
     def ask(
@@ -250,7 +259,7 @@ class Session:
         try:
             if self._num_requests == 0 and self._needs_start and not self._resume:
                 return None  # nothing was opened
-            inflight = self._send(build_inputs(max_tokens=0), end=True)
+            inflight = self._send(build_inputs(max_tokens=0), end=True, timeout_s=timeout_s)
             return Update.from_chunks(list(self._receive(inflight, timeout_s)))
         finally:
             self._release()
@@ -278,7 +287,9 @@ class Session:
         state = "closed" if self._closed else "open"
         return f"Session({self.session_id!r}, url={self.url!r}, {state})"
 
-    def _send(self, inputs: list[InferInput], *, end: bool) -> _Inflight:
+    def _send(self, inputs: list[InferInput], *, end: bool, timeout_s: float | None) -> _Inflight:
+        """Queue a request on the session's stream. Its time limit goes with it as Triton's request timeout: the
+        server stops the request at the same deadline, so one the client gave up on does not take effect."""
         if self._closed:
             raise PreposError(f"session {self.session_id} is closed")
         router = self._ensure_stream()
@@ -298,6 +309,7 @@ class Session:
                 sequence_start=opens_session,
                 sequence_end=end,
                 enable_empty_final_response=True,
+                timeout=server_timeout_us(self.timeout_s if timeout_s is None else timeout_s),
             )
         except InferenceServerException as error:
             # The stream died before the request could be queued on it;

@@ -301,3 +301,12 @@ def test_after_a_lost_stream_an_opened_session_resumes_with_start(fake_triton):
     assert again.sequence_start and again.inputs["resume"].tolist() == [True]
     session.ask("then")
     assert not fake_triton[0].requests[-1].sequence_start and "resume" not in fake_triton[0].requests[-1].inputs
+
+
+def test_the_servers_request_timeout_is_the_calls_time_limit():
+    from prepos_client.session import server_timeout_us
+
+    assert server_timeout_us(60.0) == 60_000_000 and server_timeout_us(0.05) == 50_000
+    assert server_timeout_us(1e-9) == 1  # never 0, which Triton reads as no timeout
+    for unlimited in (float("inf"), 0.0, -1.0, float("nan")):
+        assert server_timeout_us(unlimited) is None

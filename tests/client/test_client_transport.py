@@ -25,7 +25,7 @@ def parameters(request) -> dict:
 def test_session_id_header_and_sequence_parameters(server):
     with Client(server.url, headers={"x-tenant": "t1"}) as client, client.session("abc") as session:
         session.append("hi", role="system")
-        session.ask("q", max_tokens=3)
+        session.ask("q", max_tokens=3, timeout_s=2.5)
     (metadata,) = server.servicer.stream_metadata
     assert metadata["prepos-session-id"] == "abc"
     assert metadata["x-tenant"] == "t1"
@@ -35,8 +35,9 @@ def test_session_id_header_and_sequence_parameters(server):
         "sequence_start": True,
         "sequence_end": False,
         "triton_enable_empty_final_response": True,
+        "timeout": 60_000_000,  # the client's default call limit, 60 s, as Triton's request timeout in microseconds
     }
-    assert parameters(second)["sequence_start"] is False
+    assert parameters(second)["sequence_start"] is False and parameters(second)["timeout"] == 2_500_000
     assert parameters(end)["sequence_end"] is True
     assert len({first.id, second.id, end.id}) == 3
     assert all(request.model_name == "prepos" for request in server.servicer.requests)

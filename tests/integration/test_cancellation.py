@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from prepos_client import Client, PreposError
+from prepos_client import Client, PreposError, PreposTimeout
 
 from .conftest import start_server
 from .test_server import eventually
@@ -88,6 +88,20 @@ def test_a_request_timeout_is_a_deadline(server):
     assert num_chunks < 400
     with Client(server.grpc_url) as client:
         client.session("deadline", resume=True).close()
+
+
+def test_a_call_the_client_timed_out_is_stopped_by_the_server_and_changes_nothing(server):
+    """The client library sends its time limit as the request timeout: the server stops the request at the same
+    deadline, so a call that raised PreposTimeout did not enter the session's log."""
+    abandoned = server.metric("prepos_requests_abandoned_total", reason="deadline")
+    with Client(server.grpc_url) as client, client.session() as session, client.session() as twin:
+        for s in (session, twin):
+            s.append(SYSTEM, role="system")
+        with pytest.raises(PreposTimeout):
+            session.ask("Tell me a very long story.", max_tokens=400, timeout_s=0.3)
+        eventually(lambda: server.metric("prepos_requests_abandoned_total", reason="deadline") > abandoned)
+        again = session.ask("Say hello.", max_tokens=8)
+        assert again.token_ids == twin.ask("Say hello.", max_tokens=8).token_ids  # the timed-out turn is not in the log
 
 
 def test_a_client_that_does_not_read_holds_up_no_other_session(server):
