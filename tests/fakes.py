@@ -145,6 +145,8 @@ class FakeEngine(Engine):
         return super().decode_batch(session_ids, token_ids)
 
     def decode(self, session_id, token_id):
+        if len(self.kv[session_id]) >= self.info.max_context:  # as the real engines: the KV has no room left
+            raise ValueError(f"session {session_id!r} is at max_context {self.info.max_context}")
         self.calls.append(("decode", session_id, 1))
         return self._compute(session_id, self.kv[session_id] + [token_id], 1)
 

@@ -244,7 +244,7 @@ class CalibrationReplay:
                     token_log += [*entry, *delta_ids, *framing.close_ids]
                 continue
             trie = ChoiceTrie(step.choices, self._tokenizer, self._terminator_id) if step.choices else None
-            forced = trie.forced_ids() if trie else []
+            forced = trie.leading_ids() if trie else []
             key = (session.name, index)
             longest = max((len(ids) for ids in trie.token_ids), default=0) + 1 if trie else self._max_answer_tokens
             if len(token_log) + len(entry) + len(delta_ids) + len(framing.cue_ids) + longest > self._max_context:

@@ -490,7 +490,7 @@ class Scheduler:
         log_length = len(session.token_log)
         role = session.last_role
         trie = self._turns.trie(session.last_choices)
-        forced = tuple(trie.forced_ids()) if trie else ()
+        forced = tuple(trie.leading_ids()) if trie else ()
         spec = (*self._turns.turn_ids(session, role, self._speculative_delta_ids, self._framing.cue_ids), *forced)
         target = [*session.token_log, *spec]
         if len(target) + 1 > self._max_context:

@@ -112,7 +112,6 @@ class RequestServer:
         self._reject = reject
         self._watch = watch
         self._request_audit = request_audit
-        self._max_context = engine.info.max_context
 
     def serve(self, session: Session, request: Request, sink: ResponseSink) -> Iterator[None]:
         """Serve one request: every request gets exactly one final response (or error) on ``sink``; an END
@@ -165,8 +164,8 @@ class RequestServer:
             return False
         return True
 
-    def _make_room(self, session: Session, request: Request, num_new: int) -> None:
-        dropped = self._turns.make_room(session, request, num_new)
+    def _make_room(self, session: Session, request: Request, num_new: int, answer_room: int) -> None:
+        dropped = self._turns.make_room(session, request, num_new, answer_room)
         if dropped:
             self._metrics.turns_dropped(dropped)
             log.info("session %r: dropped its %d oldest turns to fit the context", session.session_id, dropped)
@@ -176,7 +175,7 @@ class RequestServer:
         path = ServedPath.CLOSE if request.end and not delta_ids else ServedPath.APPEND
         if delta_ids:  # an empty update changes nothing (a bare START or END)
             turn = self._turns.turn_ids(session, request.role, delta_ids, self._framing.close_ids)
-            self._make_room(session, request, len(turn))  # drops turns after the first: the opening stays as is
+            self._make_room(session, request, len(turn), 0)  # drops turns after the first: the opening stays as is
             if session.positioned_valid():
                 self._metrics.prepositioning_ended("invalidated")
             self._residency.accept(session, turn, session.last_role, session.last_choices)
@@ -200,14 +199,15 @@ class RequestServer:
     def _generate(self, session: Session, request: Request, clock: RequestClock, sink: ResponseSink) -> Iterator[None]:
         sid = session.session_id
         trie = self._turns.trie(request.choices)
-        forced = tuple(trie.forced_ids()) if trie else ()
+        forced = tuple(trie.leading_ids()) if trie else ()
         framing_length = len(self._turns.turn_ids(session, request.role, (), self._framing.cue_ids)) + len(forced)
         # A text delta is tokenized only where its tokens are needed: a gated answer reads none of them.
         delta_ids = list(request.delta_ids) if request.delta_ids is not None else None
-        if delta_ids is None and self._turns.may_overflow(session, request, framing_length):
+        answer_room = self._turns.answer_room(request, trie)
+        if delta_ids is None and self._turns.may_overflow(session, request, framing_length, answer_room):
             delta_ids = self._turns.delta_ids(request)
         if delta_ids is not None:
-            self._make_room(session, request, framing_length + len(delta_ids))
+            self._make_room(session, request, framing_length + len(delta_ids), answer_room)
         has_delta = request.has_delta
 
         def turn_ids() -> list[int]:  # opening + entry + delta + cue, tokenizing the delta on first use
@@ -267,7 +267,9 @@ class RequestServer:
         answer: list[int] = list(forced)
         unsent: list[int] = list(forced)  # forced leading choice tokens go out with the first decision
         detok = IncrementalDetokenizer(self._tokenizer, request.stop)
-        max_new = min(request.max_tokens, self._max_context - len(session.token_log) - framing_length)
+        # the prompt's length where it is known; else a lower bound, and the bound is taken again once it is
+        max_new = self._turns.max_answer_tokens(
+            request, len(prompt) if prompt is not None else len(session.token_log) + framing_length - len(forced))
         scan = first
         while True:
             token = scan.token_id
@@ -305,7 +307,7 @@ class RequestServer:
                 break
             if prompt is None:
                 prompt = [*session.token_log, *turn_ids()]
-                max_new = min(request.max_tokens, self._max_context - len(prompt))
+                max_new = self._turns.max_answer_tokens(request, len(prompt))
             sequence = [*prompt, *answer]
             if kv_len == len(sequence) - 1:  # the loop decodes it, with the other sessions' decodes
                 step = DecodeStep(session_id=sid, token_id=sequence[-1], wanted=lambda: self._alive(request, sink))

@@ -151,6 +151,14 @@ class ChoiceTrie:
             forced.append(token)
         return forced
 
+    def leading_ids(self) -> list[int]:
+        """The forced tokens before an answer's first decision. A sole choice leaves its last token to that
+        decision (one allowed token, certainty 1), so every answer is scanned at least once."""
+        forced = self.forced_ids()
+        if forced and self.finished(forced) is not None:
+            forced.pop()
+        return forced
+
     def allowed_ids(self, prefix: Sequence[int]) -> list[int]:
         """Sorted tokens allowed after ``prefix``; empty when ``prefix`` is a complete answer."""
         node = self._walk(prefix)

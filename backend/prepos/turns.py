@@ -53,34 +53,49 @@ class TurnBuilder:
         return [*self._framing.opening_ids(not session.token_log, role), *self._framing.entry_ids[role],
                 *delta_ids, *closing]
 
-    def may_overflow(self, session: Session, request: Request, framing_length: int) -> bool:
+    def answer_room(self, request: Request, trie: ChoiceTrie | None) -> int:
+        """Tokens the answer and the tokens that close it may add to the log after the turn and the forced
+        leading choice tokens: none for an append; for ``choices`` the longest choice's rest, a terminator and
+        the closing (a choice is never cut short); else the closing and one answer token under ``reject``,
+        ``max_tokens`` of them under ``drop_oldest``."""
+        if request.is_append:
+            return 0
+        closing = len(self._framing.answer_terminator_ids)
+        if trie is not None:
+            return max(map(len, trie.token_ids)) - len(trie.leading_ids()) + 1 + closing
+        return (request.max_tokens if self.overflow == "drop_oldest" else 1) + closing
+
+    def max_answer_tokens(self, request: Request, prompt_length: int) -> int:
+        """Answer tokens a free-text answer may take after a prompt of ``prompt_length`` tokens: ``max_tokens``,
+        or fewer where the log would not have room for them and the answer's closing (finish reason length)."""
+        room = self.max_log_tokens - prompt_length - len(self._framing.answer_terminator_ids)
+        return max(1, min(request.max_tokens, room))
+
+    def may_overflow(self, session: Session, request: Request, framing_length: int, answer_room: int) -> bool:
         """Whether the request might not fit; False is a proof (byte-level tokenizers give at most one
         token per byte, +1 for a prefix space), so short texts need no tokenizing to be checked."""
-        answer_room = request.max_tokens if self.overflow == "drop_oldest" else 1
         return len(request.delta_text or "") * 4 + 1 + framing_length + len(session.token_log) + answer_room \
             > self.max_log_tokens
 
-    def make_room(self, session: Session, request: Request, num_new: int) -> int:
-        """Make sure ``num_new`` more tokens (and an answer) fit; returns how many turns were dropped.
+    def make_room(self, session: Session, request: Request, num_new: int, answer_room: int) -> int:
+        """Make sure ``num_new`` more tokens and ``answer_room`` for the answer (:meth:`answer_room`) fit;
+        returns how many turns were dropped.
 
-        ``reject``: raises ProtocolError naming the input when they do not fit
-        with room for one answer token. ``drop_oldest``: drops the oldest
-        turns after the first until they fit with room for the whole answer
-        (``max_tokens``), or raises when even that cannot make room.
+        ``reject``: raises ProtocolError naming the input when they do not fit.
+        ``drop_oldest``: drops the oldest turns after the first until they fit,
+        or raises when even that cannot make room.
         """
         field = "input_ids" if request.delta_ids is not None else "text_input"
-        answer_room = 0 if request.is_append else 1
-        if self.overflow == "drop_oldest" and not request.is_append:
-            answer_room = request.max_tokens + len(self._framing.answer_terminator_ids)
         if len(session.token_log) + num_new + answer_room <= self.max_log_tokens:
             return 0
         if self.overflow == "drop_oldest":
             dropped = session.drop_oldest_turns(self.max_log_tokens - num_new - answer_room)
             if dropped is not None:
                 return dropped
+        what = "the longest choice" if request.choices else "the answer"
         raise ProtocolError(
             field,
-            f"the turn needs {num_new} tokens (+{answer_room} for the answer) but the session holds "
+            f"the turn needs {num_new} tokens (+{answer_room} for {what}) but the session holds "
             f"{len(session.token_log)} of at most {self.max_log_tokens} tokens "
             f"(context overflow policy {self.overflow!r})",
         )

@@ -289,6 +289,22 @@ def test_choices_answer_matches_constrained_reference(h):
     assert sink.text == h.tok.decode(out) and sink.text in choices
 
 
+@pytest.mark.parametrize("choice", ["get_weather", "y"])
+def test_a_single_choice_is_the_answer_with_full_confidence_and_positions_the_next_turn(h, choice):
+    open_session(h)
+    sink = h.serve(h.request("s1", "which tool?", choices=(choice,)))
+    assert sink.text == choice and sink.ids == h.tok.encode(choice)
+    assert sink.chunks[-1].finish_reason == "stop" and sink.chunks[0].confidence == 1.0
+    h.idle()
+    positioned = h.sched.store.lookup("s1").positioned
+    assert positioned.greedy_scan.num_allowed == 1 and positioned.greedy_scan.p_max == 1.0
+    sink = h.serve(h.request("s1", "", choices=(choice,)))  # answered from the positioned scan
+    assert sink.path == "exact" and sink.text == choice
+    session = h.sched.store.lookup("s1")
+    answers = h.tok.decode(session.token_log).count(f"assistant\n{choice}<|im_end|>")
+    assert answers == 2  # both answers entered the log, once each
+
+
 def test_stop_strings_cut_the_answer(h):
     open_session(h)
     full = h.serve(h.request("s2", "tell me", start=True, max_tokens=30)).text

@@ -92,6 +92,37 @@ def test_context_overflow_drop_oldest_keeps_the_system_turn_and_answers_like_a_f
     assert len(session.turns()) - 1 < num_turns  # older turns went, the new one came in
 
 
+@pytest.mark.parametrize("limit", ["max_context", "max_log_tokens"])
+def test_an_answer_that_reaches_the_context_limit_stops_with_length_and_the_log_stays_within_it(tmp_path, limit):
+    size = 80
+    kw = {"max_context": size} if limit == "max_context" else {"max_log_tokens": size}
+    h = Harness(tmp_path, logits_fn=endless_logits, **kw)
+    open_session(h, text="sys")
+    before = len(h.log("s1"))
+    turn = len(h.prompt("s1", "q" * 20)) - before
+    room = size - before - turn - len(h.framing.answer_terminator_ids)
+    assert 1 <= room < 40  # fits with one answer token, not with 40
+    sink = h.serve(h.request("s1", "q" * 20, max_tokens=40))
+    assert sink.error is None and sink.chunks[-1].finish_reason == "length" and len(sink.ids) == room
+    assert len(h.log("s1")) == size  # the answer and its closing filled the log exactly
+    h.idle()  # pre-positioning finds no room for another turn and leaves the session as it is
+    assert len(h.log("s1")) == size
+    after = h.serve(h.request("s1", "more", max_tokens=4))
+    assert after.error.field == "text_input" and "'reject'" in str(after.error) and len(h.log("s1")) == size
+
+
+def test_choices_that_do_not_fit_the_context_are_rejected_whole_not_cut(tmp_path):
+    h = Harness(tmp_path, max_context=80)
+    open_session(h, text="sys")
+    before = h.log("s1")
+    long_choices = ("a" * 40, "b" * 40)
+    sink = h.serve(h.request("s1", "pick one", choices=long_choices))
+    assert sink.error.field == "text_input" and "longest choice" in str(sink.error)
+    assert h.log("s1") == before
+    fits = h.serve(h.request("s1", "pick one", choices=("a" * 8, "b" * 8)))
+    assert fits.error is None and fits.text in ("a" * 8, "b" * 8) and len(h.log("s1")) <= 80
+
+
 def test_a_turn_longer_than_the_whole_limit_is_rejected_under_either_policy(tmp_path):
     for policy in ("reject", "drop_oldest"):
         h = Harness(tmp_path, max_log_tokens=50, context_overflow=policy)

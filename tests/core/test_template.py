@@ -58,3 +58,16 @@ def test_a_remembered_choice_is_not_tokenized_again(tmp_path, monkeypatch):
     tok.encode_choice(long_name)
     tok.encode_choice(long_name)
     assert calls[-2:] == [long_name, long_name]  # too long to keep: tokenized each time
+
+
+def test_a_sole_choice_leaves_its_last_token_to_a_decision(tmp_path):
+    tok = Tokenizer(write_char_tokenizer(tmp_path / "tokenizer.json"))
+    sole = template.ChoiceTrie(("abc",), tok, 99)
+    ids = list(tok.encode_choice("abc"))
+    assert sole.forced_ids() == ids  # every token is forced ...
+    assert sole.leading_ids() == ids[:-1] and sole.allowed_ids(ids[:-1]) == ids[-1:]  # ... but one is scanned
+    assert sole.finished(ids) == 0
+    one_token = template.ChoiceTrie(("a",), tok, 99)
+    assert one_token.leading_ids() == [] and one_token.allowed_ids(()) == list(tok.encode_choice("a"))
+    shared = template.ChoiceTrie(("ab", "ac"), tok, 99)
+    assert shared.leading_ids() == shared.forced_ids() == list(tok.encode_choice("a"))  # stops at a real decision
