@@ -284,6 +284,25 @@ def read_config(parameters: Mapping[str, str], environ: Mapping[str, str] | None
     return PreposConfig(**built)
 
 
+def sequence_slots(model_config: Mapping[str, Any]) -> int | None:
+    """Triton's sequence slots for the model (``sequence_batching.oldest.max_candidate_sequences``), or None
+    where the model configuration sets none."""
+    oldest = model_config.get("sequence_batching", {}).get("oldest", {})
+    slots = oldest.get("max_candidate_sequences")
+    return int(slots) if slots else None
+
+
+def check_sequence_slots(memory: MemoryConfig, slots: int | None) -> None:
+    """Triton holds a START past its sequence slots in a backlog until a slot frees, where prepos could not
+    answer it, so ``memory.max_sessions`` must stay below them: the START past it is then rejected at once
+    (RESOURCE_EXHAUSTED), and the slots left over hold rejected STARTs until their END or idle timeout."""
+    if slots is not None and memory.max_sessions >= slots:
+        raise ConfigError(
+            f"memory.max_sessions: {memory.max_sessions} must be below Triton's sequence slots "
+            f"(sequence_batching.oldest.max_candidate_sequences = {slots}); past them Triton queues a new START "
+            "instead of passing it on, so it would wait rather than be rejected")
+
+
 def known_keys() -> list[str]:
     keys = []
     for area, cls in _AREAS.items():

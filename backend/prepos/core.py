@@ -13,7 +13,7 @@ from typing import Mapping
 
 import numpy as np
 
-from prepos.config import ConfigError, EngineConfig, MemoryConfig, PreposConfig, read_config
+from prepos.config import ConfigError, EngineConfig, MemoryConfig, PreposConfig, check_sequence_slots, read_config
 from prepos.engines.base import Engine
 from prepos.engines.openmp import release_calling_thread
 from prepos.metrics import BufferedSink, Metrics, MetricsSink
@@ -144,8 +144,11 @@ class Core:
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, str], model_dir: str | Path,
-                        metrics_sink: MetricsSink | None = None) -> "Core":
-        return cls(read_config(parameters), model_dir, metrics_sink)
+                        metrics_sink: MetricsSink | None = None, *, sequence_slots: int | None = None) -> "Core":
+        """``sequence_slots``: Triton's sequence slots for the model (checked against ``memory.max_sessions``)."""
+        config = read_config(parameters)
+        check_sequence_slots(config.memory, sequence_slots)
+        return cls(config, model_dir, metrics_sink)
 
     def parse(self, inputs: Mapping[str, np.ndarray], *, session_id: str | int, request_id: str | None,
               arrival_s: float, timeout_s: float | None = None) -> Request:

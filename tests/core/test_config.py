@@ -1,6 +1,9 @@
+import re
+
 import pytest
 
-from prepos.config import ConfigError, read_config
+from prepos.config import ConfigError, MemoryConfig, check_sequence_slots, read_config, sequence_slots
+from prepos.launcher import REPO_ROOT
 
 
 def test_parameters_and_environment_override_defaults():
@@ -57,3 +60,18 @@ def test_auto_on_cpu_is_the_kernel_scan_where_the_kernels_build_and_torch_where_
     assert Core._scan(config, ".") is scan_torch
     with pytest.raises(ConfigError, match="^engine.scan: cpu needs the CPU kernels"):
         Core._scan(explicit, ".")
+
+
+def test_the_session_limit_must_stay_below_tritons_sequence_slots():
+    assert sequence_slots({"sequence_batching": {"oldest": {"max_candidate_sequences": 8192}}}) == 8192
+    assert sequence_slots({"sequence_batching": {"direct": {}}}) is None and sequence_slots({}) is None
+    check_sequence_slots(MemoryConfig(max_sessions=4095), 4096)
+    check_sequence_slots(MemoryConfig(max_sessions=10**6), None)  # no oldest strategy: nothing to compare
+    with pytest.raises(ConfigError, match=r"memory.max_sessions: 4096 must be below .*max_candidate_sequences = 4096"):
+        check_sequence_slots(MemoryConfig(max_sessions=4096), 4096)
+
+
+def test_the_shipped_model_config_leaves_room_above_the_default_session_limit():
+    text = (REPO_ROOT / "model_repository" / "prepos" / "config.pbtxt").read_text()
+    slots = int(re.search(r"max_candidate_sequences: (\d+)", text).group(1))
+    assert slots >= 2 * MemoryConfig().max_sessions  # rejected STARTs hold slots until END or idle timeout

@@ -17,6 +17,7 @@ try:
 except ImportError:  # running from a source checkout: model_repository/prepos/1/model.py -> backend/
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
 
+from prepos.config import sequence_slots
 from prepos.core import Core
 from prepos.protocol import ProtocolError, Rejection, ResponseChunk, Status, control_flags
 from triton_metrics import TritonMetricsSink
@@ -78,7 +79,8 @@ class TritonPythonModel:
         if idle_us and "scheduler.session_idle_timeout_s" not in parameters:
             parameters["scheduler.session_idle_timeout_s"] = str(int(idle_us) / 1e6)
         model_dir = f"{args['model_repository']}"
-        self.core = Core.from_parameters(parameters, model_dir, TritonMetricsSink(args["model_name"]))
+        self.core = Core.from_parameters(parameters, model_dir, TritonMetricsSink(args["model_name"]),
+                                         sequence_slots=sequence_slots(model_config))
         self.core.start()
 
     def execute(self, requests):
