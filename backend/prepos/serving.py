@@ -266,7 +266,7 @@ class RequestServer:
 
         answer: list[int] = list(forced)
         unsent: list[int] = list(forced)  # forced leading choice tokens go out with the first decision
-        detok = IncrementalDetokenizer(self._tokenizer, request.stop)
+        detok = IncrementalDetokenizer(self._tokenizer, () if trie else request.stop)  # stop never cuts a choice
         # the prompt's length where it is known; else a lower bound, and the bound is taken again once it is
         max_new = self._turns.max_answer_tokens(
             request, len(prompt) if prompt is not None else len(session.token_log) + framing_length - len(forced))

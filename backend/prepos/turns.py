@@ -42,6 +42,12 @@ class TurnBuilder:
             bad = [i for i in request.delta_ids if i >= self._vocab_size]
             if bad:
                 raise ProtocolError("input_ids", f"token id {bad[0]} out of range [0, {self._vocab_size})")
+        trie = self.trie(request.choices)
+        if trie is not None:  # the terminator ends a choice where a longer one goes on: no choice may hold it
+            for index, ids in enumerate(trie.token_ids):
+                if self.terminator_id in ids:
+                    raise ProtocolError("choices", f"entry {index} holds the answer terminator "
+                                                   f"{self._tokenizer.decode([self.terminator_id])!r}")
 
     def delta_ids(self, request: Request) -> list[int]:
         if request.delta_ids is not None:

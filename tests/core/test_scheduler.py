@@ -305,6 +305,22 @@ def test_a_single_choice_is_the_answer_with_full_confidence_and_positions_the_ne
     assert answers == 2  # both answers entered the log, once each
 
 
+def test_stop_strings_never_cut_a_choice(h):
+    open_session(h)
+    choices = ("get_weather", "get_time")
+    plain = h.serve(h.request("s2", "which tool?", start=True, choices=choices))
+    stopped = h.serve(h.request("s3", "which tool?", start=True, choices=choices, stop=("_", "t")))
+    assert plain.text in choices and stopped.text == plain.text and stopped.chunks[-1].finish_reason == "stop"
+
+
+def test_a_choice_holding_the_answer_terminator_is_rejected_naming_choices(h):
+    open_session(h)
+    before = list(h.sched.store.lookup("s1").token_log)
+    sink = h.serve(h.request("s1", "which?", choices=("yes", "<|im_end|>")))
+    assert sink.error.field == "choices" and "entry 1 holds the answer terminator" in str(sink.error)
+    assert h.sched.store.lookup("s1").token_log == before
+
+
 def test_stop_strings_cut_the_answer(h):
     open_session(h)
     full = h.serve(h.request("s2", "tell me", start=True, max_tokens=30)).text
