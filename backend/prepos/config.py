@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -72,6 +73,8 @@ class EngineConfig:
         _check(0.0 < self.trtllm_free_gpu_memory_fraction <= 1.0, "engine.trtllm_free_gpu_memory_fraction",
                "must lie in (0, 1]")
         _check(0 <= self.trtllm_retention_priority <= 100, "engine.trtllm_retention_priority", "must lie in [0, 100]")
+        _check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "engine.device",
+               f"unknown device {self.device!r}; use cpu, cuda or cuda:N")
         _check(self.name != "trtllm" or self.device.startswith("cuda"), "engine.device",
                f"the trtllm engine runs on CUDA; engine.device is {self.device!r}")
         _check(1 <= self.page_tokens <= 4096 and not self.page_tokens & (self.page_tokens - 1), "engine.page_tokens",
@@ -81,6 +84,9 @@ class EngineConfig:
                f"triton runs on CUDA only; engine.device is {self.device!r} (use auto or torch)")
         _check(self.scan != "tensorrt" or bool(self.scan_engine), "engine.scan_engine",
                "required with engine.scan = tensorrt (build one with python -m prepos_build.scan_tensorrt)")
+
+
+IDLE_POLICY_NAMES = ("most_recent", "least_recent")  # prepos.policies.IDLE_POLICIES
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check(self.chunk_tokens >= 1, "scheduler.chunk_tokens", "must be >= 1")
+        _check(self.idle_policy in IDLE_POLICY_NAMES, "scheduler.idle_policy",
+               f"unknown policy {self.idle_policy!r}; use {' or '.join(IDLE_POLICY_NAMES)}")
         _check(self.context_overflow in ("reject", "drop_oldest"), "scheduler.context_overflow",
                f"unknown policy {self.context_overflow!r}; use reject or drop_oldest")
         _check(0 <= self.background_delay_ms <= 10_000, "scheduler.background_delay_ms", "must be in [0, 10000]")

@@ -54,6 +54,19 @@ def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int =
     raise ConfigError(f"engine.name: unknown engine {config.name!r}; use torch or trtllm")
 
 
+def check_device(device: str) -> None:
+    """A CUDA ``engine.device`` torch does not see is a ConfigError naming the key, not torch's own error."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        found = f"{torch.cuda.device_count()} CUDA devices" if torch.cuda.is_available() else \
+            f"no CUDA (torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'})"
+        raise ConfigError(f"engine.device: {device!r}, but torch sees {found}; use cpu here")
+
+
 def kv_budget_bytes(memory: MemoryConfig, engine: Engine) -> int:
     """The KV budget the scheduler evicts against.
 
@@ -78,6 +91,8 @@ class Core:
     def __init__(self, config: PreposConfig, model_dir: str | Path, metrics_sink: MetricsSink | None = None,
                  engine: Engine | None = None):
         self.config = config
+        if engine is None:
+            check_device(config.engine.device)
         engine_dir = config.engine_dir(model_dir)
         manifest = EngineManifest.load(engine_dir)
         self.tokenizer = Tokenizer(engine_dir / "tokenizer.json")

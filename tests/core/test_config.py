@@ -19,6 +19,9 @@ def test_parameters_and_environment_override_defaults():
     ({"scheduler.max_decode_batch": "0"}, "scheduler.max_decode_batch"),
     ({"engine.name": "onnx"}, "engine.name"),
     ({"scheduler.preposition": "perhaps"}, "scheduler.preposition"),
+    ({"scheduler.idle_policy": "random"}, "scheduler.idle_policy"),
+    ({"engine.device": "gpu"}, "engine.device"),
+    ({"engine.device": "cuda:x"}, "engine.device"),
 ])
 def test_bad_values_name_the_key(params, key):
     with pytest.raises(ConfigError, match=f"^{key}: "):
@@ -75,3 +78,20 @@ def test_the_shipped_model_config_leaves_room_above_the_default_session_limit():
     text = (REPO_ROOT / "model_repository" / "prepos" / "config.pbtxt").read_text()
     slots = int(re.search(r"max_candidate_sequences: (\d+)", text).group(1))
     assert slots >= 2 * MemoryConfig().max_sessions  # rejected STARTs hold slots until END or idle timeout
+
+
+def test_every_idle_policy_the_config_accepts_exists():
+    from prepos.config import IDLE_POLICY_NAMES
+    from prepos.policies import IDLE_POLICIES
+
+    assert set(IDLE_POLICY_NAMES) == set(IDLE_POLICIES)
+
+
+def test_a_cuda_device_torch_does_not_see_is_a_config_error_naming_the_key(tmp_path):
+    import torch
+
+    from prepos.core import Core
+
+    device = f"cuda:{torch.cuda.device_count()}"  # one past the last device, wherever this runs
+    with pytest.raises(ConfigError, match=rf"^engine.device: '{device}', but torch sees "):
+        Core.from_parameters({"engine.device": device, "engine.dir": str(tmp_path)}, tmp_path)
