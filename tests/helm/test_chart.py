@@ -557,6 +557,16 @@ def test_auth_groups_are_the_launchers_by_default(chart):
     assert defaults["auth"]["header"] == ACCESS_TOKEN_HEADER
 
 
+def test_production_values_restrict_every_group_the_launcher_does(chart, production_values):
+    from prepos.launcher import RESTRICTED_PROTOCOLS
+
+    (c,) = [c for c in one(render(chart, production_values), "StatefulSet")["spec"]["template"]["spec"]["containers"]
+            if any("restricted" in arg for arg in c.get("args", []))]
+    for arg in c["args"]:
+        if "restricted" in arg:
+            assert arg.split("=", 1)[1].split(":", 1)[0].split(",") == list(RESTRICTED_PROTOCOLS)
+
+
 def test_readme_gpu_node_pool_example_renders_and_validates(chart):
     """The values example in README "Deploy on Kubernetes" stays a working one."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
