@@ -115,7 +115,7 @@ class SchedulerConfig:
     does not hold up the short ones that came before it. On a GPU, where a batch of a few thousand tokens
     costs little more than one of a few hundred, raise it."""
     default_max_tokens: int = 64
-    """``max_tokens`` when a request does not send it."""
+    """``max_tokens`` when a request with a delta or ``choices`` does not send it (a bare START or END: 0)."""
     context_overflow: str = "reject"
     """When a turn would not fit the session's log: ``reject`` (error naming the input, nothing changes) or
     ``drop_oldest`` (drop the oldest turns after the first, the system turn, until the turn and its answer fit)."""

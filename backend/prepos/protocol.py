@@ -290,7 +290,11 @@ def parse_request(
     role = "user" if role_raw is None else _utf8("role", role_raw, limits.max_role_bytes)
 
     max_tokens_raw = _scalar(inputs, "max_tokens", "iu")
-    max_tokens = default_max_tokens if max_tokens_raw is None else int(max_tokens_raw)
+    if max_tokens_raw is not None:
+        max_tokens = int(max_tokens_raw)
+    else:  # a request with nothing to answer (a bare START or END) is an update, not a question about nothing
+        bare = delta_text is None and delta_ids is None and "choices" not in inputs
+        max_tokens = 0 if bare else default_max_tokens
     if not 0 <= max_tokens <= limits.max_tokens:
         raise ProtocolError("max_tokens", f"must be in [0, {limits.max_tokens}], got {max_tokens}")
 

@@ -32,6 +32,14 @@ def test_defaults_and_values():
     assert r.stop == ("\n",) and r.speculate is False and r.gate_threshold == 0.5
 
 
+def test_a_request_with_nothing_to_answer_is_an_update_unless_it_asks_for_tokens():
+    start = np.array([1.0], np.float32)
+    assert parse(START=start).is_append and parse(END=start).max_tokens == 0  # a bare START or END
+    assert parse(text_input=b("")).max_tokens == 16  # an empty delta asks: the answer at the decision point
+    assert parse(choices=b("yes", "no")).max_tokens == 16
+    assert parse(START=start, max_tokens=np.array([5], np.int32)).max_tokens == 5
+
+
 @pytest.mark.parametrize("inputs, field", [
     (dict(text_input=b("a"), input_ids=np.array([1], np.int32)), "input_ids"),
     (dict(max_tokens=np.array([-1], np.int32)), "max_tokens"),
