@@ -22,26 +22,35 @@ class MetricSpec:
     description: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
+    values: tuple[str, ...] = ()
+    """A counter's known values of its one label, published at 0 from the start (as is an unlabelled counter),
+    so a scrape finds every series before its first event and rates start from 0."""
 
 
 SPECS = (
-    MetricSpec("prepos_requests_total", "counter", "Requests served, by path (append and close included)", ("path",)),
+    MetricSpec("prepos_requests_total", "counter", "Requests served, by path (append and close included)", ("path",),
+               values=("exact", "gated", "prepaid", "prefix", "rebuild", "append", "close")),
     MetricSpec("prepos_request_errors_total", "counter", "Requests rejected, by the input the error names", ("field",)),
     MetricSpec("prepos_first_token_ms", "histogram", "Server-side time from arrival to first response, by path (ms)",
                ("path",), FIRST_TOKEN_BUCKETS_MS),
-    MetricSpec("prepos_gate_decisions_total", "counter", "Gate decisions on requests with a delta, by outcome", ("outcome",)),
-    MetricSpec("prepos_prepositionings_total", "counter", "Pre-positionings, by result", ("result",)),
+    MetricSpec("prepos_gate_decisions_total", "counter", "Gate decisions on requests with a delta, by outcome", ("outcome",),
+               values=("fired", "declined", "disabled")),
+    MetricSpec("prepos_prepositionings_total", "counter", "Pre-positionings, by result", ("result",),
+               values=("completed", "invalidated", "preempted", "abandoned")),
     MetricSpec("prepos_sessions", "gauge", "Open sessions, by state", ("state",)),
     MetricSpec("prepos_kv_bytes", "gauge", "KV cache bytes held by all sessions"),
     MetricSpec("prepos_kv_budget_bytes", "gauge", "KV cache budget in bytes"),
     MetricSpec("prepos_kv_evictions_total", "counter",
-               "Evictions under the memory budget, by what went: speculative state or a session's whole KV", ("what",)),
+               "Evictions under the memory budget, by what went: speculative state or a session's whole KV", ("what",),
+               values=("speculative", "kv")),
     MetricSpec("prepos_kv_blocks_total", "counter",
                "TensorRT-LLM engine: KV blocks of its requests, by outcome: reused (cached prefix), new (computed), "
                "missed (expected cached but evicted)", ("outcome",)),
-    MetricSpec("prepos_prefill_tokens_total", "counter", "Tokens prefilled, by where the work ran", ("where",)),
+    MetricSpec("prepos_prefill_tokens_total", "counter", "Tokens prefilled, by where the work ran", ("where",),
+               values=("foreground", "background")),
     MetricSpec("prepos_engine_seconds_total", "counter",
-               "Engine-loop seconds spent on requests (foreground) and on pre-positioning (background)", ("where",)),
+               "Engine-loop seconds spent on requests (foreground) and on pre-positioning (background)", ("where",),
+               values=("foreground", "background")),
     MetricSpec("prepos_decode_batch_sessions", "histogram",
                "Sessions in each decode step the engine ran (requests waiting to decode go in one batch)", (),
                DECODE_BATCH_BUCKETS),
@@ -50,11 +59,12 @@ SPECS = (
                DECODE_BATCH_BUCKETS),
     MetricSpec("prepos_requests_abandoned_total", "counter",
                "Requests stopped before their end, by reason (cancelled, deadline); their turn is not accepted",
-               ("reason",)),
+               ("reason",), values=("cancelled", "deadline")),
     MetricSpec("prepos_sessions_recovered_total", "counter", "Sessions reopened from their journal"),
     MetricSpec("prepos_turns_dropped_total", "counter", "Turns dropped from session logs by the context overflow policy"),
     MetricSpec("prepos_gate_audits_total", "counter",
-               "Gated answers audited against the full path, by result (agreed, disagreed)", ("result",)),
+               "Gated answers audited against the full path, by result (agreed, disagreed)", ("result",),
+               values=("agreed", "disagreed")),
     MetricSpec("prepos_gate_false_accept_upper_bound", "gauge",
                "Upper confidence bound on the gate's false-accept rate from the audits"),
     MetricSpec("prepos_gate_suspended", "gauge", "1 once the audits suspended the gate (until a reload), else 0"),
@@ -150,6 +160,10 @@ class Metrics:
         self.sink = sink if sink is not None else MemorySink()
         for spec in SPECS:
             self.sink.declare(spec)
+            if spec.kind == "counter" and not spec.labels:
+                self.sink.inc(spec.name, {}, 0)
+            for value in spec.values:
+                self.sink.inc(spec.name, {spec.labels[0]: value}, 0)
 
     def flush(self) -> None:
         """Publish what a :class:`BufferedSink` holds (nothing to do for other sinks)."""

@@ -77,3 +77,30 @@ def test_the_loop_publishes_at_housekeeping_under_load_and_when_it_goes_idle(tmp
         assert sink.done
     finally:
         h.sched.stop()
+
+
+def test_known_counter_series_are_published_at_zero_and_no_event_falls_outside_them(tmp_path):
+    from prepos.metrics import SPECS, Metrics
+
+    fresh = Metrics(MemorySink())
+    for spec in SPECS:
+        if spec.kind == "counter" and not spec.labels:
+            assert (spec.name, ()) in fresh.sink.values
+        for value in spec.values:
+            assert fresh.sink.values[spec.name, ((spec.labels[0], value),)] == 0.0
+    h = Harness(tmp_path, threshold=0.0, kv_budget=100 * 120)  # a gate that fires, a budget that evicts
+    for sid in ("s1", "s2", "s3"):
+        open_session(h, sid)
+        h.serve(h.request(sid, "hello", max_tokens=3))
+        h.idle()
+        h.serve(h.request(sid, "and then?", max_tokens=2))
+        h.serve(h.request(sid, "", max_tokens=2))
+    h.serve(h.request("s1", None, end=True, max_tokens=0))
+    known = {spec.name: (spec.labels[0], set(spec.values)) for spec in SPECS if spec.values}
+    seen = set()
+    for name, labels in h.metrics.sink.values:
+        if name in known:
+            label, values = known[name]
+            assert dict(labels)[label] in values, (name, labels)
+            seen.add((name, dict(labels)[label]))
+    assert ("prepos_requests_total", "gated") in seen and ("prepos_requests_total", "close") in seen
