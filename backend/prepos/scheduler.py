@@ -290,6 +290,13 @@ class Scheduler:
         except StopIteration:
             session.task = None
             return
+        except Exception:  # what the request's own handling could not answer (its client's stream failing, say)
+            log.exception("session %r: a request failed outside its error handling", session.session_id)
+            session.task = None
+            if session.pending:  # the requests behind it are served as usual
+                session.task = self._serve_session(session)
+                self._ready.append(session)
+            return
         finally:
             self._foreground_done(began)
         if isinstance(step, EngineStep):

@@ -181,3 +181,24 @@ def test_idle_sessions_time_out_even_while_the_loop_is_always_busy(tmp_path):
     h.clock.t += 6.0  # "abandoned" has been idle past the timeout
     h.serve(h.request("busy", "still here", max_tokens=3))  # every step does foreground work
     assert h.sched.store.get("abandoned") is None and h.sched.store.get("busy") is not None
+
+
+def test_a_client_stream_that_fails_does_not_stall_the_session_behind_it(tmp_path):
+    from fakes import CollectSink
+
+    class BrokenSink(CollectSink):
+        def send(self, chunk, final):
+            raise ConnectionError("stream gone")
+
+        def send_error(self, error):
+            raise ConnectionError("stream gone")
+
+    h = Harness(tmp_path)
+    open_session(h)
+    broken = BrokenSink()
+    h.sched.submit(h.request("s1", "first", max_tokens=3), broken)
+    after = h.submit(h.request("s1", "second", max_tokens=3))
+    run_until(h, after)
+    assert after.error is None and after.chunks[-1].finish_reason in ("stop", "length")
+    later = h.serve(h.request("s1", "third", max_tokens=3))
+    assert later.error is None and later.ids
