@@ -7,6 +7,12 @@ stops the server cleanly on Ctrl-C or SIGTERM.
 
     python -m prepos.launcher [--model-repository DIR] [--grpc-port 8001] ...
 
+Ports: the launcher refuses to start Triton when another process already
+listens on its HTTP, gRPC or metrics port, naming the port and the flag that
+moves it (``--http-port``, ``--grpc-port``, ``--metrics-port``). It reports the
+server ready only once its own ``tritonserver`` process listens on all three, so
+a health probe answered by another server on the same port never counts.
+
 Access token: with ``--access-token-file FILE`` or the environment variable
 ``PREPOS_ACCESS_TOKEN``, Triton rejects every call of the protocols in
 ``RESTRICTED_PROTOCOLS`` (inference and repository control included; health
@@ -22,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -71,6 +79,60 @@ class ServerOptions:
     no token at all leaves the endpoints open."""
     access_token: str = dataclasses.field(default="", repr=False)
     """The token itself (for embedding the launcher; never a flag). Wins over the file and the environment."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """One port the server listens on, and the launcher flag that sets it."""
+
+    name: str  # HTTP, gRPC, metrics
+    port: int
+    flag: str  # --http-port
+
+
+_ENDPOINT_FIELDS = (("HTTP", "http_port"), ("gRPC", "grpc_port"), ("metrics", "metrics_port"))
+
+
+def endpoints(options: ServerOptions) -> tuple[Endpoint, ...]:
+    """The server's endpoints; all three bind ``options.host`` (Triton's metrics address follows the HTTP one)."""
+    return tuple(Endpoint(name, getattr(options, field), "--" + field.replace("_", "-"))
+                 for name, field in _ENDPOINT_FIELDS)
+
+
+class PortInUseError(RuntimeError):
+    """Ports the server is to listen on are held by another process."""
+
+    def __init__(self, host: str, taken: tuple[Endpoint, ...], detail: str = ""):
+        self.host = host
+        self.taken = taken
+        many = len(taken) > 1
+        ports = ", ".join(f"{e.port} ({e.name}, {e.flag})" for e in taken)
+        flags = " ".join(f"{e.flag} N" for e in taken)
+        super().__init__(
+            f"{'ports' if many else 'port'} {ports} on {host} {'are' if many else 'is'} already in use by another "
+            f"process (another prepos or Triton server?): stop it, or move prepos to a free port with {flags} "
+            f"(make serve SERVE_ARGS=\"{flags}\")" + (f"\n{detail}" if detail else ""))
+
+
+def _port_taken(host: str, port: int) -> bool:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror:
+        return False  # an address that does not resolve is Triton's to report
+    with socket.socket(family, kind, proto) as probe:
+        # Servers set SO_REUSEADDR, and so does the probe: a port a stopped server left in TIME_WAIT is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE  # other bind errors (a foreign address, say) are Triton's to report
+    return False
+
+
+def taken_endpoints(options: ServerOptions) -> tuple[Endpoint, ...]:
+    """The endpoints whose port another socket already holds on ``options.host`` (checked by binding it)."""
+    return tuple(e for e in endpoints(options) if _port_taken(options.host, e.port))
 
 
 def _pytriton_dir() -> Path:
@@ -206,6 +268,11 @@ class TritonServer:
             return metric_sum(response.read().decode(), name, **labels)
 
     def start(self) -> "TritonServer":
+        """Start tritonserver. Raises PortInUseError, starting nothing, when another process holds one of its
+        ports: the readiness probe would then talk to that process."""
+        taken = taken_endpoints(self.options)
+        if taken:
+            raise PortInUseError(self.options.host, taken)
         backend_dir = prepare_backend_dir(self.options.run_dir)
         command = server_command(self.options, backend_dir, self.access_token)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -221,26 +288,48 @@ class TritonServer:
         return self
 
     def wait_ready(self) -> None:
-        """Block until the server reports ready; raise RuntimeError (with the log tail) if it exits or times out."""
+        """Block until this server reports ready: its own process listens on every endpoint's port and the
+        health and metrics endpoints answer. Raise RuntimeError (with the log tail) if it exits or times out;
+        PortInUseError when it exited and another process holds one of its ports."""
         deadline = time.monotonic() + self.options.ready_timeout_s
         last_report = time.monotonic()
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=1) as response:
-                    ready = response.status == 200
-                if ready:  # the metrics endpoint too: scrapers and tests read it right away
-                    with urllib.request.urlopen(self.metrics_url, timeout=1):
-                        return
-            except OSError:
-                pass
+                exited = f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}"
+                taken = taken_endpoints(self.options)  # ours is gone: whoever listens there now is another process
+                if taken:
+                    raise PortInUseError(self.options.host, taken, exited)
+                raise RuntimeError(exited)
+            # Until our own process listens, whatever answers on these ports is another server.
+            if not self.unbound_endpoints():
+                try:
+                    with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=1) as response:
+                        ready = response.status == 200
+                    if ready:  # the metrics endpoint too: scrapers and tests read it right away
+                        with urllib.request.urlopen(self.metrics_url, timeout=1):
+                            return
+                except OSError:
+                    pass
             if time.monotonic() - last_report > 10:
                 last_report = time.monotonic()
                 log.info("waiting for models to load ... (%s)", self.log_tail(1).strip())
             time.sleep(0.2)
+        unbound = ", ".join(f"{e.port} ({e.name})" for e in self.unbound_endpoints())
         self.stop()
-        raise RuntimeError(f"tritonserver not ready after {self.options.ready_timeout_s:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(f"tritonserver not ready after {self.options.ready_timeout_s:.0f} s"
+                           + (f" (not listening on {unbound})" if unbound else "") + f":\n{self.log_tail()}")
+
+    def unbound_endpoints(self) -> tuple[Endpoint, ...]:
+        """The endpoints whose port this server's own process does not listen on (all of them when it is not
+        running)."""
+        import psutil
+
+        try:
+            connections = psutil.Process(self.process.pid).net_connections(kind="inet") if self.process else []
+        except psutil.Error:
+            connections = []
+        listening = {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+        return tuple(e for e in endpoints(self.options) if e.port not in listening)
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -54,7 +54,10 @@ class PreposTimeout(PreposError, TimeoutError):
     server stops it at the same deadline and its turn is not accepted; only a
     last response already on its way when the time ran out can have taken
     effect. The session stays usable, and its next request is served after
-    this one.
+    this one. If the request that timed out was the one to open the session
+    (START), the next call first waits, within its own time limit, for the
+    server's answer to it: the deadline error (the session was not opened;
+    the next request carries START again) or a late final response (it was).
     """
 
 

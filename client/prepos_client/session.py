@@ -19,7 +19,8 @@ from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
 from .errors import PreposError, PreposTimeout, from_triton
-from .protocol import Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk, resume_input
+from .protocol import (Answer, Chunk, Update, build_inputs, is_final_response, new_text_decoder, parse_chunk,
+                       resume_input)
 from .stream import ResponseRouter
 
 logger = logging.getLogger(__name__)
@@ -79,8 +80,16 @@ class _Inflight:
     request_id: str
     deliveries: queue.SimpleQueue
     sent_at: float
+    deadline: float  # perf_counter time after which the caller stops waiting
     opens_session: bool
     closes_session: bool
+
+
+def _next_delivery(deliveries: queue.SimpleQueue, deadline: float):
+    """The next delivery, waiting until `deadline` (perf_counter time); raises queue.Empty after it."""
+    if deadline == math.inf:
+        return deliveries.get()  # an infinite timeout overflows the queue's clock
+    return deliveries.get(timeout=max(0.0, deadline - time.perf_counter()))
 
 
 def server_timeout_us(timeout_s: float) -> int | None:
@@ -105,6 +114,17 @@ class Session:
     raises `PreposTimeout` after that; a failed request leaves the session
     usable. A Session is meant for one thread at a time. Close or detach it
     when done; one still open when the interpreter exits is closed then.
+
+    When the request that was to open the session times out, the client
+    cannot know yet whether it opened it: the server stops it at the same
+    deadline and answers with a timeout error (not opened), unless its last
+    response was already on its way (opened). The next call (`close`
+    included) first waits, within its own time limit, for that answer: after
+    the error it sends START again, after a final response it does not.
+    Sending before the answer would put a second START next to one the
+    server is still finishing, which it refuses as already open. If no answer
+    comes within the call's time limit, the call raises `PreposTimeout` and
+    sends nothing.
     """
 
     def __init__(
@@ -124,6 +144,7 @@ class Session:
         self._headers = {**(headers or {}), SESSION_HEADER: str(self.session_id)}
         self._needs_start = True
         self._resume = resume  # until a request has opened the session, START goes with `resume`
+        self._unsettled_opening: _Inflight | None = None  # an opening request timed out; its outcome is to come
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
@@ -155,7 +176,8 @@ class Session:
             PreposTimeout: no acknowledgement within the timeout.
         """
         inputs = build_inputs(text, ids=ids, role=role, max_tokens=0)
-        inflight = self._send(inputs, end=end, timeout_s=timeout_s)
+        timeout_s, deadline = self._time_limit(timeout_s)
+        inflight = self._send(inputs, end=end, timeout_s=timeout_s, deadline=deadline)
         return Update.from_chunks(list(self._receive(inflight, timeout_s)))
 
     def generate(
@@ -199,7 +221,8 @@ class Session:
             speculate=speculate,
             gate_threshold=gate_threshold,
         )
-        inflight = self._send(inputs, end=end, timeout_s=timeout_s)
+        timeout_s, deadline = self._time_limit(timeout_s)
+        inflight = self._send(inputs, end=end, timeout_s=timeout_s, deadline=deadline)
         return self._receive(inflight, timeout_s)
 
     def ask(
@@ -250,16 +273,23 @@ class Session:
         Sends END (no delta, max_tokens=0) and waits for its acknowledgement,
         then stops the stream. Returns the acknowledgement, or None when no
         request was ever sent on a session that was not resumed (nothing to end). If the request that was to
-        open the session was rejected, END goes out together with START, so
-        that no half-opened sequence is left behind. The connection is
-        released even when END fails; the error is raised after that.
+        open the session was rejected, or timed out and the server answered that
+        it stopped it, END goes out together with START, so that no half-opened
+        sequence is left behind (the server opens and closes the session at once).
+        If that timed-out request carried END itself and the server accepted it,
+        nothing more is sent and None is returned. The connection is released
+        even when END fails; the error is raised after that.
         """
         if self._closed:
             return None
         try:
+            timeout_s, deadline = self._time_limit(timeout_s)
+            self._settle_opening(timeout_s, deadline)
+            if self._closed:
+                return None  # the timed-out request carried END and was accepted after all
             if self._num_requests == 0 and self._needs_start and not self._resume:
                 return None  # nothing was opened
-            inflight = self._send(build_inputs(max_tokens=0), end=True, timeout_s=timeout_s)
+            inflight = self._send(build_inputs(max_tokens=0), end=True, timeout_s=timeout_s, deadline=deadline)
             return Update.from_chunks(list(self._receive(inflight, timeout_s)))
         finally:
             self._release()
@@ -287,11 +317,22 @@ class Session:
         state = "closed" if self._closed else "open"
         return f"Session({self.session_id!r}, url={self.url!r}, {state})"
 
-    def _send(self, inputs: list[InferInput], *, end: bool, timeout_s: float | None) -> _Inflight:
+    def _time_limit(self, timeout_s: float | None) -> tuple[float, float]:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        return timeout_s, time.perf_counter() + timeout_s
+
+    def _send(self, inputs: list[InferInput], *, end: bool, timeout_s: float, deadline: float) -> _Inflight:
         """Queue a request on the session's stream. Its time limit goes with it as Triton's request timeout: the
-        server stops the request at the same deadline, so one the client gave up on does not take effect."""
+        server stops the request at the same deadline, so one the client gave up on does not take effect. An
+        opening request that timed out is settled first, within the same time limit (see the class docstring)."""
         if self._closed:
             raise PreposError(f"session {self.session_id} is closed")
+        settled = self._settle_opening(timeout_s, deadline)
+        if self._closed:  # the timed-out request carried END and was accepted after all
+            raise PreposError(f"session {self.session_id} is closed")
+        if settled and time.perf_counter() >= deadline:
+            raise PreposTimeout(f"session {self.session_id}: no time left within {timeout_s:g} s after waiting for "
+                                "the outcome of the request that was to open it; nothing was sent")
         router = self._ensure_stream()
         self._num_requests += 1
         request_id = str(self._num_requests)
@@ -309,7 +350,7 @@ class Session:
                 sequence_start=opens_session,
                 sequence_end=end,
                 enable_empty_final_response=True,
-                timeout=server_timeout_us(self.timeout_s if timeout_s is None else timeout_s),
+                timeout=server_timeout_us(timeout_s if not settled else deadline - sent_at),
             )
         except InferenceServerException as error:
             # The stream died before the request could be queued on it;
@@ -318,27 +359,24 @@ class Session:
             self._stop_stream()
             raise (router.failure or from_triton(error)) from None
         self._needs_start = False
-        return _Inflight(request_id, deliveries, sent_at, opens_session, end)
+        return _Inflight(request_id, deliveries, sent_at, deadline, opens_session, end)
 
-    def _receive(self, inflight: _Inflight, timeout_s: float | None) -> Iterator[Chunk]:
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = inflight.sent_at + timeout_s
+    def _receive(self, inflight: _Inflight, timeout_s: float) -> Iterator[Chunk]:
         decoder = new_text_decoder()
         while True:
             try:
-                delivery = inflight.deliveries.get(timeout=max(0.0, deadline - time.perf_counter()))
+                delivery = _next_delivery(inflight.deliveries, inflight.deadline)
             except queue.Empty:
+                if inflight.opens_session:
+                    # Its outcome (the server's deadline error, or a final response already on its way) is still
+                    # to come and tells whether the session was opened: the next call waits for it.
+                    self._unsettled_opening = inflight
                 raise PreposTimeout(
                     f"session {self.session_id}: no complete response to request "
                     f"{inflight.request_id} within {timeout_s:g} s"
                 ) from None
             if delivery.error is not None:
-                if inflight.opens_session:
-                    self._needs_start = True
-                if inflight.closes_session and delivery.error.status is None:
-                    # Triton ends the sequence on END whatever the model
-                    # answered: a later request without START would be refused.
-                    self._release()
+                self._settle(inflight, delivery.error)
                 raise delivery.error
             chunk = parse_chunk(
                 delivery.result,
@@ -347,11 +385,44 @@ class Session:
             )
             yield chunk
             if chunk.final:
-                if inflight.opens_session:
-                    self._resume = False
-                if inflight.closes_session:
-                    self._release()
+                self._settle(inflight, None)
                 return
+
+    def _settle(self, inflight: _Inflight, error: PreposError | None) -> None:
+        """Update the session's state for the outcome of a request: its final response (``error`` None) or error."""
+        if error is not None:
+            if inflight.opens_session:
+                self._needs_start = True
+            if inflight.closes_session and error.status is None:
+                # Triton ends the sequence on END whatever the model
+                # answered: a later request without START would be refused.
+                self._release()
+            return
+        if inflight.opens_session:
+            self._resume = False
+        if inflight.closes_session:
+            self._release()
+
+    def _settle_opening(self, timeout_s: float, deadline: float) -> bool:
+        """Wait until ``deadline`` for the outcome of the opening request that timed out, if there is one, and
+        settle it. Returns whether there was one; raises PreposTimeout (leaving it unsettled) if none came."""
+        inflight = self._unsettled_opening
+        if inflight is None:
+            return False
+        while True:
+            try:
+                delivery = _next_delivery(inflight.deliveries, deadline)
+            except queue.Empty:
+                raise PreposTimeout(
+                    f"session {self.session_id}: request {inflight.request_id}, which was to open the session, "
+                    f"timed out and the server has not reported its outcome within {timeout_s:g} s; nothing was sent"
+                ) from None
+            # Chunks before the last one decide nothing: only the final response accepts the turn.
+            if delivery.error is not None or is_final_response(delivery.result):
+                break
+        self._unsettled_opening = None
+        self._settle(inflight, delivery.error)
+        return True
 
     def _ensure_stream(self) -> ResponseRouter:
         if self._router is not None and self._router.failure is None:
@@ -381,6 +452,7 @@ class Session:
 
     def _release(self) -> None:
         self._closed = True
+        self._unsettled_opening = None
         _streaming_sessions.discard(self)
         try:
             self._stop_stream()

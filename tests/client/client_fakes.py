@@ -179,3 +179,46 @@ class FakeTriton:
 
 def unavailable() -> InferenceServerException:
     return InferenceServerException(msg="failed to connect to all addresses", status="StatusCode.UNAVAILABLE")
+
+
+class SessionRules:
+    """A responder that keeps sessions like the server: START opens one (refused while it is open), a request
+    without START needs an open session, END closes it. A request whose text is "SLOW" gets no response until
+    `finish_held` answers it, as the server does when its deadline passes (an error, and a START it carried
+    opens nothing) or when its final response was already on its way (accepted)."""
+
+    def __init__(self, answer: Callable[[SentRequest], list] = echo_responder):
+        self.answer = answer
+        self.open_ids: set = set()
+        self.held: list[SentRequest] = []
+
+    def __call__(self, request: SentRequest) -> list:
+        if request.sequence_start:
+            if request.sequence_id in self.open_ids:
+                return [InferenceServerException(msg=f"START: session {request.sequence_id!r} is already open")]
+            self.open_ids.add(request.sequence_id)
+        elif request.sequence_id not in self.open_ids:
+            return [InferenceServerException(
+                msg=f"START: session {request.sequence_id!r} is not open; send START with its first request")]
+        text = request.inputs.get("text_input")
+        if text is not None and text[0] == b"SLOW":
+            self.held.append(request)
+            return []
+        if request.sequence_end:
+            self.open_ids.discard(request.sequence_id)
+        return self.answer(request)
+
+    def finish_held(self, fake: FakeTriton, *, accepted: bool) -> None:
+        """Answer the oldest held request through `fake`'s stream."""
+        request = self.held.pop(0)
+        if accepted:
+            if request.sequence_end:
+                self.open_ids.discard(request.sequence_id)
+            result = make_result(request.request_id, text="late", ids=[7], path="prefix", finish_reason="length",
+                                 final=True)
+            fake.callback(result=result, error=None)
+            return
+        if request.sequence_start or request.sequence_end:
+            self.open_ids.discard(request.sequence_id)  # a stopped START opens nothing; END always closes
+        fake.callback(result=None, error=InferenceServerException(
+            msg="timeout: the request's deadline passed before it finished; its turn was not accepted"))

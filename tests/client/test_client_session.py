@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
-from client_fakes import echo_responder, make_result, unavailable
+from client_fakes import SessionRules, echo_responder, make_result, unavailable
 from prepos_client import Client, PreposError, PreposTimeout, PreposUnavailable, Session
 from prepos_client.session import SESSION_HEADER, check_session_id
 from tritonclient.utils import InferenceServerException
@@ -218,11 +220,89 @@ def test_detach_leaves_the_session_open(fake_triton):
 
 def test_a_call_times_out_and_the_session_stays_usable(fake_triton):
     session = open_session(timeout_s=0.05)
+    session.append("context")
     fake_triton[0].responder = lambda request: []
     with pytest.raises(PreposTimeout, match="within 0.05 s"):
         session.ask("slow")
     fake_triton[0].responder = echo_responder
-    assert session.ask("fast").text == "fast"
+    assert session.ask("fast").text == "fast"  # sent at once: the server serves it after the one that timed out
+
+
+def session_with_a_timed_out_opening(fake_triton, **kwargs) -> tuple[Session, SessionRules]:
+    """A session whose first request (START) timed out, on a fake that keeps sessions like the server."""
+    session = open_session(session_id="s", timeout_s=0.05, **kwargs)
+    rules = fake_triton[0].responder = SessionRules()
+    with pytest.raises(PreposTimeout):
+        session.ask("SLOW")
+    return session, rules
+
+
+def test_a_timed_out_opening_stopped_by_the_server_is_sent_again_with_start(fake_triton):
+    session, rules = session_with_a_timed_out_opening(fake_triton)
+    rules.finish_held(fake_triton[0], accepted=False)  # the server stopped it at the deadline: no session
+    assert session.ask("again", timeout_s=2.0).text == "again"
+    assert session.ask("then", timeout_s=2.0).text == "then"
+    assert [request.sequence_start for request in fake_triton[0].requests] == [True, True, False]
+
+
+def test_the_next_call_waits_for_the_outcome_of_a_timed_out_opening(fake_triton):
+    session, rules = session_with_a_timed_out_opening(fake_triton)
+    # The server's deadline error comes a little after the client's: a START sent before it would be refused
+    # as already open, since the server is still finishing the first.
+    threading.Timer(0.1, rules.finish_held, args=(fake_triton[0],), kwargs={"accepted": False}).start()
+    assert session.append("again", timeout_s=5.0).finish_reason == "appended"
+    assert [request.sequence_start for request in fake_triton[0].requests] == [True, True]
+
+
+def test_a_timed_out_opening_whose_final_response_came_late_opened_the_session(fake_triton):
+    session, rules = session_with_a_timed_out_opening(fake_triton)
+    rules.finish_held(fake_triton[0], accepted=True)  # its last response was already on its way
+    assert session.ask("again", timeout_s=2.0).text == "again"
+    session.close()
+    requests = fake_triton[0].requests
+    assert [(r.sequence_start, r.sequence_end) for r in requests] == [(True, False), (False, False), (False, True)]
+
+
+def test_a_resumed_session_whose_opening_timed_out_resumes_again(fake_triton):
+    session, rules = session_with_a_timed_out_opening(fake_triton, resume=True)
+    rules.finish_held(fake_triton[0], accepted=False)
+    session.ask("again", timeout_s=2.0)
+    assert [request.inputs.get("resume") for request in fake_triton[0].requests] == [[True], [True]]
+
+
+def test_a_call_with_no_outcome_of_the_timed_out_opening_sends_nothing(fake_triton):
+    session, rules = session_with_a_timed_out_opening(fake_triton)
+    with pytest.raises(PreposTimeout, match="has not reported its outcome within 0.05 s"):
+        session.ask("again")
+    assert len(fake_triton[0].requests) == 1
+    rules.finish_held(fake_triton[0], accepted=False)
+    assert session.ask("again").text == "again"
+    assert [request.sequence_start for request in fake_triton[0].requests] == [True, True]
+
+
+def test_closing_after_a_timed_out_opening_opens_and_ends_at_once(fake_triton):
+    session, rules = session_with_a_timed_out_opening(fake_triton)
+    rules.finish_held(fake_triton[0], accepted=False)
+    update = session.close()
+    assert (update.path, update.finish_reason) == ("close", "closed")
+    end = fake_triton[0].requests[-1]
+    assert (end.sequence_start, end.sequence_end) == (True, True)
+    assert session.closed and fake_triton[0].closed and not rules.open_ids
+
+
+def test_closing_after_a_timed_out_opening_that_also_ended_sends_nothing_more(fake_triton):
+    session = open_session(session_id="s", timeout_s=0.05)
+    rules = fake_triton[0].responder = SessionRules()
+    with pytest.raises(PreposTimeout):
+        session.ask("SLOW", end=True)
+    rules.finish_held(fake_triton[0], accepted=True)
+    assert session.close() is None
+    assert session.closed and len(fake_triton[0].requests) == 1
+
+
+def test_an_infinite_timeout_waits_without_limit(fake_triton):
+    session = open_session(timeout_s=float("inf"))
+    assert session.ask("hi").text == "hi"
 
 
 def test_a_per_call_timeout_overrides_the_default(fake_triton):

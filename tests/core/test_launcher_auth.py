@@ -10,6 +10,7 @@ import pytest
 
 from prepos.launcher import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, RESTRICTED_PROTOCOLS, ServerOptions, TritonServer,
                              add_arguments, masked, options_from_args, resolve_access_token, server_command)
+from prepos_loadtest.repository import free_loopback_ports
 
 TOKEN = "s3cr3t-token-0123456789abcdef"
 
@@ -80,7 +81,8 @@ def test_start_masks_the_token_and_keeps_it_out_of_the_server_environment(tmp_pa
     monkeypatch.setenv(ACCESS_TOKEN_ENV, TOKEN)
     monkeypatch.setattr("prepos.launcher.prepare_backend_dir", lambda run_dir: run_dir / "backends")
     monkeypatch.setattr("prepos.launcher.subprocess.Popen", FakePopen)
-    server = TritonServer(ServerOptions(run_dir=tmp_path))
+    http, grpc, metrics = free_loopback_ports(3)  # start() refuses ports in use (a `make serve` running, say)
+    server = TritonServer(ServerOptions(run_dir=tmp_path, http_port=http, grpc_port=grpc, metrics_port=metrics))
     with caplog.at_level(logging.INFO, logger="prepos.launcher"):
         server.start()
     assert any(TOKEN in arg for arg in launched["command"])  # Triton gets it

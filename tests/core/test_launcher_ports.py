@@ -1,0 +1,189 @@
+"""The launcher's ports: a port another process holds is refused before Triton starts, and only the launcher's own
+server counts as ready."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import psutil
+import pytest
+
+from prepos import launcher
+from prepos.launcher import PortInUseError, ServerOptions, TritonServer, taken_endpoints
+from prepos_loadtest.repository import free_loopback_ports
+
+PORT_FIELDS = ("http_port", "grpc_port", "metrics_port")
+
+
+def options_on_free_ports(tmp_path, **kwargs) -> ServerOptions:
+    http, grpc, metrics = free_loopback_ports(3)
+    return ServerOptions(http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=tmp_path, **kwargs)
+
+
+@pytest.fixture
+def hold_port():
+    """Listen on a loopback port, as another server would; closed after the test."""
+    held = []
+
+    def hold(port: int) -> socket.socket:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        held.append(listener)
+        return listener
+
+    yield hold
+    for listener in held:
+        listener.close()
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    """Fail the test if the launcher starts a process."""
+    started = []
+
+    def popen(command, *args, **kwargs):
+        started.append(command)
+        raise AssertionError(f"started {command[0]}")
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    return started
+
+
+class _ReadyEverywhere(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"nv_inference_count 0\n")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def foreign_ready_server():
+    """An HTTP server on a loopback port that answers every health and metrics probe: another server."""
+    servers = []
+
+    def serve(port: int) -> None:
+        server = ThreadingHTTPServer(("127.0.0.1", port), _ReadyEverywhere)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def child(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)])
+
+
+def assert_gone(process: subprocess.Popen) -> None:
+    assert process.poll() is not None, "the launcher left its process running"
+    assert not psutil.pid_exists(process.pid)
+
+
+@pytest.mark.parametrize("field", PORT_FIELDS)
+def test_a_port_another_process_listens_on_is_refused_before_triton_starts(tmp_path, hold_port, no_triton, field):
+    options = options_on_free_ports(tmp_path)
+    port = getattr(options, field)
+    hold_port(port)
+    with pytest.raises(PortInUseError) as refused:
+        TritonServer(options).start()
+    flag = "--" + field.replace("_", "-")
+    assert f"port {port} " in str(refused.value) and flag in str(refused.value)
+    assert [(e.port, e.flag) for e in refused.value.taken] == [(port, flag)]
+    assert no_triton == []
+    assert not (tmp_path / "backends").exists()  # nothing was prepared either
+
+
+def test_serve_names_the_taken_port_and_its_flag_and_never_says_ready(tmp_path, hold_port, no_triton, capsys,
+                                                                      monkeypatch):
+    monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)  # serve() installs a SIGTERM handler
+    http, grpc, metrics = free_loopback_ports(3)
+    hold_port(grpc)
+    code = launcher.main(["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                          "--run-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "ready" not in out
+    assert f"port {grpc} (gRPC, --grpc-port) on 127.0.0.1 is already in use" in err
+    assert no_triton == []
+
+
+def test_every_taken_port_is_named_at_once(tmp_path, hold_port):
+    options = options_on_free_ports(tmp_path)
+    hold_port(options.http_port)
+    hold_port(options.metrics_port)
+    assert [e.name for e in taken_endpoints(options)] == ["HTTP", "metrics"]
+    message = str(PortInUseError(options.host, taken_endpoints(options)))
+    assert "--http-port N --metrics-port N" in message and "ports " in message
+
+
+def test_free_ports_pass_the_check(tmp_path):
+    assert taken_endpoints(options_on_free_ports(tmp_path)) == ()
+
+
+def test_a_ready_server_on_the_ports_that_is_not_ours_does_not_count(tmp_path, foreign_ready_server):
+    """A port taken after the check (or shared): the other server answers every probe, ours never listens."""
+    options = options_on_free_ports(tmp_path, ready_timeout_s=1.0)
+    foreign_ready_server(options.http_port)
+    foreign_ready_server(options.metrics_port)
+    server = TritonServer(options)
+    server.process = ours = child("import time; time.sleep(60)")  # loading its models, say
+    try:
+        with pytest.raises(RuntimeError, match="not ready") as not_ready:
+            server.wait_ready()
+        assert str(options.grpc_port) in str(not_ready.value)
+    finally:
+        server.stop()
+    assert_gone(ours)
+
+
+def test_a_server_that_exits_on_a_taken_port_names_it(tmp_path, hold_port):
+    options = options_on_free_ports(tmp_path, ready_timeout_s=30.0)
+    hold_port(options.grpc_port)
+    server = TritonServer(options)
+    server.log_file.write_text("failed to start GRPC service: Unavailable - Socket already in use\n")
+    server.process = ours = child("raise SystemExit(1)")  # what Triton does when it cannot bind
+    with pytest.raises(PortInUseError) as refused:
+        server.wait_ready()
+    assert f"port {options.grpc_port} (gRPC, --grpc-port)" in str(refused.value)
+    assert "tritonserver exited with 1" in str(refused.value)
+    assert_gone(ours)
+
+
+def test_our_own_server_listening_on_every_port_is_ready(tmp_path):
+    options = options_on_free_ports(tmp_path, ready_timeout_s=30.0)
+    server = TritonServer(options)
+    server.process = ours = child(f"""
+        import socket, time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        import threading
+
+        class Ready(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+
+        for port in ({options.http_port}, {options.metrics_port}):
+            threading.Thread(target=ThreadingHTTPServer(("127.0.0.1", port), Ready).serve_forever,
+                             daemon=True).start()
+        grpc = socket.socket()
+        grpc.bind(("127.0.0.1", {options.grpc_port}))
+        grpc.listen()
+        time.sleep(60)
+    """)
+    try:
+        server.wait_ready()
+        assert server.unbound_endpoints() == ()
+    finally:
+        server.stop()
+    assert_gone(ours)
