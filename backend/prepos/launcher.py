@@ -295,7 +295,9 @@ class TritonServer:
         last_report = time.monotonic()
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                exited = f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}"
+                failures = self.load_failures()
+                exited = f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}" + (
+                    "\nmodels that failed to load:\n" + "\n".join(failures) if failures else "")
                 taken = taken_endpoints(self.options)  # ours is gone: whoever listens there now is another process
                 if taken:
                     raise PortInUseError(self.options.host, taken, exited)
@@ -330,6 +332,15 @@ class TritonServer:
             connections = []
         listening = {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
         return tuple(e for e in endpoints(self.options) if e.port not in listening)
+
+    def load_failures(self) -> list[str]:
+        """The log's "failed to load" lines, each naming a model and why (a ConfigError naming its key, say):
+        they come early in the log, before the tail of a server that then exits."""
+        try:
+            lines = self.log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [masked(line, self.access_token) for line in lines if "failed to load '" in line]
 
     def log_tail(self, lines: int = 30) -> str:
         try:
