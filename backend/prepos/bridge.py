@@ -12,18 +12,27 @@ that correlation id and the sequence flags, relaying prepos's responses:
 - ``start``, ``end`` (BOOL [1]): open or close the named session with this request.
 - ``stream`` (BOOL [1]): relay every response as prepos sends it; without it the
   responses are merged into one (what ``/generate`` returns).
+- the request parameter ``timeout`` (microseconds, Triton's name for a request
+  timeout): the generate endpoints set no request timeout, and pass a body key
+  that is no input on as a request parameter; the bridge hands it (or the
+  request's own timeout, set over gRPC) on to prepos, which ends the request
+  with an error naming ``timeout`` once it has passed.
 
 Outputs are prepos's, except that a number a response leaves unset (NaN in
 prepos's responses, such as an update's confidence) is left out, since the
 generate endpoints would write it as ``NaN``, which JSON does not allow.
 
-Every other input is prepos's own and passes through unchanged, so prepos checks
-it and names a bad one. This module holds the bridge's logic on NumPy values;
-``model_repository/prepos_http/1/model.py`` only converts.
+Every other input is prepos's own and passes through, so prepos checks it and
+names a bad one; prepos's INT32 inputs (:data:`NARROWED_INPUTS`) are INT64 on
+the bridge, because the generate endpoints store a JSON number into an INT32
+input by truncation (4294967299 arrives as 3): the bridge reads the whole value
+and names the input when it does not fit INT32. This module holds the bridge's
+logic on NumPy values; ``model_repository/prepos_http/1/model.py`` only converts.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,8 +42,10 @@ import numpy as np
 from prepos.protocol import ProtocolError
 
 BRIDGE_INPUTS = ("session_id", "start", "end", "stream")
-MAX_SESSION_ID_BYTES = 256
+MAX_SESSION_ID_BYTES = 128  # Triton's limit on a string correlation id
 ONE_TURN_PREFIX = "http-"
+# prepos's INT32 inputs, INT64 on the bridge (module docstring): the type prepos takes each as.
+NARROWED_INPUTS = {"input_ids": np.int32, "max_tokens": np.int32, "top_k": np.int32}
 
 # How the merged response takes each output from the responses of one request (clients' reading of a stream):
 _CONCATENATED = ("text_output", "output_ids")
@@ -44,12 +55,20 @@ _FROM_LAST = ("finish_reason", "compute_ms")
 
 @dataclass(frozen=True)
 class Target:
-    """Where a bridged request goes: the session (correlation id) and its sequence flags."""
+    """Where a bridged request goes: the session (correlation id), its sequence flags and the time limit."""
 
     session_id: str
     start: bool
     end: bool
     stream: bool
+    timeout_us: int = 0  # the request's time limit in microseconds; 0: none
+
+    def timeout_us_left(self, waited_s: float) -> int:
+        """The time limit to pass on after ``waited_s`` seconds in the bridge (0: none). At least 1: a request
+        whose time is up still goes on, and prepos answers it with its own error naming ``timeout``."""
+        if not self.timeout_us:
+            return 0
+        return max(1, self.timeout_us - int(waited_s * 1e6))
 
 
 def _flag(inputs: Mapping[str, np.ndarray], name: str) -> bool | None:
@@ -89,17 +108,56 @@ def _session_id(inputs: Mapping[str, np.ndarray]) -> str | None:
     return text
 
 
-def bridge_target(inputs: Mapping[str, np.ndarray]) -> Target:
-    """The session and flags of a bridged request; :class:`ProtocolError` naming the input that is wrong."""
+def _timeout_us(parameters: str, request_timeout_us: int) -> int:
+    try:
+        value = json.loads(parameters or "{}").get("timeout")
+    except (ValueError, AttributeError):
+        value = None  # Triton always writes a JSON object; anything else holds no timeout
+    if value is None:
+        return request_timeout_us
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError("timeout", f"expected whole microseconds (a JSON integer), got {json.dumps(value)}")
+    if value < 0:
+        raise ProtocolError("timeout", f"must be >= 0 microseconds (0: none), got {value}")
+    return min((t for t in (value, request_timeout_us) if t), default=0)
+
+
+def bridge_target(inputs: Mapping[str, np.ndarray], parameters: str = "{}", request_timeout_us: int = 0) -> Target:
+    """The session, flags and time limit of a bridged request; :class:`ProtocolError` naming the input that is
+    wrong. ``parameters`` is the request's parameters as Triton's JSON (the generate endpoints put a body key
+    that is no input there); ``request_timeout_us`` is Triton's own request timeout (0: none). The time limit is
+    the smaller of the ``timeout`` parameter and the request timeout that are set."""
     session_id = _session_id(inputs)
     start, end, stream = (_flag(inputs, name) for name in ("start", "end", "stream"))
+    timeout_us = _timeout_us(parameters, request_timeout_us)
     if session_id is None:
         if start is not None or end is not None:
             given = "start" if start is not None else "end"
             raise ProtocolError(given, "needs session_id (without it the request is a one-turn session, "
                                        "opened and closed by itself)")
-        return Target(ONE_TURN_PREFIX + uuid.uuid4().hex, True, True, bool(stream))
-    return Target(session_id, bool(start), bool(end), bool(stream))
+        return Target(ONE_TURN_PREFIX + uuid.uuid4().hex, True, True, bool(stream), timeout_us)
+    return Target(session_id, bool(start), bool(end), bool(stream), timeout_us)
+
+
+def narrowed_inputs(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The :data:`NARROWED_INPUTS` among ``inputs``, as the type prepos takes (same shape, same values);
+    :class:`ProtocolError` naming the input, and the entry of a list, whose value does not fit that type."""
+    narrowed = {}
+    for name, value in inputs.items():
+        target = NARROWED_INPUTS.get(name)
+        if target is None:
+            continue
+        if value.dtype.kind not in "iu":
+            raise ProtocolError(name, f"wrong type {value.dtype}; expected an integer type")
+        limits = np.iinfo(target)
+        flat = value.reshape(-1)
+        outside = np.flatnonzero((flat < limits.min) | (flat > limits.max))
+        if outside.size:
+            where = f"entry {outside[0]}, " if name == "input_ids" else ""
+            raise ProtocolError(name, f"{where}{int(flat[outside[0]])} does not fit {np.dtype(target).name.upper()} "
+                                      f"[{limits.min}, {limits.max}]")
+        narrowed[name] = value.astype(target)
+    return narrowed
 
 
 def forwarded_inputs(names: Sequence[str]) -> list[str]:

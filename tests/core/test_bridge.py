@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prepos.bridge import ONE_TURN_PREFIX, absent_outputs, bridge_target, forwarded_inputs, merge_responses
+from prepos.bridge import (ONE_TURN_PREFIX, absent_outputs, bridge_target, forwarded_inputs, merge_responses,
+                           narrowed_inputs)
 from prepos.protocol import ProtocolError
 
 
@@ -38,7 +39,8 @@ def test_a_named_session_gets_only_the_flags_the_request_sets():
     ({"session_id": _b("a", "b")}, "session_id", "expected one value"),
     ({"session_id": np.array([5], np.int32)}, "session_id", "expected BYTES"),
     ({"session_id": _b(b"\xff")}, "session_id", "not valid UTF-8"),
-    ({"session_id": _b("x" * 257)}, "session_id", "at most 256"),
+    ({"session_id": _b("x" * 129)}, "session_id", "at most 128"),
+    ({"session_id": _b("é" * 65)}, "session_id", "130 bytes; at most 128"),
     ({"session_id": _b(ONE_TURN_PREFIX + "abc")}, "session_id", "one-turn sessions"),
     ({"session_id": _b("s"), "stream": np.array([1], np.int32)}, "stream", "expected BOOL"),
     ({"session_id": _b("s"), "start": np.array([True, False])}, "start", "expected one value"),
@@ -47,6 +49,45 @@ def test_bad_bridge_inputs_are_named(inputs, field, problem):
     with pytest.raises(ProtocolError, match=problem) as err:
         bridge_target(inputs)
     assert err.value.field == field
+
+
+def test_int32_inputs_arrive_whole_and_a_value_int32_cannot_hold_is_named():
+    # The generate endpoints would store 4294967299 into an INT32 input as 3; the bridge takes INT64 and checks.
+    inputs = {"max_tokens": np.array([7], np.int64), "input_ids": np.array([1, 2**31 - 1], np.int64),
+              "top_k": np.array([-5], np.int64), "text_input": _b("hi")}
+    narrowed = narrowed_inputs(inputs)
+    assert sorted(narrowed) == ["input_ids", "max_tokens", "top_k"]  # the others pass through as they are
+    assert all(v.dtype == np.int32 for v in narrowed.values())
+    assert narrowed["input_ids"].tolist() == [1, 2**31 - 1] and narrowed["top_k"].tolist() == [-5]
+    # -5 fits INT32: whether it is a valid top_k is prepos's to say, with prepos's own message.
+    with pytest.raises(ProtocolError, match="4294967299 does not fit INT32") as err:
+        narrowed_inputs({"max_tokens": np.array([4294967299], np.int64)})
+    assert err.value.field == "max_tokens"
+    with pytest.raises(ProtocolError, match=r"entry 2, -2147483649 does not fit") as err:
+        narrowed_inputs({"input_ids": np.array([0, 1, -2**31 - 1, 2**40], np.int64)})
+    assert err.value.field == "input_ids"
+    with pytest.raises(ProtocolError, match="expected an integer type") as err:
+        narrowed_inputs({"top_k": np.array([1.5], np.float32)})
+    assert err.value.field == "top_k"
+
+
+def test_the_time_limit_is_the_smaller_of_the_timeout_parameter_and_the_request_timeout():
+    sid = {"session_id": _b("s")}
+    assert bridge_target(sid).timeout_us == 0  # none set
+    assert bridge_target(sid, '{"timeout": 5000}').timeout_us == 5000
+    assert bridge_target(sid, "{}", request_timeout_us=7000).timeout_us == 7000
+    assert bridge_target(sid, '{"timeout": 5000}', request_timeout_us=3000).timeout_us == 3000
+    assert bridge_target(sid, '{"timeout": 0}', request_timeout_us=3000).timeout_us == 3000  # 0: none
+    assert bridge_target(sid, '{"other": "x"}').timeout_us == 0
+    for raw, problem in (('{"timeout": "5"}', "a JSON integer"), ('{"timeout": 1.5}', "a JSON integer"),
+                         ('{"timeout": true}', "a JSON integer"), ('{"timeout": -1}', "must be >= 0")):
+        with pytest.raises(ProtocolError, match=problem) as err:
+            bridge_target(sid, raw)
+        assert err.value.field == "timeout"
+    # Time spent in the bridge counts; a limit already passed still goes on (prepos names it), never as "none".
+    target = bridge_target(sid, '{"timeout": 5000}')
+    assert target.timeout_us_left(0.002) == 3000 and target.timeout_us_left(1.0) == 1
+    assert bridge_target(sid).timeout_us_left(10.0) == 0
 
 
 def test_only_the_bridges_own_inputs_stay_behind():

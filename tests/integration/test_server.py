@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from prepos.bridge import NARROWED_INPUTS
 from prepos_client import Client, PreposError
 
 from .conftest import start_server
@@ -354,6 +355,37 @@ def test_http_named_session_streams_and_keeps_its_log(server, engine_manifest, t
     assert status == 400 and "START" in error["error"]  # closed: the next request must open it again
 
 
+def test_http_bad_values_are_named_before_they_reach_the_session(server, engine_manifest, tokenizer,
+                                                                  reference_model):
+    conv = Conversation(engine_manifest, tokenizer)
+    sid = "bridge-bad-values"
+    status, _ = _generate(server, {"session_id": sid, "start": True, "text_input": SYSTEM, "role": "system",
+                                   "max_tokens": 0})
+    assert status == 200
+    conv.append("system", SYSTEM)
+    question = "Name a primary colour."
+    for body, status_want, start in (
+            # a whole number INT32 cannot hold: named by the bridge (Triton alone would store 4294967299 as 3)
+            ({"max_tokens": 4294967299}, 400, "max_tokens: 4294967299 does not fit INT32"),
+            ({"input_ids": [1, 2**31]}, 400, "input_ids: entry 1, 2147483648 does not fit INT32"),
+            ({"max_tokens": 8, "timeout": "soon"}, 400, "timeout: expected whole microseconds"),
+            # a deadline that passes: prepos refuses the turn, and the session's log stays as it was
+            ({"max_tokens": 8, "timeout": 1}, 400, "timeout: "),
+            # a JSON value of the wrong kind: Triton's generate endpoint refuses it before any model runs
+            ({"max_tokens": "eight"}, 500, "Unable to parse"),
+    ):
+        status, (error,) = _generate(server, {"session_id": sid, "text_input": question} | body)
+        assert status == status_want and error["error"].startswith(start), (body, error)
+    long_id = "x" * 129
+    status, (error,) = _generate(server, {"session_id": long_id, "start": True, "text_input": "hi", "max_tokens": 0})
+    assert status == 400 and error["error"] == "session_id: 129 bytes; at most 128 allowed"
+    status, (answer,) = _generate(server, {"session_id": sid, "text_input": question, "max_tokens": 8,
+                                           "timeout": 120_000_000})
+    prompt = conv.prompt("user", question)
+    assert status == 200 and _ids_of(answer) == reference_greedy(reference_model, prompt, 8, conv.f["stop_token_ids"])
+    assert _generate(server, {"session_id": sid, "end": True})[0] == 200
+
+
 def test_http_bridge_takes_every_prepos_input_and_gives_every_prepos_output(server):
     def config(model):
         with urllib.request.urlopen(f"{server.http_url}/v2/models/{model}/config", timeout=30) as response:
@@ -361,7 +393,11 @@ def test_http_bridge_takes_every_prepos_input_and_gives_every_prepos_output(serv
 
     bridge, prepos = config("prepos_http"), config("prepos")
     fields = lambda entries: {e["name"]: (e["data_type"], e["dims"]) for e in entries}  # noqa: E731
-    assert fields(bridge["input"]) == fields(prepos["input"]) | {
+    # prepos's INT32 inputs are INT64 on the bridge, which checks that each value fits (NARROWED_INPUTS).
+    widened = {name: ("TYPE_INT64", dims) for name, (kind, dims) in fields(prepos["input"]).items()
+               if name in NARROWED_INPUTS and kind == "TYPE_INT32"}
+    assert sorted(widened) == sorted(NARROWED_INPUTS)
+    assert fields(bridge["input"]) == fields(prepos["input"]) | widened | {
         "session_id": ("TYPE_STRING", [1]), "start": ("TYPE_BOOL", [1]), "end": ("TYPE_BOOL", [1]),
         "stream": ("TYPE_BOOL", [1])}
     assert fields(bridge["output"]) == fields(prepos["output"])

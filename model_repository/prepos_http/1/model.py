@@ -7,6 +7,7 @@ long answers do not hold up other sessions' requests. All logic lives in ``prepo
 import json
 import logging
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +18,8 @@ try:
 except ImportError:  # running from a source checkout: model_repository/prepos_http/1/model.py -> backend/
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
 
-from prepos.bridge import BRIDGE_INPUTS, absent_outputs, bridge_target, forwarded_inputs, merge_responses
+from prepos.bridge import (BRIDGE_INPUTS, NARROWED_INPUTS, absent_outputs, bridge_target, forwarded_inputs,
+                           merge_responses, narrowed_inputs)
 from prepos.protocol import ProtocolError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -35,16 +37,18 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            self.pool.submit(self._relay, request)
+            self.pool.submit(self._relay, request, time.perf_counter())
         return None
 
-    def _relay(self, request):
+    def _relay(self, request, arrival_s):
         sender = request.get_response_sender()
         try:
             inputs = {tensor.name(): tensor for tensor in request.inputs()}
-            try:
+            try:  # every check the bridge makes comes before anything reaches the session
                 target = bridge_target({name: tensor.as_numpy() for name, tensor in inputs.items()
-                                        if name in BRIDGE_INPUTS})
+                                        if name in BRIDGE_INPUTS}, request.parameters(), request.timeout())
+                narrowed = narrowed_inputs({name: inputs[name].as_numpy() for name in inputs
+                                            if name in NARROWED_INPUTS})
             except ProtocolError as err:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG)),
                             flags=FINAL)
@@ -53,8 +57,10 @@ class TritonPythonModel:
                      | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if target.end else 0))
             forward = pb_utils.InferenceRequest(
                 model_name=self.target_model, requested_output_names=self.outputs,
-                inputs=[inputs[name] for name in forwarded_inputs(list(inputs))],
-                correlation_id=target.session_id, flags=flags, timeout=request.timeout())
+                inputs=[pb_utils.Tensor(name, narrowed[name]) if name in narrowed else inputs[name]
+                        for name in forwarded_inputs(list(inputs))],
+                correlation_id=target.session_id, flags=flags,
+                timeout=target.timeout_us_left(time.perf_counter() - arrival_s))
             held = []
             for response in forward.exec(decoupled=True):
                 if response.has_error():
