@@ -18,6 +18,14 @@ that correlation id and the sequence flags, relaying prepos's responses:
   request's own timeout, set over gRPC) on to prepos, which ends the request
   with an error naming ``timeout`` once it has passed.
 
+An error prepos sends after other responses of the request (a deadline passing
+mid-answer, say) never reaches a Business Logic Scripting caller in the Triton
+this project runs (its Python backend files such an error under no request, and
+the caller waits forever), so prepos sends it to the bridge as a final response
+of outputs instead (:func:`relayed_error_outputs`, only to requests carrying the
+request parameter :data:`BRIDGE_PARAMETER`), and the bridge turns it back into
+the error (:func:`relayed_error`).
+
 Outputs are prepos's, except that a number a response leaves unset (NaN in
 prepos's responses, such as an update's confidence) is left out, since the
 generate endpoints would write it as ``NaN``, which JSON does not allow.
@@ -39,13 +47,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prepos.protocol import ProtocolError
+from prepos.protocol import ProtocolError, Status
 
 BRIDGE_INPUTS = ("session_id", "start", "end", "stream")
 MAX_SESSION_ID_BYTES = 128  # Triton's limit on a string correlation id
 ONE_TURN_PREFIX = "http-"
 # prepos's INT32 inputs, INT64 on the bridge (module docstring): the type prepos takes each as.
 NARROWED_INPUTS = {"input_ids": np.int32, "max_tokens": np.int32, "top_k": np.int32}
+
+# The request parameter the bridge sets on what it forwards, and the path of the response carrying an error then.
+BRIDGE_PARAMETER = "prepos_bridge"
+RELAYED_ERROR_PATH = b"error"
 
 # How the merged response takes each output from the responses of one request (clients' reading of a stream):
 _CONCATENATED = ("text_output", "output_ids")
@@ -195,6 +207,25 @@ def merge_responses(responses: Sequence[Mapping[str, np.ndarray]]) -> dict[str, 
     for name in absent_outputs(merged):
         del merged[name]
     return merged
+
+
+def relayed_error_outputs(error: ProtocolError) -> dict[str, np.ndarray]:
+    """prepos's outputs carrying ``error`` to the bridge: the path ``error``, the status as the finish reason and
+    the message as the text."""
+    return {
+        "text_output": np.array([str(error).encode("utf-8")], dtype=np.object_),
+        "path": np.array([RELAYED_ERROR_PATH], dtype=np.object_),
+        "finish_reason": np.array([error.status.value.encode()], dtype=np.object_),
+    }
+
+
+def relayed_error(outputs: Mapping[str, np.ndarray]) -> tuple[str, Status] | None:
+    """The error (message and status) a response of :func:`relayed_error_outputs` carries; None for any other."""
+    path = outputs.get("path")
+    if path is None or path.size != 1 or _as_bytes(path.reshape(-1)[0]) != RELAYED_ERROR_PATH:
+        return None
+    message = _as_bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8", errors="replace")
+    return message, Status(_as_bytes(outputs["finish_reason"].reshape(-1)[0]).decode())
 
 
 def _as_bytes(raw: object) -> bytes:

@@ -38,6 +38,20 @@ class Status(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 
 
+# The Triton error code (a ``TritonError`` attribute of the Python backend) each status is sent as. The Python
+# backend has no deadline code, and UNAVAILABLE tells a client to try again, as running out of KV memory does.
+TRITON_ERROR_CODES = {
+    Status.INVALID_ARGUMENT: "INVALID_ARG",
+    Status.NOT_FOUND: "NOT_FOUND",
+    Status.ALREADY_EXISTS: "ALREADY_EXISTS",
+    Status.RESOURCE_EXHAUSTED: "UNAVAILABLE",
+    Status.UNAVAILABLE: "UNAVAILABLE",
+    Status.INTERNAL: "INTERNAL",
+    Status.CANCELLED: "CANCELLED",
+    Status.DEADLINE_EXCEEDED: "UNAVAILABLE",
+}
+
+
 class ProtocolError(Exception):
     """A request the server will not serve. ``str(err)`` is ``"<field>: <problem>"``."""
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from prepos.bridge import (ONE_TURN_PREFIX, absent_outputs, bridge_target, forwarded_inputs, merge_responses,
-                           narrowed_inputs)
-from prepos.protocol import ProtocolError
+                           narrowed_inputs, relayed_error, relayed_error_outputs)
+from prepos.protocol import TRITON_ERROR_CODES, ProtocolError, Status
 
 
 def _b(*values) -> np.ndarray:
@@ -123,3 +123,18 @@ def test_numbers_no_response_set_are_left_out_rather_than_sent_as_nan():
     merged = merge_responses([update])
     assert "confidence" not in merged and merged["path"].tolist() == [b"append"]
     assert absent_outputs(_response(b"x", [1])) == []
+
+
+@pytest.mark.parametrize("status", list(Status))
+def test_an_error_relayed_as_outputs_comes_back_as_the_same_error(status):
+    error = ProtocolError("timeout", "the deadline passed — its turn was not accepted", status)
+    outputs = relayed_error_outputs(error)
+    assert relayed_error(outputs) == (str(error), status)
+    assert status in TRITON_ERROR_CODES  # every status has a Triton error code to be sent as
+
+
+def test_answers_are_not_taken_for_relayed_errors():
+    assert relayed_error(_response(b"error", [1])) is None  # the word as an answer's text is no error
+    for path in (b"prefix", b"append", b"close", b""):
+        assert relayed_error(_response(b"x", [], path=path)) is None
+    assert relayed_error({}) is None

@@ -386,6 +386,29 @@ def test_http_bad_values_are_named_before_they_reach_the_session(server, engine_
     assert _generate(server, {"session_id": sid, "end": True})[0] == 200
 
 
+def test_http_deadline_passing_mid_answer_ends_the_request_with_the_error(server, engine_manifest, tokenizer,
+                                                                          reference_model):
+    # prepos's error after the first tokens: Triton's BLS would lose it and hang the bridge; it must arrive.
+    conv = Conversation(engine_manifest, tokenizer)
+    sid, storyteller = "bridge-deadline", "You are a storyteller. Tell long stories."
+    assert _generate(server, {"session_id": sid, "start": True, "text_input": storyteller, "role": "system",
+                              "max_tokens": 0})[0] == 200
+    conv.append("system", storyteller)
+    long_turn = {"session_id": sid, "text_input": "Write a long story about a dragon.", "max_tokens": 400,
+                 "timeout": 2_000_000}  # its first tokens come well within 2 s, its 400 tokens well after
+    status, events = _generate(server, long_turn | {"stream": True}, stream=True)
+    assert status == 200 and len(events) > 1 and all("error" not in e for e in events[:-1]), events[-1]
+    assert events[-1] == {"error": "timeout: the request's deadline passed before it finished; its turn was not accepted"}
+    status, (error,) = _generate(server, long_turn)
+    assert status == 400 and error["error"].startswith("timeout: "), error
+    # Neither turn was accepted: the next question is answered from the opening alone.
+    question = "Name a primary colour."
+    status, (answer,) = _generate(server, {"session_id": sid, "text_input": question, "max_tokens": 8})
+    prompt = conv.prompt("user", question)
+    assert status == 200 and _ids_of(answer) == reference_greedy(reference_model, prompt, 8, conv.f["stop_token_ids"])
+    assert _generate(server, {"session_id": sid, "end": True})[0] == 200
+
+
 def test_http_bridge_takes_every_prepos_input_and_gives_every_prepos_output(server):
     def config(model):
         with urllib.request.urlopen(f"{server.http_url}/v2/models/{model}/config", timeout=30) as response:

@@ -19,32 +19,28 @@ except ImportError:  # running from a source checkout: model_repository/prepos/1
 
 from prepos.config import sequence_slots
 from prepos.core import Core
-from prepos.protocol import ProtocolError, Rejection, ResponseChunk, Status, control_flags
+from prepos.bridge import BRIDGE_PARAMETER, relayed_error_outputs
+from prepos.protocol import TRITON_ERROR_CODES, ProtocolError, Rejection, ResponseChunk, control_flags
 from triton_metrics import TritonMetricsSink
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def _error_code(status: Status):
+def _triton_error(error: ProtocolError):
     # Looked up at use: the stub binds TritonError only once the model is initialised.
-    codes = pb_utils.TritonError
-    return {
-        Status.INVALID_ARGUMENT: codes.INVALID_ARG,
-        Status.NOT_FOUND: codes.NOT_FOUND,
-        Status.ALREADY_EXISTS: codes.ALREADY_EXISTS,
-        Status.RESOURCE_EXHAUSTED: codes.UNAVAILABLE,
-        Status.UNAVAILABLE: codes.UNAVAILABLE,
-        Status.INTERNAL: codes.INTERNAL,
-        Status.CANCELLED: codes.CANCELLED,
-        Status.DEADLINE_EXCEEDED: codes.UNAVAILABLE,  # the Python backend has no deadline code
-    }[status]
+    return pb_utils.TritonError(str(error), getattr(pb_utils.TritonError, TRITON_ERROR_CODES[error.status]))
 
 
 class TritonSink:
-    """Sends a request's response chunks through its decoupled response sender."""
+    """Sends a request's response chunks through its decoupled response sender.
 
-    def __init__(self, sender):
+    ``bridged``: the request came from the HTTP bridge, whose Triton loses an error response that follows other
+    responses (see ``prepos.bridge``); such an error goes to it as a final response of outputs instead."""
+
+    def __init__(self, sender, bridged: bool = False):
         self._sender = sender
+        self._bridged = bridged
+        self._sent = False
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
         tensors = [
@@ -61,13 +57,17 @@ class TritonSink:
             pb_utils.Tensor("scan_ms", np.array([chunk.scan_ms], dtype=np.float32)),
         ]
         self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+        self._sent = True
 
     def cancelled(self) -> bool:
         return self._sender.is_cancelled()
 
     def send_error(self, error: ProtocolError) -> None:
-        triton_error = pb_utils.TritonError(str(error), _error_code(error.status))
-        self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=triton_error), flags=FINAL)
+        if self._bridged and self._sent:
+            tensors = [pb_utils.Tensor(name, value) for name, value in relayed_error_outputs(error).items()]
+            self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL)
+            return
+        self._sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_triton_error(error)), flags=FINAL)
 
 
 class TritonPythonModel:
@@ -86,7 +86,8 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             arrival_s = time.perf_counter()
-            sink = TritonSink(request.get_response_sender())
+            bridged = BRIDGE_PARAMETER in json.loads(request.parameters() or "{}")
+            sink = TritonSink(request.get_response_sender(), bridged)
             inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
             try:
                 timeout_us = request.timeout()  # the client's request timeout, 0 = none

@@ -18,9 +18,9 @@ try:
 except ImportError:  # running from a source checkout: model_repository/prepos_http/1/model.py -> backend/
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
 
-from prepos.bridge import (BRIDGE_INPUTS, NARROWED_INPUTS, absent_outputs, bridge_target, forwarded_inputs,
-                           merge_responses, narrowed_inputs)
-from prepos.protocol import ProtocolError
+from prepos.bridge import (BRIDGE_INPUTS, BRIDGE_PARAMETER, NARROWED_INPUTS, absent_outputs, bridge_target,
+                           forwarded_inputs, merge_responses, narrowed_inputs, relayed_error)
+from prepos.protocol import TRITON_ERROR_CODES, ProtocolError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("prepos.bridge")
@@ -59,7 +59,7 @@ class TritonPythonModel:
                 model_name=self.target_model, requested_output_names=self.outputs,
                 inputs=[pb_utils.Tensor(name, narrowed[name]) if name in narrowed else inputs[name]
                         for name in forwarded_inputs(list(inputs))],
-                correlation_id=target.session_id, flags=flags,
+                correlation_id=target.session_id, flags=flags, parameters={BRIDGE_PARAMETER: True},
                 timeout=target.timeout_us_left(time.perf_counter() - arrival_s))
             held = []
             for response in forward.exec(decoupled=True):
@@ -70,6 +70,12 @@ class TritonPythonModel:
                 if not tensors or sender.is_cancelled():  # a cancelled client's request still runs to its end
                     continue
                 outputs = {tensor.name(): tensor.as_numpy() for tensor in tensors}
+                error = relayed_error(outputs)
+                if error is not None:  # an error after other responses (prepos.bridge), always the last response
+                    message, status = error
+                    code = getattr(pb_utils.TritonError, TRITON_ERROR_CODES[status])
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
+                    return
                 if target.stream:
                     unset = absent_outputs(outputs)
                     sender.send(pb_utils.InferenceResponse(output_tensors=[t for t in tensors if t.name() not in unset]))
