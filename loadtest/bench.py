@@ -155,7 +155,15 @@ def engine_figures(engine_dir: Path) -> dict:
         return {}
 
 
-def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, dict]:
+def collector_figures(server: TritonServer, model: str = "prepos") -> dict[str, float | int]:
+    """The model's full garbage collections over the run (each stops its process) and their summed pause."""
+    full = {"generation": "2", "model": model}
+    return {"full garbage collections in prepos's process": int(server.metric("prepos_gc_collections_total", **full)),
+            "their summed pause (ms)": server.metric("prepos_gc_pause_seconds_total", **full) * 1e3}
+
+
+def summarize(samples: list[Sample], engine: dict, machine: str,
+              collector: dict[str, float | int] | None = None) -> tuple[str, dict]:
     def group(**match):
         return [s for s in samples if all(getattr(s, k) == v for k, v in match.items())]
 
@@ -231,6 +239,7 @@ def summarize(samples: list[Sample], engine: dict, machine: str) -> tuple[str, d
             fig("interference: another session pre-positioning", "ttft_p99")
             / fig("interference: nothing in the background", "ttft_p99"),
     }
+    derived.update(collector or {})
     if engine:
         derived.update({
             "torch engine decode step p50, 100-token context (ms)": engine["engine_decode_median_ms"],
@@ -304,9 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         samples += measure_floor(url, asks(monitor)[:args.floor_samples], args.think_time / 2, "floor-monitor")
         samples += measure_floor(url, asks(bfcl_gate)[:args.floor_samples], args.think_time / 2, "floor-bfcl")
         samples += measure_interference(server, "prepos", args.interference_samples, think_s=0.3)
+        time.sleep(1)  # the last counts reach the metrics port at the engine loop's next housekeeping
+        collector = collector_figures(server)
     engine = engine_figures(args.engine_dir)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
-    table, figures = summarize(samples, engine, machine)
+    table, figures = summarize(samples, engine, machine, collector)
     (args.out / "bench.md").write_text(table + "\n")
     (args.out / "samples.json").write_text(json.dumps([asdict(s) for s in samples], indent=1))
     (args.out / "figures.json").write_text(json.dumps({**figures, "engine": engine}, indent=1, default=str))

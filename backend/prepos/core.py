@@ -16,6 +16,7 @@ import numpy as np
 from prepos.config import ConfigError, EngineConfig, MemoryConfig, PreposConfig, check_sequence_slots, read_config
 from prepos.engines.base import Engine
 from prepos.engines.openmp import release_calling_thread
+from prepos.heap import CollectorPauses
 from prepos.metrics import BufferedSink, Metrics, MetricsSink
 from prepos.protocol import Rejection, Request, ResponseSink, parse_request
 from prepos.scan import get_scan
@@ -101,6 +102,7 @@ class Core:
             config.scheduler.max_decode_batch)
         # Requests record into memory; the engine loop publishes to the sink off the path of any request.
         self.metrics = Metrics(BufferedSink(metrics_sink) if metrics_sink is not None else None)
+        self._collector_pauses = CollectorPauses()  # timed from start() to stop(), published with the metrics
         self.framing = manifest.framing
         journal = None
         journal_dir = config.journal_dir(model_dir)
@@ -185,12 +187,16 @@ class Core:
     def start(self) -> None:
         """Start the engine loop; from then on it makes every engine call, and the calling thread gives back
         the OpenMP threads loading the model left it (see :mod:`prepos.engines.openmp`)."""
+        self.metrics.watch_collector(self._collector_pauses)
+        self._collector_pauses.install()
         self.scheduler.start()
         if release_calling_thread():
             log.info("engine loop started; this thread's OpenMP workers released")
 
     def stop(self) -> None:
         self.scheduler.stop()
+        self._collector_pauses.remove()
+        self.metrics.watch_collector(None)
         close = getattr(self.engine, "close", None)
         if close is not None:  # engines with threads or device pools of their own (TensorRT-LLM's executor)
             close()

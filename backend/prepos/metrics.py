@@ -11,8 +11,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Protocol
 
+from prepos.heap import CollectorPauses
+
 FIRST_TOKEN_BUCKETS_MS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GC_PAUSE_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,15 @@ SPECS = (
     MetricSpec("prepos_gate_false_accept_upper_bound", "gauge",
                "Upper confidence bound on the gate's false-accept rate from the audits"),
     MetricSpec("prepos_gate_suspended", "gauge", "1 once the audits suspended the gate (until a reload), else 0"),
+    MetricSpec("prepos_gc_collections_total", "counter",
+               "Python garbage collections in the backend process, by generation (every thread stops during one)",
+               ("generation",), values=("0", "1", "2")),
+    MetricSpec("prepos_gc_pause_seconds_total", "counter",
+               "Seconds the backend process spent in garbage collections, by generation", ("generation",),
+               values=("0", "1", "2")),
+    MetricSpec("prepos_gc_full_pause_ms", "histogram",
+               "Pause of each full (generation 2) garbage collection in the backend process (ms)", (),
+               GC_PAUSE_BUCKETS_MS),
 )
 
 
@@ -158,6 +170,7 @@ class Metrics:
 
     def __init__(self, sink: MetricsSink | None = None):
         self.sink = sink if sink is not None else MemorySink()
+        self._collector_pauses: CollectorPauses | None = None
         for spec in SPECS:
             self.sink.declare(spec)
             if spec.kind == "counter" and not spec.labels:
@@ -165,8 +178,20 @@ class Metrics:
             for value in spec.values:
                 self.sink.inc(spec.name, {spec.labels[0]: value}, 0)
 
+    def watch_collector(self, pauses: CollectorPauses | None) -> None:
+        """Record ``pauses``'s garbage collections at every :meth:`flush` (None stops)."""
+        self._collector_pauses = pauses
+
     def flush(self) -> None:
-        """Publish what a :class:`BufferedSink` holds (nothing to do for other sinks)."""
+        """Record the garbage collections since the last flush, then publish what a :class:`BufferedSink` holds
+        (nothing to do for other sinks)."""
+        if self._collector_pauses is not None:
+            for generation, pause_ms in self._collector_pauses.drain():
+                labels = {"generation": str(generation)}
+                self.sink.inc("prepos_gc_collections_total", labels, 1)
+                self.sink.inc("prepos_gc_pause_seconds_total", labels, pause_ms / 1e3)
+                if generation == 2:
+                    self.sink.observe("prepos_gc_full_pause_ms", {}, pause_ms)
         if isinstance(self.sink, BufferedSink):
             self.sink.flush()
 

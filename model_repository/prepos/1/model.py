@@ -19,6 +19,7 @@ except ImportError:  # running from a source checkout: model_repository/prepos/1
 
 from prepos.config import sequence_slots
 from prepos.core import Core
+from prepos.heap import settle_heap
 from prepos.bridge import BRIDGE_PARAMETER, relayed_error_outputs
 from prepos.protocol import TRITON_ERROR_CODES, ProtocolError, Rejection, ResponseChunk, control_flags
 from triton_metrics import TritonMetricsSink
@@ -81,6 +82,7 @@ class TritonPythonModel:
         model_dir = f"{args['model_repository']}"
         self.core = Core.from_parameters(parameters, model_dir, TritonMetricsSink(args["model_name"]),
                                          sequence_slots=sequence_slots(model_config))
+        settle_heap()  # this process's startup objects leave the garbage collector's walks (see prepos.heap)
         self.core.start()
 
     def execute(self, requests):

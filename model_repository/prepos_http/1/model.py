@@ -20,6 +20,7 @@ except ImportError:  # running from a source checkout: model_repository/prepos_h
 
 from prepos.bridge import (BRIDGE_INPUTS, BRIDGE_PARAMETER, NARROWED_INPUTS, absent_outputs, bridge_target,
                            forwarded_inputs, merge_responses, narrowed_inputs, relayed_error)
+from prepos.heap import settle_heap
 from prepos.protocol import TRITON_ERROR_CODES, ProtocolError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -34,6 +35,7 @@ class TritonPythonModel:
         self.outputs = [output["name"] for output in config["output"]]
         self.pool = ThreadPoolExecutor(max_workers=int(parameters.get("bridge.max_streams", "256")),
                                        thread_name_prefix="bridge")
+        settle_heap()  # as in prepos: the relay's requests do not wait on walks of the startup objects
 
     def execute(self, requests):
         for request in requests:
