@@ -109,7 +109,7 @@ class Session:
     reopen it from its journal rather than start a new one. A request that opened the
     session and was rejected leaves it unopened, so the next request carries
     START again. A request that carries END ends the session even when it is
-    rejected (Triton ends the sequence regardless). `close` sends END;
+    rejected or times out (Triton ends the sequence regardless). `close` sends END;
     `detach` leaves the session open on the server. Each call waits at most `timeout_s` for its last response and
     raises `PreposTimeout` after that; a failed request leaves the session
     usable. A Session is meant for one thread at a time. Close or detach it
@@ -367,13 +367,20 @@ class Session:
             try:
                 delivery = _next_delivery(inflight.deliveries, inflight.deadline)
             except queue.Empty:
+                ended = ""
                 if inflight.opens_session:
                     # Its outcome (the server's deadline error, or a final response already on its way) is still
                     # to come and tells whether the session was opened: the next call waits for it.
                     self._unsettled_opening = inflight
+                elif inflight.closes_session:
+                    # Triton ends the sequence at an END request whatever becomes of the request: the session is
+                    # over on the server, and a later request without START would be refused.
+                    self._release()
+                    ended = "; the request carried END, so the session is closed (whether its turn was accepted " \
+                            "is unknown)"
                 raise PreposTimeout(
                     f"session {self.session_id}: no complete response to request "
-                    f"{inflight.request_id} within {timeout_s:g} s"
+                    f"{inflight.request_id} within {timeout_s:g} s{ended}"
                 ) from None
             if delivery.error is not None:
                 self._settle(inflight, delivery.error)

@@ -300,6 +300,19 @@ def test_closing_after_a_timed_out_opening_that_also_ended_sends_nothing_more(fa
     assert session.closed and len(fake_triton[0].requests) == 1
 
 
+def test_a_timed_out_request_that_carried_end_leaves_the_session_closed(fake_triton):
+    session = open_session(session_id="s", timeout_s=0.05)
+    fake_triton[0].responder = SessionRules()  # holds the SLOW request: no response within the time limit
+    session.append("context")
+    with pytest.raises(PreposTimeout, match="carried END, so the session is closed"):
+        session.ask("SLOW", end=True)
+    assert session.closed and fake_triton[0].closed
+    with pytest.raises(PreposError, match="session s is closed"):
+        session.ask("again")  # not sent without START, which the ended sequence would refuse
+    assert session.close() is None
+    assert len(fake_triton[0].requests) == 2
+
+
 def test_an_infinite_timeout_waits_without_limit(fake_triton):
     session = open_session(timeout_s=float("inf"))
     assert session.ask("hi").text == "hi"
