@@ -104,6 +104,25 @@ def test_a_call_the_client_timed_out_is_stopped_by_the_server_and_changes_nothin
         assert again.token_ids == twin.ask("Say hello.", max_tokens=8).token_ids  # the timed-out turn is not in the log
 
 
+def test_a_timed_out_call_that_carried_end_closes_the_session_on_both_sides(server):
+    """Triton ends the sequence at its END request even when the request is stopped at its deadline: the client
+    marks the session closed, and the id opens afresh once the server has stopped the request."""
+    abandoned = server.metric("prepos_requests_abandoned_total", reason="deadline")
+    with Client(server.grpc_url) as client:
+        session = client.session("timed-out-end")
+        session.append(SYSTEM, role="system")
+        with pytest.raises(PreposTimeout, match="carried END, so the session is closed"):
+            session.ask("Tell me a very long story.", max_tokens=400, timeout_s=0.3, end=True)
+        assert session.closed
+        with pytest.raises(PreposError, match="is closed"):
+            session.ask("Say hello.", max_tokens=8)
+        assert session.close() is None
+        eventually(lambda: server.metric("prepos_requests_abandoned_total", reason="deadline") > abandoned)
+        with client.session("timed-out-end") as reopened, client.session() as fresh:
+            # a new session: the storyteller's system turn is not in its log
+            assert reopened.ask("Say hello.", max_tokens=8).token_ids == fresh.ask("Say hello.", max_tokens=8).token_ids
+
+
 def test_a_client_that_does_not_read_holds_up_no_other_session(server):
     """The engine loop hands responses to Triton's queue and never waits for a client to read them."""
     import grpc
