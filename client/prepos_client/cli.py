@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .client import DEFAULT_MODEL, DEFAULT_URL, Client
 from .errors import PreposError, PreposUnavailable
 from .protocol import Answer, Chunk, Update
-from .session import Session
+from .session import Session, check_timeout
 
 logger = logging.getLogger("prepos")
 
@@ -84,6 +84,13 @@ def register_module_command(name: str, module: str, *, help: str) -> None:
     COMMANDS[name] = Command(help, lambda parser: None, run, forwards_argv=True)
 
 
+def _timeout(value: str) -> float:
+    try:
+        return check_timeout(float(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 (inf for no limit), got {value!r}") from None
+
+
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     """--url, --model, --timeout: where the server is and how long a call may take."""
     parser.add_argument(
@@ -92,7 +99,7 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"gRPC host:port of the server (env {URL_ENV}; default %(default)s)",
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Triton model name (default %(default)s)")
-    parser.add_argument("--timeout", type=float, dest="timeout_s", help="seconds one call may take")
+    parser.add_argument("--timeout", type=_timeout, dest="timeout_s", help="seconds one call may take (> 0; inf: no limit)")
     parser.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV),

@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from .errors import PreposError, PreposTimeout, PreposUnavailable, from_triton
-from .session import Session, new_session_id
+from .session import Session, check_timeout, new_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Client:
     ):
         self.url = url
         self.model = model
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
         self.headers = dict(headers or {})
         if token:
             self.headers[GRPC_ACCESS_TOKEN_HEADER] = token
@@ -84,7 +84,7 @@ class Client:
             PreposUnavailable: the server cannot be reached.
             PreposError: it answers, but the model is not ready.
         """
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         if self._health is None:
             self._health = grpcclient.InferenceServerClient(self.url)
         try:

@@ -55,6 +55,20 @@ def new_session_id() -> str:
     return uuid.uuid4().hex
 
 
+def check_timeout(timeout_s: float) -> float:
+    """Return `timeout_s` if it is a time limit: seconds > 0, or infinity for none.
+
+    Raises:
+        ValueError: zero, negative or NaN (a call would time out before its request was sent, or never compare).
+        TypeError: not a number.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)):
+        raise TypeError(f"timeout_s: expected seconds as a number, got {type(timeout_s).__name__}")
+    if not timeout_s > 0:  # NaN fails this too
+        raise ValueError(f"timeout_s: expected seconds > 0 (inf for no limit), got {timeout_s!r}")
+    return float(timeout_s)
+
+
 def check_session_id(session_id: str | int) -> str | int:
     """Return `session_id` if the server and a gRPC header can carry it.
 
@@ -140,7 +154,7 @@ class Session:
         self.session_id = check_session_id(session_id)
         self.model = model
         self.url = url
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
         self._headers = {**(headers or {}), SESSION_HEADER: str(self.session_id)}
         self._needs_start = True
         self._resume = resume  # until a request has opened the session, START goes with `resume`
@@ -318,7 +332,7 @@ class Session:
         return f"Session({self.session_id!r}, url={self.url!r}, {state})"
 
     def _time_limit(self, timeout_s: float | None) -> tuple[float, float]:
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         return timeout_s, time.perf_counter() + timeout_s
 
     def _send(self, inputs: list[InferInput], *, end: bool, timeout_s: float, deadline: float) -> _Inflight:

@@ -65,12 +65,20 @@ def test_url_defaults_to_the_environment(monkeypatch):
 
 @pytest.mark.parametrize(
     "argv",
-    [["append", "x"], ["ask"], ["ask", "x", "--max-tokens", "many"], ["ask", "x", "--bogus"], ["bogus"], ["close"]],
+    [["append", "x"], ["ask"], ["ask", "x", "--max-tokens", "many"], ["ask", "x", "--bogus"], ["bogus"], ["close"],
+     ["ask", "x", "--timeout", "0"], ["ask", "x", "--timeout", "-1"], ["ask", "x", "--timeout", "nan"]],
 )
 def test_usage_errors_exit_2(argv):
     with pytest.raises(SystemExit) as raised:
         cli.main(argv)
     assert raised.value.code == cli.EXIT_USAGE
+
+
+def test_a_bad_timeout_is_named_and_infinity_means_no_limit(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["ask", "x", "--timeout", "-1"])
+    assert "argument --timeout: expected seconds > 0 (inf for no limit), got '-1'" in capsys.readouterr().err
+    assert parse(["ask", "x", "--timeout", "inf"]).timeout_s == float("inf")
 
 
 def test_no_command_exits_2(capsys):

@@ -313,6 +313,20 @@ def test_a_timed_out_request_that_carried_end_leaves_the_session_closed(fake_tri
     assert len(fake_triton[0].requests) == 2
 
 
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("nan")])
+def test_a_time_limit_that_is_not_positive_is_refused_before_anything_is_sent(fake_triton, timeout_s):
+    with pytest.raises(ValueError, match="timeout_s: expected seconds > 0"):
+        Client("127.0.0.1:9", timeout_s=timeout_s)
+    session = open_session()
+    with pytest.raises(ValueError, match="timeout_s: expected seconds > 0"):
+        session.ask("hi", timeout_s=timeout_s)
+    with pytest.raises(TypeError, match="timeout_s: expected seconds as a number"):
+        session.ask("hi", timeout_s="5")
+    assert fake_triton[0].requests == []
+    assert session.ask("hi").text == "hi"  # nothing changed: the session opens with its first real request
+    assert fake_triton[0].requests[0].sequence_start
+
+
 def test_an_infinite_timeout_waits_without_limit(fake_triton):
     session = open_session(timeout_s=float("inf"))
     assert session.ask("hi").text == "hi"
