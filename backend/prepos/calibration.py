@@ -128,7 +128,8 @@ def read_records(path: str | Path) -> tuple[dict, list[DecisionRecord]]:
 
 
 class _Progress:
-    def __init__(self, total: int, stream=sys.stderr):
+    def __init__(self, total: int, stream=None):
+        stream = stream or sys.stderr  # the stderr of now, not of import time
         self.total, self.done, self.stream = total, 0, stream
         self.start = time.monotonic()
         self._tty = hasattr(stream, "isatty") and stream.isatty()
@@ -184,7 +185,7 @@ class CalibrationReplay:
         return {"format": RECORDS_FORMAT, "placeholders": self._placeholders}
 
     def run(self, sessions: Iterable[SessionLike], records_path: str | Path, *,
-            max_points: int | None = None, progress_stream=sys.stderr) -> ReplaySummary:
+            max_points: int | None = None, progress_stream=None) -> ReplaySummary:
         """Record every decision point of ``sessions`` not yet in ``records_path`` (at most ``max_points`` in all).
 
         Raises ``ValueError`` when the file was written with other placeholders.

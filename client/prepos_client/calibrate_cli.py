@@ -99,9 +99,12 @@ def load_sessions(args: argparse.Namespace) -> list:
 
         task = task or bigbench_tasks.YES_NO_TASKS[0]
         cache = args.bigbench_cache or bigbench_tasks.DEFAULT_CACHE_DIR
-        path = bigbench_tasks.fetch_tasks((task,), cache)[task]
-        return bigbench_tasks.task_decision_points(bigbench_tasks.load_task(path, task), args.sessions,
-                                                   seed=args.seed)
+        try:
+            path = bigbench_tasks.fetch_tasks((task,), cache)[task]
+            return bigbench_tasks.task_decision_points(bigbench_tasks.load_task(path, task), args.sessions,
+                                                       seed=args.seed)
+        except (OSError, RuntimeError, ValueError) as error:  # not fetched, not in the sdist, not a yes/no task
+            raise ValueError(f"--workload: BIG-bench task {task!r}: {error}") from None
     if task:
         raise ValueError(f"--workload: only bigbench takes a task, got {args.workload!r}")
     try:
@@ -113,10 +116,11 @@ def load_sessions(args: argparse.Namespace) -> list:
 def replay(args: argparse.Namespace, sessions: list, placeholders: dict[str, str], records: Path):
     from prepos.calibration import CalibrationReplay
     from prepos.config import EngineConfig
-    from prepos.core import create_engine
+    from prepos.core import check_device, create_engine
     from prepos.template import EngineManifest, Tokenizer
 
     config = EngineConfig(device=args.device, dtype=args.dtype, num_threads=args.threads)
+    check_device(config.device)
     manifest = EngineManifest.load(args.engine_dir)
     engine = create_engine(config, args.engine_dir)
     tokenizer = Tokenizer(args.engine_dir / "tokenizer.json")
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(format="prepos calibrate: %(message)s", level=logging.INFO)
-    from prepos.calibration import read_records
+    from prepos.calibration import EMPTY, read_records
     from prepos.calibration_report import SCORES, calibrate, write_report
     from prepos.risk import METHODS
 
@@ -141,7 +145,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sessions: must be >= 1")
     if args.max_points is not None and args.max_points < 1:
         parser.error("--max-points: must be >= 1")
+    if args.threads < 0:
+        parser.error("--threads: must be >= 0 (0: torch's default)")
+    unknown = sorted(set(args.score or ()) - set(SCORES))
+    if unknown:
+        parser.error(f"--score: unknown {', '.join(map(repr, unknown))}; use {', '.join(SCORES)}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out: {args.out} exists and is not a folder")
     placeholders = {} if args.no_placeholder else dict(args.placeholder or DEFAULT_PLACEHOLDERS)
+    recorded = (EMPTY, *placeholders)
+    unknown = sorted(set(args.variant or ()) - set(recorded))
+    if unknown and not args.report_only:
+        parser.error(f"--variant: {', '.join(map(repr, unknown))} not recorded by this run; it records "
+                     f"{', '.join(recorded)} (--placeholder NAME=TEXT adds one)")
     records_path = args.records or args.out / "records.jsonl"
     try:
         if not args.report_only:

@@ -28,6 +28,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
 from prepos.metrics import metric_sum
 
 from . import run as loadtest_run
@@ -145,12 +147,57 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument("--" + option.name.replace("_", "-"), type=type(getattr(defaults, option.name)),
                             default=getattr(defaults, option.name),
                             help=f"{option.metadata.get('help', '')} (default: %(default)s)")
-    parser.add_argument("--server", help="gRPC host:port of a running server (default: start one on free ports)")
-    parser.add_argument("--metrics-url", help="its metrics endpoint (default: http://HOST:8002/metrics with --server)")
-    parser.add_argument("--server-pid", type=int,
+    parser.add_argument("--server", type=parse_server,
+                        help="gRPC host:port of a running server (default: start one on free ports)")
+    parser.add_argument("--metrics-url", type=parse_metrics_url,
+                        help="its metrics endpoint (default: http://HOST:8002/metrics with --server)")
+    parser.add_argument("--server-pid", type=parse_pid,
                         help="tritonserver's pid for the memory samples (default: whoever listens on the gRPC port)")
     parser.add_argument("--out", type=Path, default=Path("out/soak"), help="output folder (default: %(default)s)")
     return parser
+
+
+def parse_server(text: str) -> str:
+    """`host:port` from --server (a grpc:// or http:// prefix and a trailing slash are dropped).
+
+    Raises:
+        argparse.ArgumentTypeError: no host, or a port that is not a number in 1-65535.
+    """
+    address = text.split("://", 1)[-1].rstrip("/")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected host:port with a port in 1-65535, e.g. 127.0.0.1:8001, "
+                                         f"got {text!r}")
+    return address
+
+
+def parse_metrics_url(text: str) -> str:
+    """--metrics-url: an http:// or https:// address.
+
+    Raises:
+        argparse.ArgumentTypeError: another scheme, or none.
+    """
+    if not text.startswith(("http://", "https://")) or text.endswith("://"):
+        raise argparse.ArgumentTypeError(f"expected an http:// address, e.g. http://127.0.0.1:8002/metrics, "
+                                         f"got {text!r}")
+    return text
+
+
+def parse_pid(text: str) -> int:
+    """--server-pid: the id of a running process.
+
+    Raises:
+        argparse.ArgumentTypeError: not a positive integer, or no such process.
+    """
+    try:
+        pid = int(text)
+    except ValueError:
+        pid = 0
+    if pid <= 0:
+        raise argparse.ArgumentTypeError(f"expected a process id (a positive integer), got {text!r}")
+    if not psutil.pid_exists(pid):
+        raise argparse.ArgumentTypeError(f"no process with id {pid}")
+    return pid
 
 
 def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SoakOptions:
@@ -198,8 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     options = _options(args, parser)
+    if not args.server and (args.metrics_url or args.server_pid):
+        parser.error("--metrics-url and --server-pid describe a running server: give its --server too")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out: {args.out} exists and is not a folder")
     if args.server:
-        host = args.server.split("://", 1)[-1].rstrip("/")
+        host = args.server
         metrics_url = args.metrics_url or f"http://{host.rsplit(':', 1)[0]}:8002/metrics"
         pid = args.server_pid or pid_listening_on(int(host.rsplit(":", 1)[1]))
         if pid is None:

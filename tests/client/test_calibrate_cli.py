@@ -55,6 +55,7 @@ def test_calibrate_writes_report_and_resumes(setup, capsys):
     (["--trace", "missing.jsonl"], "--trace"),
     (["--workload", "bfcl:x"], "--workload"),
     (["--workload", "nope"], "--workload"),
+    (["--workload", "bfcl", "--sessions", "2", "--device", "cuda:99"], "engine.device: 'cuda:99'"),
 ])
 def test_bad_input_exits_1_naming_the_argument(setup, capsys, extra, message):
     tmp_path, engine_dir, _ = setup
@@ -70,8 +71,40 @@ def test_bad_input_exits_1_naming_the_argument(setup, capsys, extra, message):
     ["--trace", "t.jsonl", "--epsilon", "1.5", "--out", "o"],
     ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--placeholder", "novalue"],
     ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--method", "best"],
+    ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--score", "p_max", "--score", "confidence"],
+    ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--variant", "dots"],
+    ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--no-placeholder", "--variant", "placeholder"],
+    ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--threads", "-1"],
+    ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", __file__],
 ])
-def test_usage_errors_exit_2(argv):
+def test_usage_errors_exit_2(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         calibrate_cli.main(argv)
     assert exit_info.value.code == 2
+    assert not any(tmp_path.iterdir())  # refused before anything was replayed or written
+    flag = next((arg for arg in reversed(argv) if arg.startswith("--")), None)
+    if flag in ("--score", "--variant", "--threads"):
+        assert flag in capsys.readouterr().err
+
+
+def test_a_variant_recorded_by_this_run_is_accepted(setup, capsys):
+    tmp_path, engine_dir, trace = setup
+    argv = ["--trace", str(trace), "--engine-dir", str(engine_dir), "--epsilon", "0.3", "--out",
+            str(tmp_path / "o"), "--max-points", "6", "--placeholder", "dots=...", "--variant", "dots"]
+    assert calibrate_cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "empty delta" not in printed and ("dots delta" in printed or "gate off" in printed)
+
+
+def test_a_big_bench_task_that_cannot_be_fetched_is_named(tmp_path, monkeypatch, capsys):
+    from prepos_loadtest import bigbench_tasks
+
+    def unreachable(names, cache_dir):
+        raise RuntimeError("tasks not found in the bigbench sdist: nope")
+
+    monkeypatch.setattr(bigbench_tasks, "fetch_tasks", unreachable)
+    code = calibrate_cli.main(["--workload", "bigbench:nope", "--epsilon", "0.1", "--out", str(tmp_path / "o")])
+    assert code == calibrate_cli.EXIT_INVALID
+    assert "--workload: BIG-bench task 'nope'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

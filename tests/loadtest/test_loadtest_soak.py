@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from prepos_loadtest.soak import COLUMNS, SoakOptions
+from prepos_loadtest.soak import COLUMNS, SoakOptions, parse_server
+from prepos_loadtest.soak import main as soak_main
 from prepos_loadtest.soak_probe import tree_memory
 from prepos_loadtest.soak_report import summarize, write_plot
 
@@ -76,6 +77,39 @@ def test_usage_errors_exit_2_naming_the_flag():
     done = subprocess.run([sys.executable, "-m", "prepos_loadtest.soak", "--duration", "soon"], cwd=LOADTEST_DIR,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--duration" in done.stderr
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--server", "nonsense"], "--server"),
+    (["--server", "127.0.0.1:0"], "--server"),
+    (["--server", ":8001"], "--server"),
+    (["--server", "127.0.0.1:1", "--server-pid", "-5"], "--server-pid"),
+    (["--server", "127.0.0.1:1", "--server-pid", "abc"], "--server-pid"),
+    (["--server", "127.0.0.1:1", "--metrics-url", "ftp://host/metrics"], "--metrics-url"),
+    (["--server-pid", str(os.getpid())], "--server"),
+    (["--metrics-url", "http://127.0.0.1:8002/metrics"], "--server"),
+    (["--server", "127.0.0.1:1", "--out", __file__], "--out"),
+])
+def test_bad_server_arguments_are_refused_before_any_load(argv, named, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        soak_main(argv)
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_a_server_pid_must_name_a_running_process(capsys):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that is gone
+    with pytest.raises(SystemExit):
+        soak_main(["--server", "127.0.0.1:1", "--server-pid", str(child.pid)])
+    assert f"no process with id {child.pid}" in capsys.readouterr().err
+
+
+def test_server_addresses_keep_host_and_port():
+    assert parse_server("grpc://127.0.0.1:8001/") == "127.0.0.1:8001"
+    assert parse_server("[::1]:8001") == "[::1]:8001"
 
 
 def test_tree_memory_counts_the_children():
