@@ -242,6 +242,7 @@ class TritonServer:
         self.env = env or {}  # extra environment, e.g. PREPOS_* configuration overrides
         self.log_file = log_file or options.run_dir / f"tritonserver-{options.grpc_port}.log"
         self.process: subprocess.Popen | None = None
+        self._stubs: list = []  # its backend stubs once ready, reaped by stop() even if the server died first
         self.access_token = resolve_access_token(options)
 
     @property
@@ -309,6 +310,7 @@ class TritonServer:
                         ready = response.status == 200
                     if ready:  # the metrics endpoint too: scrapers and tests read it right away
                         with urllib.request.urlopen(self.metrics_url, timeout=1):
+                            self._stubs = self._descendants()
                             return
                 except OSError:
                     pass
@@ -348,28 +350,41 @@ class TritonServer:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM, then wait (Triton drains in-flight requests), then SIGKILL if it hangs. Backend stub
-        processes still alive afterwards (a killed server leaves them behind) are killed too."""
-        if self.process is None or self.process.poll() is not None:
-            return
+    def _descendants(self) -> list:
+        """tritonserver's backend stub processes (psutil handles, which know a reused pid for another process)."""
         import psutil
 
         try:
-            stubs = psutil.Process(self.process.pid).children(recursive=True)
+            return psutil.Process(self.process.pid).children(recursive=True)
         except psutil.NoSuchProcess:
-            stubs = []
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
-            self.process.kill()
-            self.process.wait()
-        _, alive = psutil.wait_procs(stubs, timeout=5)
+            return []
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM, then wait (Triton drains in-flight requests), then SIGKILL if it hangs. Backend stub
+        processes still alive afterwards are killed too, also when tritonserver had already exited (killed or
+        crashed): a stub can hang rather than follow a server that died under it, holding the model and its KV."""
+        if self.process is None:
+            return
+        import psutil
+
+        stubs = {stub.pid: stub for stub in self._stubs}
+        if self.process.poll() is None:
+            stubs.update((stub.pid, stub) for stub in self._descendants())
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
+                self.process.kill()
+                self.process.wait()
+        self._stubs = []
+        _, alive = psutil.wait_procs(list(stubs.values()), timeout=5)
         for stub in alive:
             log.warning("backend stub %d outlived tritonserver; killing it", stub.pid)
-            stub.kill()
+            try:
+                stub.kill()
+            except psutil.NoSuchProcess:
+                pass
 
     def __enter__(self) -> "TritonServer":
         self.start()

@@ -187,3 +187,45 @@ def test_our_own_server_listening_on_every_port_is_ready(tmp_path):
     finally:
         server.stop()
     assert_gone(ours)
+
+
+def test_a_stub_left_behind_by_a_server_that_died_is_killed_at_stop(tmp_path):
+    options = options_on_free_ports(tmp_path, ready_timeout_s=30.0)
+    server = TritonServer(options)
+    stub_pid_file = tmp_path / "stub.pid"
+    # A server with one backend stub that, like a python_backend stub hung on a dead server, ignores SIGTERM
+    # and does not follow its parent out.
+    server.process = ours = child(f"""
+        import socket, subprocess, sys, threading, time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        stub = subprocess.Popen([sys.executable, "-c",
+                                 "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+        open({str(stub_pid_file)!r}, "w").write(str(stub.pid))
+
+        class Ready(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+
+        for port in ({options.http_port}, {options.metrics_port}):
+            threading.Thread(target=ThreadingHTTPServer(("127.0.0.1", port), Ready).serve_forever,
+                             daemon=True).start()
+        grpc = socket.socket()
+        grpc.bind(("127.0.0.1", {options.grpc_port}))
+        grpc.listen()
+        time.sleep(60)
+    """)
+    try:
+        server.wait_ready()
+        stub = psutil.Process(int(stub_pid_file.read_text()))
+        ours.kill()  # the server dies on its own (OOM, a crash); its stub is orphaned and stays
+        ours.wait()
+        assert stub.is_running() and stub.status() != psutil.STATUS_ZOMBIE
+        server.stop()
+        stub.wait(timeout=10)  # reaped by stop, though the server was already gone (TimeoutExpired if not)
+        assert not stub.is_running()
+    finally:
+        server.stop()
+        if stub_pid_file.exists() and psutil.pid_exists(int(stub_pid_file.read_text())):
+            psutil.Process(int(stub_pid_file.read_text())).kill()
