@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -160,6 +161,34 @@ class ResponseSink(Protocol):
     def cancelled(self) -> bool:
         """Whether the client has gone (cancelled the request or closed the stream); may cost an IPC."""
         ...
+
+
+CANCEL_POLL_INTERVAL_S = 0.05
+
+
+class CancelPoll:
+    """Asks ``is_cancelled`` at most once per ``interval_s`` (the first time at once); once it said yes, yes.
+
+    Triton's ``is_cancelled`` is a round trip to the server (0.07-0.1 ms measured, holding the backend stub's
+    GIL) and the decode loop asks for every session at every step: asked every time, a batch of 32 sessions
+    would spend about 3 ms a step on it. A cancelled request stops within ``interval_s`` and the next step."""
+
+    def __init__(self, is_cancelled: Callable[[], bool], interval_s: float = CANCEL_POLL_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self._ask = is_cancelled
+        self._interval_s = interval_s
+        self._clock = clock
+        self._next_s = float("-inf")
+        self._cancelled = False
+
+    def __call__(self) -> bool:
+        if self._cancelled:
+            return True
+        now = self._clock()
+        if now >= self._next_s:
+            self._next_s = now + self._interval_s
+            self._cancelled = bool(self._ask())
+        return self._cancelled
 
 
 def _scalar(inputs: Mapping[str, np.ndarray], name: str, kinds: str) -> bool | int | float | bytes | str | None:

@@ -28,6 +28,34 @@ def test_a_buffered_sink_publishes_sums_last_values_and_every_observation_once()
     assert target.get("requests", path="gated") == 3 and len(target.observations["ttft", (("path", "gated"),)]) == 2
 
 
+class CountingSink(MemorySink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def set(self, name, labels, value) -> None:
+        self.calls += 1
+        super().set(name, labels, value)
+
+
+def test_a_gauge_is_published_again_only_when_its_value_changes():
+    target = CountingSink()
+    sink = BufferedSink(target)
+    for _ in range(3):  # housekeeping sets the same gauges every time
+        sink.set("sessions", {"state": "idle"}, 2)
+        sink.set("kv", {}, 100)
+        sink.flush()
+    assert target.calls == 2 and target.get("sessions", state="idle") == 2
+    sink.set("kv", {}, 120)
+    sink.set("sessions", {"state": "idle"}, 2)
+    sink.set("sessions", {"state": "decoding"}, 1)  # a new label set is a new gauge
+    sink.flush()
+    assert target.calls == 4 and target.get("kv") == 120 and target.get("sessions", state="decoding") == 1
+    sink.set("kv", {}, 100)  # back to a value published before: it is published again
+    sink.flush()
+    assert target.calls == 5 and target.get("kv") == 100
+
+
 def test_increments_racing_a_flush_are_neither_lost_nor_counted_twice():
     target = MemorySink()
     sink = BufferedSink(target)

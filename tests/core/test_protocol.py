@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepos.config import LimitsConfig
-from prepos.protocol import INPUT_NAMES, ProtocolError, parse_request
+from prepos.protocol import CancelPoll, INPUT_NAMES, ProtocolError, parse_request
 
 LIMITS = LimitsConfig(max_delta_bytes=64, max_delta_tokens=4, max_role_bytes=8, max_choices=4, max_choice_bytes=16,
                       max_stops=2, max_stop_bytes=8, max_top_k=100)
@@ -173,3 +173,24 @@ def test_an_unhashable_list_entry_is_named_not_a_crash():
     choices[0], choices[1] = b"a", [1, 2]
     with pytest.raises(ProtocolError, match=r"choices: entry 1: expected bytes, got list"):
         parse(choices=choices)
+
+
+def test_a_cancel_poll_asks_at_once_then_at_most_once_per_interval_and_keeps_a_yes():
+    now = [100.0]
+    answers = iter([False, False, True])
+    asked = []
+
+    def is_cancelled():
+        asked.append(now[0])
+        return next(answers)
+
+    poll = CancelPoll(is_cancelled, interval_s=0.05, clock=lambda: now[0])
+    assert poll() is False and asked == [100.0]  # the first check asks at once
+    now[0] += 0.03
+    assert poll() is False and len(asked) == 1  # within the interval: not asked again
+    now[0] += 0.03
+    assert poll() is False and len(asked) == 2
+    now[0] += 0.05
+    assert poll() is True and len(asked) == 3
+    now[0] += 10
+    assert poll() is True and len(asked) == 3  # a cancelled request stays cancelled without asking

@@ -21,8 +21,8 @@ from prepos.config import sequence_slots
 from prepos.core import Core
 from prepos.heap import settle_heap
 from prepos.bridge import BRIDGE_PARAMETER, relayed_error_outputs
-from prepos.protocol import TRITON_ERROR_CODES, ProtocolError, Rejection, ResponseChunk, control_flags
-from triton_metrics import TritonMetricsSink
+from prepos.protocol import TRITON_ERROR_CODES, CancelPoll, ProtocolError, Rejection, ResponseChunk, control_flags
+from triton_metrics import TritonMetricsSink, server_alive
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -42,8 +42,14 @@ class TritonSink:
         self._sender = sender
         self._bridged = bridged
         self._sent = False
+        self._cancel_poll = CancelPoll(self._ask_cancelled)
+
+    def _ask_cancelled(self) -> bool:
+        return not server_alive() or self._sender.is_cancelled()
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
+        if not server_alive():
+            return  # nobody to send to (see server_alive)
         tensors = [
             pb_utils.Tensor("text_output", np.array([chunk.text.encode("utf-8")], dtype=np.object_)),
             pb_utils.Tensor("output_ids", np.array(chunk.token_ids, dtype=np.int32)),
@@ -61,9 +67,11 @@ class TritonSink:
         self._sent = True
 
     def cancelled(self) -> bool:
-        return self._sender.is_cancelled()
+        return self._cancel_poll()
 
     def send_error(self, error: ProtocolError) -> None:
+        if not server_alive():
+            return
         if self._bridged and self._sent:
             tensors = [pb_utils.Tensor(name, value) for name, value in relayed_error_outputs(error).items()]
             self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL)

@@ -1,6 +1,18 @@
 """The core's metrics sink on Triton's metrics port (Python backend custom metrics)."""
 
+import os
+
 import triton_python_backend_utils as pb_utils
+
+
+SERVER_PID = os.getppid()  # tritonserver, which started this backend stub
+
+
+def server_alive() -> bool:
+    """Whether tritonserver still runs. python_backend sends metric updates and ``is_cancelled`` to the server
+    and waits for its reply holding the GIL and the lock its own exit on a dead server needs: such a call made
+    after the server died leaves the stub (the model, its KV) hung until it is killed, so none is made then."""
+    return os.getppid() == SERVER_PID
 
 
 def _kind(name):
@@ -9,7 +21,8 @@ def _kind(name):
 
 
 class TritonMetricsSink:
-    """Creates one metric family per spec and one metric per label set, labelled with the model name."""
+    """Creates one metric family per spec and one metric per label set, labelled with the model name. Once
+    tritonserver is gone, updates are dropped (see :func:`server_alive`)."""
 
     def __init__(self, model_name: str):
         self._model = model_name
@@ -35,10 +48,13 @@ class TritonMetricsSink:
         return metric
 
     def inc(self, name, labels, value) -> None:
-        self._metric(name, labels).increment(value)
+        if server_alive():
+            self._metric(name, labels).increment(value)
 
     def set(self, name, labels, value) -> None:
-        self._metric(name, labels).set(value)
+        if server_alive():
+            self._metric(name, labels).set(value)
 
     def observe(self, name, labels, value) -> None:
-        self._metric(name, labels).observe(value)
+        if server_alive():
+            self._metric(name, labels).observe(value)
