@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("backend", "client", "loadtest"):
     sys.path.insert(0, str(ROOT / sub))
 
-from prepos.launcher import ServerOptions, TritonServer  # noqa: E402
+from prepos.launcher import ServerOptions, TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
 from prepos_loadtest.repository import variant_repository  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
@@ -290,6 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
     parser.add_argument("--grpc-port", type=int, default=8101)
     args = parser.parse_args(argv)
+    counts = ("sessions", "turns", "monitor_sessions", "gate_sessions", "floor_samples", "interference_samples")
+    for name in counts:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+    if not args.think_time >= 0 or args.think_time == float("inf"):
+        parser.error(f"--think-time: expected seconds >= 0, got {args.think_time}")
+    if not 1 <= args.grpc_port <= 65533:
+        parser.error(f"--grpc-port: the server takes it and the next two ports; expected 1-65533, got {args.grpc_port}")
+    if not (args.engine_dir / "prepos_engine.json").is_file():
+        parser.error(f"--engine-dir: no engine in {args.engine_dir} (make engine builds the default)")
 
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = ROOT / ".run" / "bench"
@@ -302,7 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     bfcl, bfcl_gate = bfcl_all[:args.sessions], bfcl_all[:args.gate_sessions]
     monitor = monitor_sessions(args.monitor_sessions, think_time_s=args.think_time / 2)
     samples: list[Sample] = []
-    with TritonServer(options, env={"PREPOS_ENGINE_DIR": str(args.engine_dir.resolve())}) as server:
+    interrupt_on_sigterm()  # a SIGTERM stops the server on the way out
+    try:
+        server = TritonServer(options, env={"PREPOS_ENGINE_DIR": str(args.engine_dir.resolve())}).__enter__()
+    except RuntimeError as error:  # PortInUseError (names the port and --grpc-port) or the server's own failure
+        print(f"bench: the server did not start: {error}", file=sys.stderr)
+        return 1
+    try:
         url = server.grpc_url
         for mode in ("prepos_stateless", "prepos_prefix", "prepos"):
             samples += replay(url, mode, bfcl, "bfcl")
@@ -315,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         samples += measure_interference(server, "prepos", args.interference_samples, think_s=0.3)
         time.sleep(1)  # the last counts reach the metrics port at the engine loop's next housekeeping
         collector = collector_figures(server)
+    finally:
+        server.stop()
     engine = engine_figures(args.engine_dir)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
     table, figures = summarize(samples, engine, machine, collector)

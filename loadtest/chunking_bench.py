@@ -44,6 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -345,6 +346,14 @@ def main() -> None:
                          "decode step of 1-16 sessions at once), thread (decode on the loading thread against the "
                          "engine loop's; last)")
     args = ap.parse_args()
+    for name in ("reps", "blocks", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: must be at least 1, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads: must be at least 1, got {args.threads}")
+    if not (Path(args.model_dir) / "config.json").is_file():
+        ap.error(f"--model-dir: no config.json in {args.model_dir} (a Hugging Face Llama checkpoint directory, "
+                 "e.g. engines/smollm2-135m-instruct after make engine)")
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
         ap.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {', '.join(PARTS)}")

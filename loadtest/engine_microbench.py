@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -242,6 +243,14 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = ap.parse_args()
+    for name in ("context", "steps", "rounds", "prefill_runs"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+    if args.long_context < 0 or (args.threads is not None and args.threads < 1):
+        ap.error("--long-context must be >= 0 and --threads >= 1")
+    if not (Path(args.model_dir) / "config.json").is_file():
+        ap.error(f"--model-dir: no config.json in {args.model_dir} (a Hugging Face Llama checkpoint directory, "
+                 "e.g. engines/smollm2-135m-instruct after make engine)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = measure(args.model_dir, device=args.device, dtype=args.dtype, threads=args.threads,
                      context=args.context, steps=args.steps, prefill_runs=args.prefill_runs, with_hf=not args.no_hf,

@@ -39,7 +39,7 @@ for sub in ("backend", "client", "loadtest"):
 
 import tritonclient.grpc as grpcclient  # noqa: E402
 
-from prepos.launcher import ServerOptions, TritonServer  # noqa: E402
+from prepos.launcher import ServerOptions, TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_loadtest.repository import free_loopback_ports  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 
@@ -47,9 +47,11 @@ log = logging.getLogger("prepos.http_bench")
 WAYS = ("grpc", "grpc_bridge", "http_bridge")
 
 
+TRITON_DATATYPES = {"object": "BYTES", "int32": "INT32", "int64": "INT64", "bool": "BOOL"}
+
+
 def _tensor(name: str, value: np.ndarray) -> grpcclient.InferInput:
-    datatype = {"O": "BYTES", "i": "INT32", "b": "BOOL"}[value.dtype.kind]
-    tensor = grpcclient.InferInput(name, list(value.shape), datatype)
+    tensor = grpcclient.InferInput(name, list(value.shape), TRITON_DATATYPES[value.dtype.name])
     tensor.set_data_from_numpy(value)
     return tensor
 
@@ -64,14 +66,21 @@ class GrpcWay:
         self.bridge, self.session_id = bridge, session_id
         self.request(start=True)
 
-    def request(self, start: bool = False, end: bool = False) -> float:
-        inputs = {"text_input": np.array([b""], dtype=np.object_), "max_tokens": np.array([0], np.int32)}
-        kwargs = {}
-        if self.bridge:
-            inputs["session_id"] = np.array([self.session_id.encode()], dtype=np.object_)
+    @staticmethod
+    def inputs(bridge: bool, session_id: str, start: bool = False, end: bool = False) -> dict[str, np.ndarray]:
+        """An empty update's inputs: prepos's max_tokens is INT32, the bridge's INT64 (README: HTTP)."""
+        inputs = {"text_input": np.array([b""], dtype=np.object_),
+                  "max_tokens": np.array([0], np.int64 if bridge else np.int32)}
+        if bridge:
+            inputs["session_id"] = np.array([session_id.encode()], dtype=np.object_)
             inputs |= {"start": np.array([True])} if start else {}
             inputs |= {"end": np.array([True])} if end else {}
-        else:
+        return inputs
+
+    def request(self, start: bool = False, end: bool = False) -> float:
+        inputs = self.inputs(self.bridge, self.session_id, start, end)
+        kwargs = {}
+        if not self.bridge:
             kwargs = {"sequence_id": self.session_id, "sequence_start": start, "sequence_end": end}
         began = time.perf_counter()
         self.client.async_stream_infer("prepos_http" if self.bridge else "prepos",
@@ -160,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--requests and --block must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
+    interrupt_on_sigterm()  # a SIGTERM stops the server on the way out
     result = run(args.requests, args.block, args.out / "run")
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
     text = table(result, machine)

@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -423,6 +424,14 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl-C does
 
 
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM raise KeyboardInterrupt in the main thread, as Ctrl-C does, so that a program holding a
+    :class:`TritonServer` (a benchmark, a soak) stops it on the way out instead of leaving it running. Does
+    nothing outside the main thread, where Python cannot set a handler."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
 def serve(options: ServerOptions) -> int:
     """Start the server, print its addresses, and run until Ctrl-C/SIGTERM."""
     env = {}
@@ -433,7 +442,7 @@ def serve(options: ServerOptions) -> int:
     except ValueError as err:
         print(f"prepos failed to start: {err}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_sigterm()
     try:
         with server:
             bridge = any((Path(repo) / "prepos_http").is_dir() for repo in options.model_repositories)

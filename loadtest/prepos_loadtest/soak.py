@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from prepos.launcher import interrupt_on_sigterm
 from prepos.metrics import metric_sum
 
 from . import run as loadtest_run
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--metrics-url and --server-pid describe a running server: give its --server too")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out: {args.out} exists and is not a folder")
+    interrupt_on_sigterm()  # a SIGTERM stops the load, the sampler and a server started here on the way out
     if args.server:
         host = args.server
         metrics_url = args.metrics_url or f"http://{host.rsplit(':', 1)[0]}:8002/metrics"

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from prepos.launcher import interrupt_on_sigterm
 from prepos_client import PreposError
 
 from . import amortized, anatomy, entry_length, gate_curve, throughput
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[SummaryRow] = []
     counter = TokenCounter(args.engine_dir)
     progress("starting the server (prepos, prepos_prefix, prepos_rebuild, floor) ...")
+    interrupt_on_sigterm()  # a SIGTERM stops the server on the way out
     try:
         with FigureServer(run_dir=(out / "run").resolve(), engine_dir=args.engine_dir) as server:
             progress("server ready at %s after %.0f s", server.url, time.monotonic() - started)

@@ -1,0 +1,44 @@
+"""The benchmark drivers refuse bad arguments with a message naming the flag (exit 2) before they start a
+server or load a model."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import bench
+import chunking_bench
+import engine_microbench
+
+ENGINE = "engines/smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["--sessions", "0"], "--sessions"),
+    (["--floor-samples", "-1"], "--floor-samples"),
+    (["--think-time", "-1"], "--think-time"),
+    (["--think-time", "nan"], "--think-time"),
+    (["--grpc-port", "70000"], "--grpc-port"),
+    (["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
+])
+def test_bench_names_the_bad_flag(argv, flag, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exited:
+        bench.main([*argv, "--out", str(tmp_path / "out")])
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("module", "argv", "flag"), [
+    (engine_microbench, ["--model-dir", "/nonexistent-model"], "--model-dir"),
+    (engine_microbench, ["--model-dir", ENGINE, "--steps", "0"], "--steps"),
+    (chunking_bench, ["--model-dir", "/nonexistent-model"], "--model-dir"),
+    (chunking_bench, ["--model-dir", ENGINE, "--reps", "0"], "--reps"),
+])
+def test_microbenchmarks_name_the_bad_flag(module, argv, flag, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
+    with pytest.raises(SystemExit) as exited:
+        module.main()
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
