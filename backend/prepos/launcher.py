@@ -81,6 +81,23 @@ class ServerOptions:
     access_token: str = dataclasses.field(default="", repr=False)
     """The token itself (for embedding the launcher; never a flag). Wins over the file and the environment."""
 
+    def __post_init__(self) -> None:
+        """Raise ValueError naming the flag of a value tritonserver would refuse or misread."""
+        ports = {field: getattr(self, field) for _, field in _ENDPOINT_FIELDS}
+        for field, port in ports.items():
+            if not 1 <= port <= 65535:
+                raise ValueError(f"--{field.replace('_', '-')}: expected a port in 1-65535, got {port}")
+        if len(set(ports.values())) < len(ports):
+            raise ValueError("--http-port, --grpc-port and --metrics-port must differ, got "
+                             + ", ".join(str(port) for port in ports.values()))
+        if not self.ready_timeout_s > 0:
+            raise ValueError(f"--ready-timeout-s: expected seconds > 0, got {self.ready_timeout_s}")
+        if self.exit_timeout_s < 0 or self.log_verbose < 0:
+            raise ValueError(f"--exit-timeout-s and --log-verbose must be >= 0, got {self.exit_timeout_s} "
+                             f"and {self.log_verbose}")
+        if not self.host:
+            raise ValueError("--host: expected an address to bind, e.g. 127.0.0.1")
+
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
@@ -245,6 +262,13 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self._stubs: list = []  # its backend stubs once ready, reaped by stop() even if the server died first
         self.access_token = resolve_access_token(options)
+        for repository in options.model_repositories:
+            if not Path(repository).is_dir():
+                raise ValueError(f"--model-repository: {repository} is not a folder")
+        try:
+            socket.getaddrinfo(options.host, None)
+        except OSError as err:
+            raise ValueError(f"--host: cannot use {options.host!r} ({err.strerror or err})") from None
 
     @property
     def grpc_url(self) -> str:
@@ -469,7 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="prepos serve", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return serve(options_from_args(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    try:
+        options = options_from_args(args)
+    except ValueError as err:
+        parser.error(str(err))
+    return serve(options)
 
 
 if __name__ == "__main__":

@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), action="append",
                    help="logits dtype to export (repeatable; default: all)")
     args = p.parse_args(argv)
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        p.error(f"--output: {args.output} exists and is not a folder")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     path = export(args.output, tuple(args.dtype) if args.dtype else tuple(DTYPES))
     sys.stdout.write(f"{path}\n")

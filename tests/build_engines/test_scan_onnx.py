@@ -82,6 +82,15 @@ def test_bad_form_or_dtype_is_refused():
         scan_onnx.main(["--output", "x", "--dtype", "int8"])
 
 
+def test_an_output_that_is_a_file_is_refused_naming_it(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    with pytest.raises(SystemExit) as exited:
+        scan_onnx.main(["--output", str(taken)])
+    assert exited.value.code == 2 and f"--output: {taken} exists and is not a folder" in capsys.readouterr().err
+    assert taken.read_text() == "not a folder"
+
+
 def _run(session, logits, mask, temperature, top_k, top_p, u):
     token, p_max, margin, entropy = session.run(None, {
         "logits": logits, "mask": mask, "temperature": np.array([temperature], np.float32),

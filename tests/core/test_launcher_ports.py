@@ -229,3 +229,29 @@ def test_a_stub_left_behind_by_a_server_that_died_is_killed_at_stop(tmp_path):
         server.stop()
         if stub_pid_file.exists() and psutil.pid_exists(int(stub_pid_file.read_text())):
             psutil.Process(int(stub_pid_file.read_text())).kill()
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--grpc-port", "0"], "--grpc-port"),
+    (["--metrics-port", "70000"], "--metrics-port"),
+    (["--http-port", "8200", "--grpc-port", "8200"], "must differ"),
+    (["--ready-timeout-s", "-1"], "--ready-timeout-s"),
+    (["--ready-timeout-s", "nan"], "--ready-timeout-s"),
+    (["--exit-timeout-s", "-5"], "--exit-timeout-s"),
+])
+def test_serve_refuses_bad_options_naming_the_flag(argv, named, no_triton, capsys):
+    with pytest.raises(SystemExit) as exited:
+        launcher.main(argv)
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+    assert no_triton == []
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--model-repository", "/nonexistent-repository"], "--model-repository: /nonexistent-repository"),
+    (["--host", "nonsense.invalid"], "--host: cannot use 'nonsense.invalid'"),
+])
+def test_serve_refuses_a_missing_repository_or_host_before_triton_starts(argv, named, no_triton, tmp_path, capsys):
+    assert launcher.main([*argv, "--run-dir", str(tmp_path)]) == 2
+    assert named in capsys.readouterr().err
+    assert no_triton == []
