@@ -59,6 +59,7 @@ class Sample:
     expected: str | None
     queue_ms: float | None = None  # server: arrival to the engine loop picking it up
     compute_ms: float | None = None  # server: engine-loop time spent on it
+    pair: int | None = None  # replay_paired_with_floor: the question both models answered
 
 
 def replay(url: str, model: str, traces: list[SessionTrace], workload: str,
@@ -93,6 +94,53 @@ def measure_floor(url: str, payloads: list[Step], gap_s: float, label: str) -> l
             samples.append(Sample("floor", label, "floor", index, "floor", len(step.delta), answer.ttft_ms,
                                   answer.first_token_ms, answer.total_ms, "", None))
     return samples
+
+
+def replay_paired_with_floor(url: str, traces: list[SessionTrace], gap_s: float) -> list[Sample]:
+    """The forced-gate replay again, each question also sent to the floor with the same payload ``gap_s``
+    before or after it (the order alternates), so the two meet the same moment of the machine: after the
+    session's think time, with whatever pre-positioning its updates started already done or not alike."""
+    samples = []
+    with Client(url, model="prepos") as client, Client(url, model="floor") as floor_client, \
+            floor_client.session() as floor:
+        pair = 0
+        for trace in traces:
+            with client.session() as session:
+                for index, step in enumerate(trace.steps):
+                    time.sleep(step.delay_s)
+                    if step.max_tokens == 0:
+                        session.append(step.delta, role=step.role)
+                        continue
+                    choices = list(step.choices) if step.choices else None
+                    asks = [lambda: ("prepos", session.ask(step.delta, role=step.role, max_tokens=step.max_tokens,
+                                                           choices=choices, gate_threshold=0.0, speculate=True)),
+                            lambda: ("floor", floor.ask(step.delta, role=step.role, max_tokens=1, choices=choices))]
+                    for position, ask in enumerate(asks if pair % 2 else asks[::-1]):
+                        if position:
+                            time.sleep(gap_s)
+                        model, answer = ask()
+                        samples.append(Sample(model, "gate-floor-pairs", trace.name, index, answer.path,
+                                              len(step.delta), answer.ttft_ms, answer.first_token_ms,
+                                              answer.total_ms, answer.text if model == "prepos" else "", None,
+                                              pair=pair))
+                    pair += 1
+            log.info("prepos and floor, paired: %s done", trace.name)
+    return samples
+
+
+def paired_floor_ratios(samples: list[Sample]) -> tuple[float, float, int]:
+    """From :func:`replay_paired_with_floor`: gated client p50 over the floor's in the same pairs, the median
+    of the per-pair ratios, and the number of pairs (those whose prepos answer was ``gated``)."""
+    pairs: dict[int, dict[str, Sample]] = {}
+    for s in samples:
+        if s.workload == "gate-floor-pairs":
+            pairs.setdefault(s.pair, {})[s.mode] = s
+    kept = [p for p in pairs.values() if "floor" in p and p.get("prepos") and p["prepos"].path == "gated"]
+    if not kept:
+        return float("nan"), float("nan"), 0
+    gated = percentile([p["prepos"].ttft_ms for p in kept], 50)
+    floor = percentile([p["floor"].ttft_ms for p in kept], 50)
+    return gated / floor, statistics.median(p["prepos"].ttft_ms / p["floor"].ttft_ms for p in kept), len(kept)
 
 
 def _wait_background_idle(server: TritonServer, model: str, quiet_s: float = 1.0, timeout_s: float = 120) -> None:
@@ -215,6 +263,7 @@ def summarize(samples: list[Sample], engine: dict, machine: str,
     gated = [s for s in delta_requests if s.path == "gated"]
     positioned = [s for s in delta_requests if s.path in ("gated", "prepaid")]
     agree = [s for s in gated if s.expected is not None and s.answer == s.expected]
+    paired_p50, paired_median, num_pairs = paired_floor_ratios(samples)
     derived = {
         "gate coverage (gated / positioned requests with a delta)": f"{len(gated)}/{len(positioned)}",
         "gated answers equal to the workload's expected answer": f"{len(agree)}/{len(gated)}",
@@ -228,6 +277,8 @@ def summarize(samples: list[Sample], engine: dict, machine: str,
             fig("monitor: exact", "ttft_p50") / fig("transport floor, monitor payloads", "ttft_p50"),
         "gated / floor client p50 (same payloads, gate forced)":
             fig(forced, "ttft_p50") / fig("transport floor, BFCL payloads", "ttft_p50"),
+        "gated / floor client p50, paired (each question to both, alternating order, 0.3 s apart)":
+            f"{paired_p50:.2f} (median of the {num_pairs} pairs' ratios: {paired_median:.2f})",
         "exact server first token p50 (ms)": fig("monitor: exact", "server_p50"),
         "gated server first token p50 (ms, gate forced)": fig(forced, "server_p50"),
         "prepaid / prefix at the same delta (BFCL, paired p50)": paired_ratio(samples),
@@ -328,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         asks = lambda traces: [st for t in traces for st in t.steps if st.max_tokens > 0]  # noqa: E731
         samples += measure_floor(url, asks(monitor)[:args.floor_samples], args.think_time / 2, "floor-monitor")
         samples += measure_floor(url, asks(bfcl_gate)[:args.floor_samples], args.think_time / 2, "floor-bfcl")
+        samples += replay_paired_with_floor(url, bfcl_gate, gap_s=0.3)
         samples += measure_interference(server, "prepos", args.interference_samples, think_s=0.3)
         time.sleep(1)  # the last counts reach the metrics port at the engine loop's next housekeeping
         collector = collector_figures(server)
