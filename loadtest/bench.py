@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 for sub in ("backend", "client", "loadtest"):
@@ -62,24 +63,32 @@ class Sample:
     pair: int | None = None  # replay_paired_with_floor: the question both models answered
 
 
+def questions(client: Client, traces: list[SessionTrace],
+              label: str) -> Iterator[tuple[SessionTrace, int, Step, Any]]:
+    """Replay ``traces`` on ``client``, one session each, appending every update after its think time; yield each
+    question, after its think time, with its index and session, for the caller to ask."""
+    for trace in traces:
+        with client.session() as session:
+            for index, step in enumerate(trace.steps):
+                time.sleep(step.delay_s)
+                if step.max_tokens == 0:
+                    session.append(step.delta, role=step.role)
+                    continue
+                yield trace, index, step, session
+        log.info("%s: %s done", label, trace.name)
+
+
 def replay(url: str, model: str, traces: list[SessionTrace], workload: str,
            gate_threshold: float | None = None) -> list[Sample]:
     samples = []
     with Client(url, model=model) as client:
-        for trace in traces:
-            with client.session() as session:
-                for index, step in enumerate(trace.steps):
-                    time.sleep(step.delay_s)
-                    if step.max_tokens == 0:
-                        session.append(step.delta, role=step.role)
-                        continue
-                    answer = session.ask(step.delta, role=step.role, max_tokens=step.max_tokens,
-                                         choices=list(step.choices) if step.choices else None,
-                                         gate_threshold=gate_threshold, speculate=True)
-                    samples.append(Sample(model, workload, trace.name, index, answer.path, len(step.delta),
-                                          answer.ttft_ms, answer.first_token_ms, answer.total_ms, answer.text,
-                                          step.expected))
-            log.info("%s %s: %s done", model, workload, trace.name)
+        for trace, index, step, session in questions(client, traces, f"{model} {workload}"):
+            answer = session.ask(step.delta, role=step.role, max_tokens=step.max_tokens,
+                                 choices=list(step.choices) if step.choices else None,
+                                 gate_threshold=gate_threshold, speculate=True)
+            samples.append(Sample(model, workload, trace.name, index, answer.path, len(step.delta),
+                                  answer.ttft_ms, answer.first_token_ms, answer.total_ms, answer.text,
+                                  step.expected))
     return samples
 
 
@@ -103,28 +112,18 @@ def replay_paired_with_floor(url: str, traces: list[SessionTrace], gap_s: float)
     samples = []
     with Client(url, model="prepos") as client, Client(url, model="floor") as floor_client, \
             floor_client.session() as floor:
-        pair = 0
-        for trace in traces:
-            with client.session() as session:
-                for index, step in enumerate(trace.steps):
-                    time.sleep(step.delay_s)
-                    if step.max_tokens == 0:
-                        session.append(step.delta, role=step.role)
-                        continue
-                    choices = list(step.choices) if step.choices else None
-                    asks = [lambda: ("prepos", session.ask(step.delta, role=step.role, max_tokens=step.max_tokens,
-                                                           choices=choices, gate_threshold=0.0, speculate=True)),
-                            lambda: ("floor", floor.ask(step.delta, role=step.role, max_tokens=1, choices=choices))]
-                    for position, ask in enumerate(asks if pair % 2 else asks[::-1]):
-                        if position:
-                            time.sleep(gap_s)
-                        model, answer = ask()
-                        samples.append(Sample(model, "gate-floor-pairs", trace.name, index, answer.path,
-                                              len(step.delta), answer.ttft_ms, answer.first_token_ms,
-                                              answer.total_ms, answer.text if model == "prepos" else "", None,
-                                              pair=pair))
-                    pair += 1
-            log.info("prepos and floor, paired: %s done", trace.name)
+        for pair, (trace, index, step, session) in enumerate(questions(client, traces, "prepos and floor, paired")):
+            choices = list(step.choices) if step.choices else None
+            asks = [lambda: ("prepos", session.ask(step.delta, role=step.role, max_tokens=step.max_tokens,
+                                                   choices=choices, gate_threshold=0.0, speculate=True)),
+                    lambda: ("floor", floor.ask(step.delta, role=step.role, max_tokens=1, choices=choices))]
+            for position, ask in enumerate(asks if pair % 2 else asks[::-1]):
+                if position:
+                    time.sleep(gap_s)
+                model, answer = ask()
+                samples.append(Sample(model, "gate-floor-pairs", trace.name, index, answer.path, len(step.delta),
+                                      answer.ttft_ms, answer.first_token_ms, answer.total_ms,
+                                      answer.text if model == "prepos" else "", None, pair=pair))
     return samples
 
 

@@ -85,6 +85,28 @@ def child(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)])
 
 
+def fake_server(options: ServerOptions, before: str = "") -> subprocess.Popen:
+    """A process that listens on the options' three ports and answers every HTTP probe, as a ready tritonserver
+    does, after running ``before``."""
+    return child(textwrap.dedent(before) + textwrap.dedent(f"""
+        import socket, threading, time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Ready(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+
+        for port in ({options.http_port}, {options.metrics_port}):
+            threading.Thread(target=ThreadingHTTPServer(("127.0.0.1", port), Ready).serve_forever,
+                             daemon=True).start()
+        grpc = socket.socket()
+        grpc.bind(("127.0.0.1", {options.grpc_port}))
+        grpc.listen()
+        time.sleep(60)
+    """))
+
+
 def assert_gone(process: subprocess.Popen) -> None:
     assert process.poll() is not None, "the launcher left its process running"
     assert not psutil.pid_exists(process.pid)
@@ -163,24 +185,7 @@ def test_a_server_that_exits_on_a_taken_port_names_it(tmp_path, hold_port):
 def test_our_own_server_listening_on_every_port_is_ready(tmp_path):
     options = options_on_free_ports(tmp_path, ready_timeout_s=30.0)
     server = TritonServer(options)
-    server.process = ours = child(f"""
-        import socket, time
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        import threading
-
-        class Ready(BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(200)
-                self.end_headers()
-
-        for port in ({options.http_port}, {options.metrics_port}):
-            threading.Thread(target=ThreadingHTTPServer(("127.0.0.1", port), Ready).serve_forever,
-                             daemon=True).start()
-        grpc = socket.socket()
-        grpc.bind(("127.0.0.1", {options.grpc_port}))
-        grpc.listen()
-        time.sleep(60)
-    """)
+    server.process = ours = fake_server(options)
     try:
         server.wait_ready()
         assert server.unbound_endpoints() == ()
@@ -195,26 +200,11 @@ def test_a_stub_left_behind_by_a_server_that_died_is_killed_at_stop(tmp_path):
     stub_pid_file = tmp_path / "stub.pid"
     # A server with one backend stub that, like a python_backend stub hung on a dead server, ignores SIGTERM
     # and does not follow its parent out.
-    server.process = ours = child(f"""
-        import socket, subprocess, sys, threading, time
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
+    server.process = ours = fake_server(options, before=f"""
+        import subprocess, sys
         stub = subprocess.Popen([sys.executable, "-c",
                                  "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
         open({str(stub_pid_file)!r}, "w").write(str(stub.pid))
-
-        class Ready(BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(200)
-                self.end_headers()
-
-        for port in ({options.http_port}, {options.metrics_port}):
-            threading.Thread(target=ThreadingHTTPServer(("127.0.0.1", port), Ready).serve_forever,
-                             daemon=True).start()
-        grpc = socket.socket()
-        grpc.bind(("127.0.0.1", {options.grpc_port}))
-        grpc.listen()
-        time.sleep(60)
     """)
     try:
         server.wait_ready()
