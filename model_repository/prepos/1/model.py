@@ -22,7 +22,8 @@ from prepos.core import Core
 from prepos.heap import settle_heap
 from prepos.bridge import BRIDGE_PARAMETER, relayed_error_outputs
 from prepos.protocol import TRITON_ERROR_CODES, CancelPoll, ProtocolError, Rejection, ResponseChunk, control_flags
-from triton_metrics import TritonMetricsSink, server_alive
+from prepos.stub import server_alive
+from triton_metrics import TritonMetricsSink
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

@@ -1,18 +1,8 @@
 """The core's metrics sink on Triton's metrics port (Python backend custom metrics)."""
 
-import os
-
 import triton_python_backend_utils as pb_utils
 
-
-SERVER_PID = os.getppid()  # tritonserver, which started this backend stub
-
-
-def server_alive() -> bool:
-    """Whether tritonserver still runs. python_backend sends metric updates and ``is_cancelled`` to the server
-    and waits for its reply holding the GIL and the lock its own exit on a dead server needs: such a call made
-    after the server died leaves the stub (the model, its KV) hung until it is killed, so none is made then."""
-    return os.getppid() == SERVER_PID
+from prepos.stub import server_alive
 
 
 def _kind(name):

@@ -22,6 +22,7 @@ from prepos.bridge import (BRIDGE_INPUTS, BRIDGE_PARAMETER, NARROWED_INPUTS, abs
                            forwarded_inputs, merge_responses, narrowed_inputs, relayed_error)
 from prepos.heap import settle_heap
 from prepos.protocol import TRITON_ERROR_CODES, ProtocolError
+from prepos.stub import server_alive
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("prepos.bridge")
@@ -69,7 +70,8 @@ class TritonPythonModel:
                     sender.send(pb_utils.InferenceResponse(error=response.error()), flags=FINAL)
                     return
                 tensors = response.output_tensors()
-                if not tensors or sender.is_cancelled():  # a cancelled client's request still runs to its end
+                # a cancelled client's request still runs to its end; no is_cancelled once the server is gone
+                if not tensors or not server_alive() or sender.is_cancelled():
                     continue
                 outputs = {tensor.name(): tensor.as_numpy() for tensor in tensors}
                 error = relayed_error(outputs)
@@ -83,7 +85,7 @@ class TritonPythonModel:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[t for t in tensors if t.name() not in unset]))
                 else:
                     held.append(outputs)
-            if sender.is_cancelled():
+            if not server_alive() or sender.is_cancelled():
                 return
             merged = merge_responses(held)
             if merged:
