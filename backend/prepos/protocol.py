@@ -169,8 +169,8 @@ CANCEL_POLL_INTERVAL_S = 0.05
 class CancelPoll:
     """Asks ``is_cancelled`` at most once per ``interval_s`` (the first time at once); once it said yes, yes.
 
-    Triton's ``is_cancelled`` is a round trip to the server (0.07-0.1 ms measured, holding the backend stub's
-    GIL) and the decode loop asks for every session at every step: asked every time, a batch of 32 sessions
+    Triton's ``is_cancelled`` is a round trip to the server (0.07-0.1 ms measured) that the engine loop waits
+    for, and the decode loop asks for every session at every step: asked every time, a batch of 32 sessions
     would spend about 3 ms a step on it. A cancelled request stops within ``interval_s`` and the next step."""
 
     def __init__(self, is_cancelled: Callable[[], bool], interval_s: float = CANCEL_POLL_INTERVAL_S,
