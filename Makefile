@@ -113,3 +113,10 @@ FIGURES_ARGS ?=
 .PHONY: figures
 figures: $(ENGINE)
 	PYTHONPATH=loadtest $(PY) -m prepos_loadtest.figures --out out/figures $(FIGURES_ARGS)
+
+# Server death trials: tritonserver killed mid-decode, its backend stubs counted 20 s later
+# (README: A server that dies), 10-35 s a trial here, e.g. make server-death DEATH_ARGS="--trials 18"
+DEATH_ARGS ?=
+.PHONY: server-death
+server-death: $(ENGINE)
+	$(PY) loadtest/server_death_trials.py $(DEATH_ARGS)

@@ -3,8 +3,8 @@
 python_backend's stub leaves once it sees its server gone, unless a call to the server (a metric update, a
 cancellation check) was then waiting for the dead server's reply: prepos makes none while it idles, asks about
 cancellation at most every 50 ms per request, and makes none once the server is gone, so an idle server's stubs
-always leave on their own. Under load a call can still be in flight at the kill (about 1 kill in 10 to 20 here): the
-launcher kills a stub that stays (also tests/core/test_launcher_ports.py)."""
+always leave on their own. Under load a call can still be in flight at the kill (1 or 2 kills in 10 here,
+`make server-death`): the launcher kills a stub that stays (also tests/core/test_launcher_ports.py)."""
 
 from __future__ import annotations
 

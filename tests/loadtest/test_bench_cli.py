@@ -10,6 +10,7 @@ import pytest
 import bench
 import chunking_bench
 import engine_microbench
+import server_death_trials
 
 ENGINE = "engines/smollm2-135m-instruct"
 
@@ -42,3 +43,11 @@ def test_microbenchmarks_name_the_bad_flag(module, argv, flag, capsys, monkeypat
         module.main()
     assert exited.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--trials", "0"], ["--sessions", "-1"], ["--decode-s", "0"], ["--wait-s", "nan"]])
+def test_server_death_trials_refuse_bad_counts_before_starting_a_server(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        server_death_trials.main(argv)
+    assert exited.value.code == 2
+    assert "--trials and --sessions must be at least 1" in capsys.readouterr().err
