@@ -78,6 +78,12 @@ bench-batch: $(ENGINE)
 bench-prefill-batch: $(ENGINE)
 	$(PY) loadtest/batch_bench.py --mode prefill $(BATCH_BENCH_ARGS)
 
+# streamed responses: scheduler.stream_interval 8 (one response per 8 tokens after the first) against 1
+# (out/batch_bench/stream_bench.md), about 2 minutes here
+.PHONY: bench-stream
+bench-stream: $(ENGINE)
+	$(PY) loadtest/batch_bench.py --mode stream $(BATCH_BENCH_ARGS)
+
 # HTTP bridge round trip against gRPC straight to prepos (out/http_bench/http_bench.md), under a minute here
 HTTP_BENCH_ARGS ?=
 .PHONY: bench-http

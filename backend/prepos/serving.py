@@ -271,6 +271,7 @@ class RequestServer:
         max_new = self._turns.max_answer_tokens(
             request, len(prompt) if prompt is not None else len(session.token_log) + framing_length - len(forced))
         scan = first
+        held_text, held_ids = "", []  # streamed in responses of ``stream_interval`` tokens after the first
         while True:
             token = scan.token_id
             answer.append(token)
@@ -285,7 +286,8 @@ class RequestServer:
                 done = not emit or len(answer) >= max_new
                 finish = "stop" if not emit else "length"
             emit, unsent = unsent + emit, []
-            text = detok.push(emit)
+            text = held_text + detok.push(emit)
+            emit, held_text, held_ids = held_ids + emit, "", []
             if detok.stopped:
                 done, finish = True, "stop"
             if done:
@@ -299,7 +301,10 @@ class RequestServer:
                     accept()
                     if request.end:  # and an END deletes the journal before it is acknowledged
                         self._close_session(session, "END")
-            sink.send(clock.chunk(text, emit, path.value, confidence, finish if done else ""), final=done)
+            if done or clock.first_token_ms is None or len(emit) >= self._config.stream_interval:
+                sink.send(clock.chunk(text, emit, path.value, confidence, finish if done else ""), final=done)
+            else:
+                held_text, held_ids = text, emit
             if gate_outcome:
                 self._metrics.gate_decided(gate_outcome)
                 gate_outcome = ""

@@ -17,6 +17,8 @@ def test_parameters_and_environment_override_defaults():
     ({"scheduler.chunk_tokens": "0"}, "scheduler.chunk_tokens"),
     ({"scheduler.chunk_tokens": "many"}, "scheduler.chunk_tokens"),
     ({"scheduler.max_decode_batch": "0"}, "scheduler.max_decode_batch"),
+    ({"scheduler.stream_interval": "0"}, "scheduler.stream_interval"),
+    ({"scheduler.stream_interval": "2000"}, "scheduler.stream_interval"),
     ({"engine.name": "onnx"}, "engine.name"),
     ({"scheduler.preposition": "perhaps"}, "scheduler.preposition"),
     ({"scheduler.idle_policy": "random"}, "scheduler.idle_policy"),

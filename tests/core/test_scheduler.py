@@ -24,7 +24,7 @@ class Harness:
     def __init__(self, tmp_path, *, threshold=2.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True,
                  background_delay_ms=0.0, context_overflow="reject", max_log_tokens=0, journal=None, speculative_delta="",
                  gate_kw=None, max_sessions=100, idle_timeout_s=600.0, max_decode_batch=32, max_prefill_batch=16,
-                 max_prefill_batch_tokens=512, **engine_kw):
+                 max_prefill_batch_tokens=512, stream_interval=1, **engine_kw):
         gate_kw = gate_kw or {}
         self.clock = FakeClock()
         self.engine = FakeEngine(clock=self.clock, **engine_kw)
@@ -36,7 +36,7 @@ class Harness:
             config=SchedulerConfig(chunk_tokens=chunk_tokens, retain_kv=retain_kv, background_delay_ms=background_delay_ms,
                                    context_overflow=context_overflow, session_idle_timeout_s=idle_timeout_s,
                                    max_decode_batch=max_decode_batch, max_prefill_batch=max_prefill_batch,
-                                   max_prefill_batch_tokens=max_prefill_batch_tokens),
+                                   max_prefill_batch_tokens=max_prefill_batch_tokens, stream_interval=stream_interval),
  scan=scan_numpy, metrics=self.metrics,
             max_sessions=max_sessions, kv_budget_bytes=kv_budget, clock=self.clock, max_log_tokens=max_log_tokens,
             journal=journal, gate_config=GateConfig(threshold=threshold, speculative_delta=speculative_delta, **gate_kw),
@@ -328,6 +328,30 @@ def test_stop_strings_cut_the_answer(h):
     stop = full[2:4]
     sink = h.serve(h.request("s3", "tell me", start=True, max_tokens=30, stop=(stop,)))
     assert sink.text == full[:full.find(stop)] and sink.chunks[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("interval", [2, 3, 5])
+def test_stream_interval_groups_the_tokens_after_the_first_and_changes_nothing_else(tmp_path, interval):
+    streams = {}
+    for every in (1, interval):
+        h = Harness(tmp_path, stream_interval=every)
+        open_session(h)
+        full = h.serve(h.request("a", "tell me", start=True, max_tokens=30))
+        stop = full.text[5:7]
+        cut = h.serve(h.request("b", "tell me", start=True, max_tokens=30, stop=(stop,)))  # held across groups
+        choice = h.serve(h.request("s1", "which tool?", choices=("get_weather", "get_time")))
+        streams[every] = (full, cut, choice, [h.log(sid) for sid in ("a", "b", "s1")])
+    (full, cut, choice, log), grouped = streams[1], streams[interval]
+    assert len(full.ids) >= 2 * interval + 2 and stop in full.text
+    for plain, same in zip((full, cut, choice), grouped[:3]):
+        assert (same.ids, same.text, same.path) == (plain.ids, plain.text, plain.path)
+        assert same.chunks[-1].finish_reason == plain.chunks[-1].finish_reason
+        assert same.chunks[0] == plain.chunks[0]  # the first token goes out at once, as before
+        assert all(len(c.token_ids) >= interval and not c.finish_reason for c in same.chunks[1:-1])
+    sizes = [len(c.token_ids) for c in grouped[0].chunks]  # one token a step: exactly ``interval`` a response
+    assert sizes[0] == 1 and set(sizes[1:-1]) == {interval} and sizes[-1] <= interval
+    assert cut.text == full.text[:full.text.find(stop)]
+    assert grouped[3] == log  # the same turns entered the log
 
 
 def test_seeded_sampling_is_reproducible(h):
