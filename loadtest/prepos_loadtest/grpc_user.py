@@ -14,8 +14,9 @@ trace of the pool its class shares; a user that stops closes its open
 session. A user's very first step goes out as it spawns (the spawn rate
 spreads sessions out), every later one after its think time. Every request is reported under its served path as ``name``
 (`exact`, `gated`, `prepaid`, `prefix`, `rebuild`, `append`, `close`), with
-request types ``TTFT`` and ``TOTAL`` measured by the client and ``SRVTTFT``
-reported by the server; a rejected request is one ``TOTAL`` failure carrying
+request types ``TTFT``, ``TOTAL`` and ``TPOT`` (milliseconds per token after
+the first, for answers of two tokens or more) measured by the client and
+``SRVTTFT`` reported by the server; a rejected request is one ``TOTAL`` failure carrying
 the server's message, which names the field. ``--host`` is the gRPC
 ``host:port`` of Triton.
 

@@ -29,6 +29,7 @@ log = logging.getLogger("prepos.loadtest")
 TTFT = "TTFT"  # client: request sent -> first response
 TOTAL = "TOTAL"  # client: request sent -> last response
 SERVER_TTFT = "SRVTTFT"  # server: request arrival -> first response (7 characters: Locust's type column)
+TPOT = "TPOT"  # client: time per output token after the first, (TOTAL - TTFT) / (tokens - 1); answers of 2+ tokens
 
 # Measurement names of requests that have no served path: rejected ones.
 REJECTED_GENERATE = "generate"
@@ -44,7 +45,8 @@ class Measurement:
     """One timed figure of one request.
 
     Attributes:
-        kind: `TTFT`, `TOTAL` or `SRVTTFT`.
+        kind: `TTFT`, `TOTAL`, `SRVTTFT` or `TPOT` (milliseconds per token after
+            the first; only for answers of two tokens or more).
         name: the served path (`exact`, `gated`, `prepaid`, `prefix`,
             `rebuild`, `append`, `close`); for a rejected request, what was
             asked (`generate`, `append`, `close`).
@@ -204,6 +206,9 @@ class TraceReplayer:
         ]
         if answer.first_token_ms is not None:
             measurements.append(self._measure(SERVER_TTFT, path, answer.first_token_ms, num_tokens, self._session))
+        if num_tokens >= 2:
+            per_token_ms = (answer.total_ms - answer.ttft_ms) / (num_tokens - 1)
+            measurements.append(self._measure(TPOT, path, per_token_ms, num_tokens, self._session))
         return measurements
 
     def _update_measurements(self, update: Update) -> list[Measurement]:

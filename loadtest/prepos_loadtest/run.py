@@ -32,7 +32,7 @@ from pathlib import Path
 from prepos_client import DEFAULT_URL
 
 from .options import OPTION_CLASSES, WorkloadOptions, add_arguments, from_namespace, to_argv
-from .replay import SERVER_TTFT, TOTAL, TTFT, ReplayOptions
+from .replay import SERVER_TTFT, TOTAL, TPOT, TTFT, ReplayOptions
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -46,7 +46,7 @@ REPORT_NAME = "report.html"
 LOG_NAME = "locust.log"
 
 PATH_ORDER = ("exact", "gated", "prepaid", "prefix", "rebuild", "append", "close")
-KIND_ORDER = (TTFT, SERVER_TTFT, TOTAL)
+KIND_ORDER = (TTFT, SERVER_TTFT, TOTAL, TPOT)
 # Locust's startup, its shutdown and the users' END requests, on top of --run-time and --stop-timeout.
 _SHUTDOWN_MARGIN_S = 120.0
 

@@ -10,6 +10,7 @@ from prepos_client import Answer, PreposError, PreposUnavailable, Update
 from prepos_loadtest.replay import (
     SERVER_TTFT,
     TOTAL,
+    TPOT,
     TTFT,
     UNAVAILABLE_BACKOFF_S,
     ReplayOptions,
@@ -94,8 +95,12 @@ def test_measurements_are_named_by_served_path():
     assert [(m.kind, m.name, m.elapsed_ms, m.num_tokens, m.error) for m in update] == [(TOTAL, "append", 3.0, 0, None)]
     answer_and_close = user.run_step()
     assert [(m.kind, m.name, m.elapsed_ms, m.num_tokens) for m in answer_and_close] == [
-        (TTFT, "exact", 1.5, 2), (TOTAL, "exact", 4.0, 2), (SERVER_TTFT, "exact", 0.7, 2), (TOTAL, "close", 2.0, 0)]
+        (TTFT, "exact", 1.5, 2), (TOTAL, "exact", 4.0, 2), (SERVER_TTFT, "exact", 0.7, 2),
+        (TPOT, "exact", 2.5, 2),  # (4.0 - 1.5) ms over the one token after the first
+        (TOTAL, "close", 2.0, 0)]
     assert {(m.session_id, m.trace) for m in update + answer_and_close} == {("s0", "a")}
+    one_token = user.run_step()  # no time per output token for an answer of one
+    assert [(m.kind, m.num_tokens) for m in one_token] == [(TTFT, 1), (TOTAL, 1), (SERVER_TTFT, 1), (TOTAL, 0)]
 
 
 def test_a_rejected_request_is_one_failed_total_and_the_trace_goes_on():
