@@ -11,6 +11,7 @@ import pytest
 from fakes import IM_END, CollectSink, FakeClock, FakeEngine, char_tokenizer, chatml_framing, hashed_logits
 from prepos.config import GateConfig, SchedulerConfig
 from prepos.engines.base import KVCapacityError
+from prepos.journal import SessionJournal
 from prepos.metrics import Metrics
 from prepos.protocol import Request, Sampling, Status
 from prepos.scan import scan_numpy
@@ -330,11 +331,12 @@ def test_stop_strings_cut_the_answer(h):
     assert sink.text == full[:full.find(stop)] and sink.chunks[-1].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("interval", [2, 3, 5])
-def test_stream_interval_groups_the_tokens_after_the_first_and_changes_nothing_else(tmp_path, interval):
+@pytest.mark.parametrize("interval, journaled", [(2, False), (3, False), (5, False), (3, True)])
+def test_stream_interval_groups_the_tokens_after_the_first_and_changes_nothing_else(tmp_path, interval, journaled):
     streams = {}
     for every in (1, interval):
-        h = Harness(tmp_path, stream_interval=every)
+        journal = SessionJournal(tmp_path / f"journal-{every}", fsync=False) if journaled else None
+        h = Harness(tmp_path, stream_interval=every, journal=journal)
         open_session(h)
         full = h.serve(h.request("a", "tell me", start=True, max_tokens=30))
         stop = full.text[5:7]
