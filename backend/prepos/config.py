@@ -52,8 +52,10 @@ class EngineConfig:
     """Scan engine file from ``python -m prepos_build.scan_tensorrt`` (relative: to the model's directory);
     required when ``scan`` is ``tensorrt``."""
     page_tokens: int = 64
-    """KV page size in tokens of the torch engine on CUDA (a power of two); its KV pool is
-    ``memory.kv_budget_bytes``, or half the GPU memory free after the weights when that is 0."""
+    """KV block size in tokens of the torch engine (a power of two). On CUDA the page of its KV pool, which is
+    ``memory.kv_budget_bytes``, or half the GPU memory free after the weights when that is 0. On CPU the step
+    a session's KV grows by (at least; by an eighth of what it holds once that is more): a session holds at most
+    one block it does not use."""
     cuda_graph: bool = True
     """Torch engine on CUDA: capture the decode step once as a CUDA graph (off: eager decode, for debugging)."""
     cpu_kernels: bool = True

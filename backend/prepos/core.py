@@ -51,7 +51,8 @@ def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int =
         from prepos.engines.torch_llama import TorchLlamaEngine
 
         return TorchLlamaEngine(str(engine_dir), device=config.device, dtype=config.dtype,
-                                num_threads=config.num_threads or None, cpu_kernels=config.cpu_kernels)
+                                num_threads=config.num_threads or None, cpu_kernels=config.cpu_kernels,
+                                kv_block_tokens=config.page_tokens)
     raise ConfigError(f"engine.name: unknown engine {config.name!r}; use torch or trtllm")
 
 

@@ -352,6 +352,25 @@ def test_kv_bookkeeping(tied):
     engine.truncate("nobody", 3)  # no-op
 
 
+def test_kv_grows_by_a_block_while_short_and_by_an_eighth_once_long(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK, cpu_kernels=False)
+    per_token = engine.info.kv_bytes_per_token
+    ids = _ids(12 * BLOCK + 1, seed=23)
+    engine.prefill("s", ids[:3])
+    assert engine.kv_bytes("s") == BLOCK * per_token  # one block for a short session
+    capacities = {BLOCK}
+    logits = None
+    for pos in range(3, 10 * BLOCK):
+        logits = engine.decode("s", ids[pos])
+        capacities.add(engine.kv_bytes("s") // per_token)
+    # past 8 blocks each growth adds an eighth of the capacity, rounded up to blocks: 8 -> 9 -> 11 blocks
+    assert sorted(capacities) == [b * BLOCK for b in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11)]
+    assert _close(logits, _hf_logits(model, ids[:10 * BLOCK])[-1])  # the copies kept every token's KV
+    engine.prefill("t", ids[:9 * BLOCK + 1])  # a prefill allocates what it needs, rounded up to a block
+    assert engine.kv_bytes("t") == 10 * BLOCK * per_token
+
+
 def test_input_validation(tied):
     path, _ = tied
     engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)

@@ -101,7 +101,9 @@ class TorchLlamaEngine(Engine):
 
     Each session owns one KV tensor ``[layers, 2, kv_heads, capacity, head_dim]``
     whose capacity is a multiple of ``kv_block_tokens``; growing copies into a
-    larger tensor; ``truncate`` frees whole blocks past the kept tokens.
+    larger tensor, by at least an eighth of the capacity (a short session holds
+    at most one block it does not use, a long one is copied once per eighth of
+    its length); ``truncate`` frees whole blocks past the kept tokens.
     ``num_computed_tokens`` counts tokens run through the model (prefill and
     decode) since construction. ``num_threads`` sets torch's process-wide
     intra-op thread count. ``dtype`` is the weights' and KV's; logits are float32.
@@ -119,7 +121,7 @@ class TorchLlamaEngine(Engine):
         device: str = "cpu",
         dtype: str = "float32",
         num_threads: int | None = None,
-        kv_block_tokens: int = 256,
+        kv_block_tokens: int = 64,
         host_arena: bool = True,
         cpu_kernels: bool = True,
     ) -> None:
@@ -290,7 +292,7 @@ class TorchLlamaEngine(Engine):
         cap = s.kv.shape[3]
         if n_tokens <= cap:
             return
-        blocks = -(-n_tokens // self.kv_block_tokens)
+        blocks = -(-max(n_tokens, cap + cap // 8) // self.kv_block_tokens)
         kv = torch.empty(self._kv_shape(blocks * self.kv_block_tokens), dtype=self.dtype, device=self.device)
         n = len(s.ids)
         kv[:, :, :, :n] = s.kv[:, :, :, :n]
