@@ -84,6 +84,13 @@ bench-prefill-batch: $(ENGINE)
 bench-stream: $(ENGINE)
 	$(PY) loadtest/batch_bench.py --mode stream $(BATCH_BENCH_ARGS)
 
+# KV residency: 300 short sessions under a 1 GiB KV budget, engine.page_tokens 64 against 256
+# (out/residency_bench/residency_bench.md), about a minute and a half here
+RESIDENCY_BENCH_ARGS ?=
+.PHONY: bench-residency
+bench-residency: $(ENGINE)
+	$(PY) loadtest/residency_bench.py $(RESIDENCY_BENCH_ARGS)
+
 # HTTP bridge round trip against gRPC straight to prepos (out/http_bench/http_bench.md), under a minute here
 HTTP_BENCH_ARGS ?=
 .PHONY: bench-http
