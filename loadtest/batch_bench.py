@@ -11,7 +11,9 @@ token per answer by default, so a request is its prefill and one scan. With
 greedy scan) against ``torch`` (``prepos_scan_torch``), which every decoded token
 of every session pays. With ``--mode stream``: ``scheduler.stream_interval`` 8
 (``prepos_stream8``: after the first token, one response per 8 tokens) against 1
-(``prepos_stream1``: one response per token), decode batching on in both.
+(``prepos_stream1``: one response per token), decode batching on in both. With
+``--mode block``: ``engine.page_tokens`` 64 (``prepos_block64``) against 256
+(``prepos_block256``), the step a session's KV grows by on CPU.
 Pre-positioning is off in both, so every answer is a ``prefix`` prefill
 (followed by its decode) and the two differ only in how the one setting's
 steps run. A wave opens ``users`` sessions (a system turn each), asks every one
@@ -21,7 +23,7 @@ and number of users: the answers' tokens per second over the wave's wall time
 (median of the waves), and the p50 / p99 of each request's total time, as the
 client sees it.
 
-    python loadtest/batch_bench.py [--mode decode|prefill|scan|stream] [--users 1,4,8] [--waves 3] [--max-tokens 48]
+    python loadtest/batch_bench.py [--mode decode|prefill|scan|stream|block] [--users 1,4,8] [--waves 3] [--max-tokens 48]
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ MODES = {  # the setting each mode compares, and the two models: the new way fir
     "prefill": ("scheduler.max_prefill_batch", dict(zip(BATCHING, ("16", "1")))),
     "scan": ("engine.scan", {"prepos_scan_cpu": "cpu", "prepos_scan_torch": "torch"}),
     "stream": ("scheduler.stream_interval", {"prepos_stream8": "8", "prepos_stream1": "1"}),
+    "block": ("engine.page_tokens", {"prepos_block64": "64", "prepos_block256": "256"}),
 }
 OUTPUTS = {"decode": "batch_bench.md", "prefill": "prefill_batch_bench.md", "scan": "scan_batch_bench.md",
-           "stream": "stream_bench.md"}
-DEFAULT_MAX_TOKENS = {"decode": 48, "prefill": 1, "scan": 48, "stream": 48}
+           "stream": "stream_bench.md", "block": "block_bench.md"}
+DEFAULT_MAX_TOKENS = {"decode": 48, "prefill": 1, "scan": 48, "stream": 48, "block": 48}
 
 
 def variants(mode: str) -> dict[str, dict[str, str]]:
