@@ -89,6 +89,7 @@ class EngineConfig:
 
 
 IDLE_POLICY_NAMES = ("most_recent", "least_recent")  # prepos.policies.IDLE_POLICIES
+EVICTION_POLICY_NAMES = ("lru", "next_use")  # prepos.memory.EVICTION_POLICIES
 
 
 @dataclass(frozen=True)
@@ -174,19 +175,21 @@ class GateConfig:
 @dataclass(frozen=True)
 class MemoryConfig:
     kv_budget_bytes: int = 0
-    """KV bytes all sessions may hold; over it, idle sessions' KV is evicted (LRU). 0 = a quarter of physical memory
-    (on CUDA: what the engine's KV pool holds, less one full context of headroom)."""
+    """KV bytes all sessions may hold; over it, idle sessions' KV is evicted (``eviction_policy``). 0 = a quarter
+    of physical memory (on CUDA: what the engine's KV pool holds, less one full context of headroom)."""
     max_sessions: int = 4096
     """Open sessions at most; a START beyond it is rejected."""
     eviction_policy: str = "lru"
-    """Which idle session's KV goes first over the budget: ``lru`` (least recently active)."""
+    """Which idle session's KV goes first over the budget: ``lru`` (least recently active) or ``next_use`` (the
+    one whose next request is predicted farthest away, from its own past idle gaps; see ``prepos.memory``)."""
     max_log_tokens: int = 0
     """Most tokens one session's log may hold; 0 = the model's context length (a larger value is capped to it)."""
 
     def __post_init__(self) -> None:
         _check(self.kv_budget_bytes >= 0, "memory.kv_budget_bytes", "must be >= 0")
         _check(self.max_log_tokens >= 0, "memory.max_log_tokens", "must be >= 0")
-        _check(self.eviction_policy in ("lru",), "memory.eviction_policy", f"unknown policy {self.eviction_policy!r}; use lru")
+        _check(self.eviction_policy in EVICTION_POLICY_NAMES, "memory.eviction_policy",
+               f"unknown policy {self.eviction_policy!r}; use {' or '.join(EVICTION_POLICY_NAMES)}")
         _check(self.max_sessions >= 1, "memory.max_sessions", "must be >= 1")
 
     def resolved_budget(self) -> int:

@@ -10,11 +10,38 @@ from prepos.session import Session
 class LeastRecentlyActive:
     """Evict the KV of the session that has been idle longest first."""
 
-    def order(self, candidates: Sequence[Session]) -> list[Session]:
+    def order(self, candidates: Sequence[Session], now_s: float) -> list[Session]:
         return sorted(candidates, key=lambda s: s.last_active_s)
 
 
-EVICTION_POLICIES = {"lru": LeastRecentlyActive}
+class FarthestNextUse:
+    """Evict first the KV whose next use is predicted farthest away.
+
+    A session's next request is expected one idle gap after its last one ended: its own typical gap
+    (``Session.gap_s``) or, for a session with none yet, the median of the others'. A session late by less than
+    that gap is due any moment and stays; one late by more has probably stopped asking and goes first (least
+    recently active first among those). Sessions that ask at a steady pace (monitors, agents taking turns) then
+    keep the ones due soonest resident, where least-recently-active order, once more of them are open than the
+    budget holds, evicts each just before it asks again. With no gap known at all, the order is least recently
+    active.
+    """
+
+    def order(self, candidates: Sequence[Session], now_s: float) -> list[Session]:
+        known = sorted(s.gap_s for s in candidates if s.gap_s is not None)
+        if not known:
+            return sorted(candidates, key=lambda s: s.last_active_s)
+        typical = known[len(known) // 2]
+
+        def key(s: Session) -> tuple[int, float]:
+            gap = typical if s.gap_s is None else s.gap_s
+            if now_s - s.last_active_s > 2 * gap:  # late by more than a whole gap
+                return 0, s.last_active_s
+            return 1, -(s.last_active_s + gap)
+
+        return sorted(candidates, key=key)
+
+
+EVICTION_POLICIES = {"lru": LeastRecentlyActive, "next_use": FarthestNextUse}
 
 
 class KvLedger:
@@ -37,11 +64,12 @@ class KvLedger:
     def over_budget(self) -> bool:
         return self.used_bytes > self.budget_bytes
 
-    def victims(self, sessions: Iterable[Session], *, protect: Session, older_than: float | None) -> list[Session]:
+    def victims(self, sessions: Iterable[Session], *, protect: Session, older_than: float | None,
+                now_s: float) -> list[Session]:
         """Idle sessions holding KV, in eviction order; ``older_than`` keeps more recently active ones out."""
         candidates = [
             s for s in sessions
             if s.has_kv and s is not protect and not s.serving and not s.pending
             and (older_than is None or s.last_active_s < older_than)
         ]
-        return self._policy.order(candidates)
+        return self._policy.order(candidates, now_s)

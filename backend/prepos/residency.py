@@ -131,7 +131,7 @@ class Residency:
         if not self.kv.over_budget:
             return
         older_than = session.last_active_s if background else None
-        victims = self.kv.victims(self.store, protect=session, older_than=older_than)
+        victims = self.kv.victims(self.store, protect=session, older_than=older_than, now_s=self._clock())
         for victim in victims:
             if not self.kv.over_budget:
                 return

@@ -479,6 +479,7 @@ class Scheduler:
                 if request.end:  # Triton ends the sequence on END whatever the model answers
                     self._close(session, "END")
                 continue
+            session.note_arrival(request.arrival_s or self._clock())
             session.serving = True
             try:
                 yield from self._server.serve(session, request, sink)

@@ -43,6 +43,9 @@ class Positioned:
     delta_ids: tuple[int, ...] = ()  # the speculative delta in spec_ids (a placeholder, or none)
 
 
+BURST_GAP_S = 0.5  # requests of a session closer together than this belong to one burst
+
+
 @dataclass
 class Session:
     session_id: str | int
@@ -55,6 +58,8 @@ class Session:
     last_role: str = "user"
     last_choices: tuple[str, ...] | None = None
     last_active_s: float = 0.0
+    requests_served: int = 0
+    gap_s: float | None = None  # typical idle gap before this session's next request (moving average), once known
     pending: deque = field(default_factory=deque)  # (Request, ResponseSink) in arrival order
     task: Iterator[None] | None = None  # the engine loop's foreground task serving ``pending``
 
@@ -68,6 +73,15 @@ class Session:
 
     def positioned_valid(self) -> bool:
         return self.positioned is not None and self.positioned.log_length == len(self.token_log)
+
+    def note_arrival(self, arrival_s: float) -> None:
+        """A request of this session starts: fold the idle gap since its previous request ended into ``gap_s``
+        (the newest gap weighs half). A gap under ``BURST_GAP_S`` is one burst (an update and then its question,
+        say), not an idle window, and is left out."""
+        gap = arrival_s - self.last_active_s
+        if self.requests_served and gap >= BURST_GAP_S:
+            self.gap_s = gap if self.gap_s is None else (self.gap_s + gap) / 2
+        self.requests_served += 1
 
     def append(self, token_ids: Sequence[int]) -> None:
         """Accept one turn into the log; the cached distribution no longer matches it."""

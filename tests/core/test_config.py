@@ -22,6 +22,7 @@ def test_parameters_and_environment_override_defaults():
     ({"engine.name": "onnx"}, "engine.name"),
     ({"scheduler.preposition": "perhaps"}, "scheduler.preposition"),
     ({"scheduler.idle_policy": "random"}, "scheduler.idle_policy"),
+    ({"memory.eviction_policy": "mru"}, "memory.eviction_policy"),
     ({"engine.device": "gpu"}, "engine.device"),
     ({"engine.device": "cuda:x"}, "engine.device"),
 ])
@@ -87,6 +88,13 @@ def test_every_idle_policy_the_config_accepts_exists():
     from prepos.policies import IDLE_POLICIES
 
     assert set(IDLE_POLICY_NAMES) == set(IDLE_POLICIES)
+
+
+def test_every_eviction_policy_the_config_accepts_exists():
+    from prepos.config import EVICTION_POLICY_NAMES
+    from prepos.memory import EVICTION_POLICIES
+
+    assert set(EVICTION_POLICY_NAMES) == set(EVICTION_POLICIES)
 
 
 def test_a_cuda_device_torch_does_not_see_is_a_config_error_naming_the_key(tmp_path):

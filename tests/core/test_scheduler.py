@@ -25,7 +25,7 @@ class Harness:
     def __init__(self, tmp_path, *, threshold=2.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True,
                  background_delay_ms=0.0, context_overflow="reject", max_log_tokens=0, journal=None, speculative_delta="",
                  gate_kw=None, max_sessions=100, idle_timeout_s=600.0, max_decode_batch=32, max_prefill_batch=16,
-                 max_prefill_batch_tokens=512, stream_interval=1, **engine_kw):
+                 max_prefill_batch_tokens=512, stream_interval=1, eviction_policy="lru", **engine_kw):
         gate_kw = gate_kw or {}
         self.clock = FakeClock()
         self.engine = FakeEngine(clock=self.clock, **engine_kw)
@@ -39,7 +39,8 @@ class Harness:
                                    max_decode_batch=max_decode_batch, max_prefill_batch=max_prefill_batch,
                                    max_prefill_batch_tokens=max_prefill_batch_tokens, stream_interval=stream_interval),
  scan=scan_numpy, metrics=self.metrics,
-            max_sessions=max_sessions, kv_budget_bytes=kv_budget, clock=self.clock, max_log_tokens=max_log_tokens,
+            max_sessions=max_sessions, kv_budget_bytes=kv_budget, eviction_policy=eviction_policy, clock=self.clock,
+            max_log_tokens=max_log_tokens,
             journal=journal, gate_config=GateConfig(threshold=threshold, speculative_delta=speculative_delta, **gate_kw),
         )
 
@@ -139,6 +140,29 @@ def test_rebuild_after_eviction_is_token_identical(tmp_path):
     want = expected(h, "a", "are you there")
     sink = h.serve(h.request("a", "are you there"))
     assert sink.path == "rebuild" and sink.ids == want
+
+
+def test_sessions_asking_in_turn_stay_resident_under_next_use_where_lru_rebuilds_every_one(tmp_path):
+    """Eight sessions ask one after another, round after round, and their logs outgrow the budget: least
+    recently active order evicts each just before its turn; next_use keeps the ones due soonest. The answers
+    are the same either way."""
+    runs = {}
+    for policy in ("lru", "next_use"):
+        h = Harness(tmp_path, kv_budget=100 * 600, eviction_policy=policy)  # 100 bytes a token
+        paths, answers = [], []
+        for name in "abcdefgh":
+            open_session(h, name, text=f"You are {name}.")
+        for round_ in range(5):
+            for name in "abcdefgh":
+                h.clock.t += 1.0  # think time
+                sink = h.serve(h.request(name, f"round {round_}?", max_tokens=2))
+                paths.append(sink.path)
+                answers.append(sink.ids)
+        runs[policy] = paths[16:], answers  # rounds 2-4: by then the logs no longer all fit
+    lru_paths, lru_answers = runs["lru"]
+    paths, answers = runs["next_use"]
+    assert lru_paths == ["rebuild"] * 24
+    assert paths.count("rebuild") <= 12 and answers == lru_answers
 
 
 def test_gated_answer_comes_from_the_speculative_distribution(tmp_path):
