@@ -85,7 +85,7 @@ bench-stream: $(ENGINE)
 	$(PY) loadtest/batch_bench.py --mode stream $(BATCH_BENCH_ARGS)
 
 # KV residency: 300 short sessions under a 1 GiB KV budget, engine.page_tokens 64 against 256
-# (out/residency_bench/residency_bench.md), about a minute and a half here
+# (out/residency_bench/block_bench.md), about a minute and a half here; --mode eviction: next_use against lru
 RESIDENCY_BENCH_ARGS ?=
 .PHONY: bench-residency
 bench-residency: $(ENGINE)

@@ -10,28 +10,35 @@ import pytest
 import residency_bench
 
 
-def test_the_two_models_differ_only_in_the_kv_block_and_share_the_budget():
-    models = residency_bench.variants(1 << 30)
-    assert {m["engine.page_tokens"] for m in models.values()} == {"64", "256"}
-    assert all(set(m) == {"engine.page_tokens", "memory.kv_budget_bytes"} and m["memory.kv_budget_bytes"] == str(1 << 30)
-               for m in models.values())
+def test_each_mode_compares_its_own_setting_under_one_budget():
+    for mode, key in (("block", "engine.page_tokens"), ("eviction", "memory.eviction_policy")):
+        models = residency_bench.variants(mode, 1 << 30)
+        assert len(models) == 2 and len({m[key] for m in models.values()}) == 2
+        assert all(set(m) == {key, "memory.kv_budget_bytes"} and m["memory.kv_budget_bytes"] == str(1 << 30)
+                   for m in models.values())
+    assert {m["engine.page_tokens"] for m in residency_bench.variants("block", 1).values()} == {"64", "256"}
+    assert {m["memory.eviction_policy"] for m in residency_bench.variants("eviction", 1).values()} == {"lru", "next_use"}
 
 
-def test_the_table_gives_residency_kv_per_resident_session_and_the_second_pass():
+def test_the_table_gives_residency_kv_per_resident_session_and_the_later_passes():
     results = {"prepos_block64": {"kv_bytes_per_session": 3 * 2**20, "resident": 300, "paths": {"prepaid": 280, "prefix": 20},
-                                  "wall_s": 8.5, "ttft_p50_ms": 77.9, "ttft_p99_ms": 110.6},
+                                  "rebuilds": [0], "wall_s": 8.5, "ttft_p50_ms": 77.9, "ttft_p99_ms": 110.6},
                "prepos_block256": {"kv_bytes_per_session": 12 * 2**20, "resident": 89, "paths": {"rebuild": 300},
-                                   "wall_s": 15.6, "ttft_p50_ms": 265.4, "ttft_p99_ms": 289.4}}
-    table = residency_bench.summarize(results, argparse.Namespace(sessions=300, users=8, budget_mib=1024), "test")
+                                   "rebuilds": [300], "wall_s": 15.6, "ttft_p50_ms": 265.4, "ttft_p99_ms": 289.4}}
+    args = argparse.Namespace(mode="block", sessions=300, users=8, budget_mib=1024, passes=2)
+    table = residency_bench.summarize(results, args, "test")
+    assert table.startswith("`engine.page_tokens`: 300 sessions")
     rows = [line for line in table.splitlines() if line.startswith("| prepos_")]
-    assert rows == ["| prepos_block64 | 300 of 300 | 3.00 | prefix 20, prepaid 280 | 8.5 | 77.9 / 110.6 |",
-                    "| prepos_block256 | 89 of 300 | 12.00 | rebuild 300 | 15.6 | 265.4 / 289.4 |"]
+    assert rows == ["| prepos_block64 | 300 of 300 | 3.00 | prefix 20, prepaid 280 | 0 | 8.5 | 77.9 / 110.6 |",
+                    "| prepos_block256 | 89 of 300 | 12.00 | rebuild 300 | 300 | 15.6 | 265.4 / 289.4 |"]
 
 
 @pytest.mark.parametrize(("argv", "flag"), [
     (["--sessions", "0"], "--sessions"),
     (["--budget-mib", "0"], "--budget-mib"),
     (["--pause", "nan"], "--pause"),
+    (["--passes", "1"], "--passes"),
+    (["--mode", "fifo"], "--mode"),
     (["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
 ])
 def test_bad_arguments_name_the_flag(argv, flag, capsys, tmp_path):
