@@ -10,22 +10,29 @@ import pytest
 import bench
 import chunking_bench
 import engine_microbench
+import residency_bench
 import server_death_trials
 
 ENGINE = "engines/smollm2-135m-instruct"
 
 
-@pytest.mark.parametrize(("argv", "flag"), [
-    (["--sessions", "0"], "--sessions"),
-    (["--floor-samples", "-1"], "--floor-samples"),
-    (["--think-time", "-1"], "--think-time"),
-    (["--think-time", "nan"], "--think-time"),
-    (["--grpc-port", "70000"], "--grpc-port"),
-    (["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
+@pytest.mark.parametrize(("module", "argv", "flag"), [
+    (bench, ["--sessions", "0"], "--sessions"),
+    (bench, ["--floor-samples", "-1"], "--floor-samples"),
+    (bench, ["--think-time", "-1"], "--think-time"),
+    (bench, ["--think-time", "nan"], "--think-time"),
+    (bench, ["--grpc-port", "70000"], "--grpc-port"),
+    (bench, ["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
+    (residency_bench, ["--sessions", "0"], "--sessions"),
+    (residency_bench, ["--budget-mib", "0"], "--budget-mib"),
+    (residency_bench, ["--pause", "nan"], "--pause"),
+    (residency_bench, ["--passes", "1"], "--passes"),
+    (residency_bench, ["--mode", "fifo"], "--mode"),
+    (residency_bench, ["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
 ])
-def test_bench_names_the_bad_flag(argv, flag, capsys, tmp_path):
+def test_benchmark_drivers_name_the_bad_flag(module, argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as exited:
-        bench.main([*argv, "--out", str(tmp_path / "out")])
+        module.main([*argv, "--out", str(tmp_path / "out")])
     assert exited.value.code == 2
     assert flag in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
