@@ -249,7 +249,7 @@ class Scheduler:
                 return
         try:
             existing = self.store.get(request.session_id)
-            if request.start and existing is not None and any(r.end for r, _ in existing.pending):
+            if request.start and existing is not None and (existing.ending or any(r.end for r, _ in existing.pending)):
                 session = existing  # the id is reused right after an END: it opens once that END is served
             elif request.start and request.resume:
                 session = existing or self._open_or_resume(request)
@@ -480,11 +480,11 @@ class Scheduler:
                     self._close(session, "END")
                 continue
             session.note_arrival(request.arrival_s or self._clock())
-            session.serving = True
+            session.serving, session.ending = True, request.end
             try:
                 yield from self._server.serve(session, request, sink)
             finally:
-                session.serving = False
+                session.serving = session.ending = False
                 session.last_active_s = self._clock()
         if self.store.get(session.session_id) is session and session.token_log and not session.positioned_valid():
             self._idle[session.session_id] = session

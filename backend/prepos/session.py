@@ -55,6 +55,7 @@ class Session:
     has_kv: bool = False
     evicted: bool = False  # KV was dropped under memory pressure; the next request rebuilds it
     serving: bool = False
+    ending: bool = False  # the request being served carries END: the session closes when it is done
     last_role: str = "user"
     last_choices: tuple[str, ...] | None = None
     last_active_s: float = 0.0

@@ -513,6 +513,25 @@ def test_a_session_id_reused_right_after_end_gets_a_fresh_session(h):
     assert h.tok.decode(h.log("s1")).count("bye") == 0  # a new log
 
 
+def test_a_start_for_an_id_whose_end_is_being_served_opens_once_that_end_is_done(h):
+    """A client whose END call timed out reuses the id at once: the START waits behind the END the engine
+    loop is still serving (not yet stopped at its deadline), instead of finding the session still open."""
+    open_session(h)
+    h.idle()
+    ending = h.submit(h.request("s1", "tell me a long story", max_tokens=40, end=True))
+    for _ in range(3):
+        h.sched.run_once()
+    assert h.sched.store.lookup("s1").serving and not ending.done  # END is being served, not pending
+    again = h.submit(h.request("s1", "hello again", start=True, max_tokens=2))
+    for _ in range(500):
+        if ending.done and again.done:
+            break
+        h.sched.run_once()
+    assert ending.done and ending.error is None
+    assert again.done and again.error is None and again.path == "prefix"
+    assert h.tok.decode(h.log("s1")).count("long story") == 0  # a new log
+
+
 def test_a_session_that_goes_idle_takes_over_the_background_between_chunks(tmp_path):
     h = Harness(tmp_path, chunk_tokens=16, num_layers=2)
     open_session(h, "long", "z" * 300)  # many chunks of background work
