@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("backend", "client", "loadtest"):
     sys.path.insert(0, str(ROOT / sub))
 
-from prepos.launcher import ServerOptions, TritonServer, interrupt_on_sigterm  # noqa: E402
+from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import variant_repository  # noqa: E402
+from prepos_loadtest.repository import variant_server  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("prepos.batch_bench")
@@ -150,12 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = ROOT / ".run" / "batch_bench"
     models = variants(args.mode)
-    repo = variant_repository(run_dir, "batch_repository", models)
-    options = ServerOptions(model_repositories=(repo,), grpc_port=args.grpc_port, http_port=args.grpc_port + 1,
-                            metrics_port=args.grpc_port + 2, run_dir=run_dir)
     runs: dict = {users: {model: [] for model in models} for users in args.users}
     interrupt_on_sigterm()  # a SIGTERM stops the server on the way out
-    with TritonServer(options, env={"PREPOS_ENGINE_DIR": str(args.engine_dir.resolve())}) as server:
+    with variant_server(run_dir, "batch_repository", models, args.grpc_port, args.engine_dir) as server:
         for model in models:  # warm-up: first requests pay one-time costs
             wave(server.grpc_url, model, 2, 4)
         for users in args.users:

@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("backend", "client", "loadtest"):
     sys.path.insert(0, str(ROOT / sub))
 
-from prepos.launcher import ServerOptions, TritonServer, interrupt_on_sigterm  # noqa: E402
+from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import variant_repository  # noqa: E402
+from prepos_loadtest.repository import variant_server  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 from prepos_loadtest.workloads import SessionTrace, Step, bfcl_sessions, monitor_sessions  # noqa: E402
 
@@ -353,9 +353,6 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = ROOT / ".run" / "bench"
-    repo = variant_repository(run_dir, "bench_repository", VARIANTS)
-    options = ServerOptions(model_repositories=(repo,), grpc_port=args.grpc_port, http_port=args.grpc_port + 1,
-                            metrics_port=args.grpc_port + 2, run_dir=run_dir)
     # One draw: the baselines' sessions are the first of the forced-gate ones.
     bfcl_all = bfcl_sessions(max(args.sessions, args.gate_sessions), think_time_s=args.think_time,
                              max_turns=args.turns)
@@ -364,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[Sample] = []
     interrupt_on_sigterm()  # a SIGTERM stops the server on the way out
     try:
-        server = TritonServer(options, env={"PREPOS_ENGINE_DIR": str(args.engine_dir.resolve())}).__enter__()
+        server = variant_server(run_dir, "bench_repository", VARIANTS, args.grpc_port, args.engine_dir).__enter__()
     except RuntimeError as error:  # PortInUseError (names the port and --grpc-port) or the server's own failure
         print(f"bench: the server did not start: {error}", file=sys.stderr)
         return 1

@@ -36,9 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("backend", "client", "loadtest"):
     sys.path.insert(0, str(ROOT / sub))
 
-from prepos.launcher import ServerOptions, TritonServer, interrupt_on_sigterm  # noqa: E402
+from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import variant_repository  # noqa: E402
+from prepos_loadtest.repository import variant_server  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("prepos.residency_bench")
@@ -136,12 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = ROOT / ".run" / "residency_bench"
     models = variants(args.mode, args.budget_mib << 20)
-    repo = variant_repository(run_dir, "residency_repository", models)
-    options = ServerOptions(model_repositories=(repo,), grpc_port=args.grpc_port, http_port=args.grpc_port + 1,
-                            metrics_port=args.grpc_port + 2, run_dir=run_dir)
     interrupt_on_sigterm()  # a SIGTERM stops the server on the way out
     results = {}
-    with TritonServer(options, env={"PREPOS_ENGINE_DIR": str(args.engine_dir.resolve())}) as server:
+    with variant_server(run_dir, "residency_repository", models, args.grpc_port, args.engine_dir) as server:
         for model in models:
             results[model] = run_model(server, model, args.sessions, args.users, args.pause, args.passes)
             log.info("%s: %s", model, results[model])

@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 from typing import Mapping
 
-from prepos.launcher import REPO_ROOT
+from prepos.launcher import REPO_ROOT, ServerOptions, TritonServer
 
 FLOOR = "floor"
 
@@ -30,6 +30,16 @@ def variant_repository(run_dir: Path, folder: str, variants: Mapping[str, Mappin
         (repo / name / "config.pbtxt").write_text(config.replace("parameters [", "parameters [" + extra, 1))
     (repo / FLOOR).symlink_to(REPO_ROOT / "loadtest" / "floor_repository" / FLOOR)
     return repo
+
+
+def variant_server(run_dir: Path, folder: str, variants: Mapping[str, Mapping[str, str]], grpc_port: int,
+                   engine_dir: Path) -> TritonServer:
+    """A server, not started yet, of the repository ``variant_repository`` writes: gRPC on ``grpc_port``, HTTP
+    and metrics on the two ports after it, every model on the engine in ``engine_dir``."""
+    repo = variant_repository(run_dir, folder, variants)
+    options = ServerOptions(model_repositories=(repo,), grpc_port=grpc_port, http_port=grpc_port + 1,
+                            metrics_port=grpc_port + 2, run_dir=run_dir)
+    return TritonServer(options, env={"PREPOS_ENGINE_DIR": str(engine_dir.resolve())})
 
 
 def free_loopback_ports(count: int) -> list[int]:
