@@ -12,9 +12,8 @@ sessions' idle windows), each asks again, in the same order, ``--passes`` passes
 in all. Reported per model: how many sessions were resident after the first pass
 and the KV bytes each held, and over the later passes the served paths
 (``rebuild``: the session's KV had been evicted and its log is prefilled again;
-also counted per pass),
-the wall time per pass and the client TTFT p50 / p99. Every session is closed at
-the end.
+also counted per pass), the wall time per pass and the client TTFT p50 / p99.
+Every session is closed at the end.
 
     python loadtest/residency_bench.py [--mode block|eviction] [--sessions 300] [--users 8] [--budget-mib N] [--passes N]
 """
