@@ -37,7 +37,7 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import variant_server  # noqa: E402
+from prepos_loadtest.repository import check_engine_dir, variant_server  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("prepos.residency_bench")
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--passes must be at least 2")
     if not args.pause >= 0:
         parser.error("--pause must be >= 0")
-    if not (args.engine_dir / "prepos_engine.json").is_file():
-        parser.error(f"--engine-dir: no engine in {args.engine_dir} (make engine builds the default)")
+    check_engine_dir(parser, args.engine_dir)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out: {args.out} exists and is not a folder")
 

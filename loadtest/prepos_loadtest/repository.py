@@ -1,7 +1,9 @@
-"""Servers for measurements: model repositories of prepos variants side by side, and free loopback ports."""
+"""Servers for measurements: model repositories of prepos variants side by side, the server of one, its engine
+folder checked, and free loopback ports."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import socket
@@ -40,6 +42,12 @@ def variant_server(run_dir: Path, folder: str, variants: Mapping[str, Mapping[st
     options = ServerOptions(model_repositories=(repo,), grpc_port=grpc_port, http_port=grpc_port + 1,
                             metrics_port=grpc_port + 2, run_dir=run_dir)
     return TritonServer(options, env={"PREPOS_ENGINE_DIR": str(engine_dir.resolve())})
+
+
+def check_engine_dir(parser: argparse.ArgumentParser, engine_dir: Path) -> None:
+    """Exit through ``parser.error`` naming ``--engine-dir`` when ``engine_dir`` holds no prepos engine."""
+    if not (engine_dir / "prepos_engine.json").is_file():
+        parser.error(f"--engine-dir: no engine in {engine_dir} (make engine builds the default)")
 
 
 def free_loopback_ports(count: int) -> list[int]:
