@@ -91,6 +91,14 @@ RESIDENCY_BENCH_ARGS ?=
 bench-residency: $(ENGINE)
 	$(PY) loadtest/residency_bench.py $(RESIDENCY_BENCH_ARGS)
 
+# prefixes shared across sessions: BFCL sessions opening with the same tool lists, engine.share_prefixes on
+# against off (out/share_bench/share_bench_think0.md), about a minute here; SHARE_BENCH_ARGS="--think 3": the
+# system turn prefilled in the idle window instead (about two and a half minutes)
+SHARE_BENCH_ARGS ?=
+.PHONY: bench-share
+bench-share: $(ENGINE)
+	$(PY) loadtest/share_bench.py $(SHARE_BENCH_ARGS)
+
 # HTTP bridge round trip against gRPC straight to prepos (out/http_bench/http_bench.md), under a minute here
 HTTP_BENCH_ARGS ?=
 .PHONY: bench-http

@@ -93,7 +93,8 @@ class FakeEngine(Engine):
 
     def __init__(self, vocab: int = len(VOCAB), max_context: int = 4096, clock: FakeClock | None = None,
                  token_time_s: float = 0.001, step_time_s: float = 0.005,
-                 logits_fn: Callable[[Sequence[int], int], np.ndarray] = hashed_logits, num_layers: int = 0):
+                 logits_fn: Callable[[Sequence[int], int], np.ndarray] = hashed_logits, num_layers: int = 0,
+                 share_prefixes: bool = False):
         self.info = EngineInfo("fake", vocab, max_context, kv_bytes_per_token=100, weight_bytes=1000, device="cpu")
         self.clock = clock or FakeClock()
         self.token_time_s, self.step_time_s = token_time_s, step_time_s
@@ -104,6 +105,8 @@ class FakeEngine(Engine):
         self.on_compute: Callable[[], None] | None = None  # called mid-computation (tests inject arrivals here)
         self.batches: list[tuple] = []  # the sessions of each decode_batch call
         self.prefill_batches: list[tuple] = []  # the sessions of each prefill_batch call
+        self.share_prefixes = share_prefixes  # share_prefix copies what another session holds, as the torch engine
+        self.num_shared_tokens = 0
 
     def _compute(self, session_id, seq: list[int], num_new: int) -> torch.Tensor:
         self.clock.t += self.step_time_s + self.token_time_s * num_new / 2
@@ -149,6 +152,18 @@ class FakeEngine(Engine):
             raise ValueError(f"session {session_id!r} is at max_context {self.info.max_context}")
         self.calls.append(("decode", session_id, 1))
         return self._compute(session_id, self.kv[session_id] + [token_id], 1)
+
+    def share_prefix(self, session_id, token_ids):
+        held = common_prefix_length(self.kv.get(session_id, []), token_ids)
+        if not self.share_prefixes:
+            return held
+        shared = max((min(common_prefix_length(kv, token_ids), len(token_ids) - 1)
+                      for sid, kv in self.kv.items() if sid != session_id), default=0)
+        if shared <= held:
+            return held
+        self.kv[session_id] = list(token_ids[:shared])
+        self.num_shared_tokens += shared - held
+        return shared
 
     def cached_token_ids(self, session_id):
         return tuple(self.kv.get(session_id, ()))

@@ -62,6 +62,10 @@ class EngineConfig:
     """Torch engine on CPU in float32: the decode step's layers (GEMVs, attention) through prepos's CPU kernels,
     compiled with the system C compiler on first load and cached in ``$PREPOS_CACHE_DIR`` (default
     ``~/.cache/prepos``); where they cannot be built, and when off, torch's ops."""
+    share_prefixes: bool = True
+    """Torch engine: a prefill copies the KV of the longest prefix its tokens share with another resident session
+    (a system prompt or tool list many sessions open with) instead of computing it. The TensorRT-LLM engine's
+    block reuse shares prefixes across sessions by itself."""
     trtllm_free_gpu_memory_fraction: float = 0.85
     """TensorRT-LLM engine: share of the free GPU memory its executor takes for the KV block pool."""
     trtllm_retention_priority: int = 80

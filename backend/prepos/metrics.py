@@ -49,6 +49,9 @@ SPECS = (
     MetricSpec("prepos_kv_blocks_total", "counter",
                "TensorRT-LLM engine: KV blocks of its requests, by outcome: reused (cached prefix), new (computed), "
                "missed (expected cached but evicted)", ("outcome",)),
+    MetricSpec("prepos_shared_prefix_tokens_total", "counter",
+               "Torch engine: prefix tokens whose KV a session copied from another session's (a system prompt they "
+               "share) instead of computing them"),
     MetricSpec("prepos_prefill_tokens_total", "counter", "Tokens prefilled, by where the work ran", ("where",),
                values=("foreground", "background")),
     MetricSpec("prepos_engine_seconds_total", "counter",
@@ -231,6 +234,10 @@ class Metrics:
         for outcome, count in (("reused", reused), ("new", new), ("missed", missed)):
             if count:
                 self.sink.inc("prepos_kv_blocks_total", {"outcome": outcome}, count)
+
+    def shared_prefix_tokens(self, count: int) -> None:
+        if count:
+            self.sink.inc("prepos_shared_prefix_tokens_total", {}, count)
 
     def evicted(self, what: str) -> None:
         self.sink.inc("prepos_kv_evictions_total", {"what": what}, 1)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from prepos.config import SchedulerConfig
-from prepos.engines.base import Engine, KVCapacityError, common_prefix_length
+from prepos.engines.base import Engine, KVCapacityError
 from prepos.gate import Gate
 from prepos.gate_watch import Audit, GateWatch
 from prepos.metrics import Metrics
@@ -336,7 +336,8 @@ class RequestServer:
 
     def _prefill(self, session: Session, token_ids: Sequence[int], request: Request, sink: ResponseSink,
                  clock: RequestClock) -> Generator[PrefillStep, None, torch.Tensor]:
-        new = max(1, len(token_ids) - common_prefix_length(self._engine.cached_token_ids(session.session_id), token_ids))
+        # A prefix another session holds (a system prompt they share) is copied now: only the rest is prefilled.
+        new = max(1, len(token_ids) - self._engine.share_prefix(session.session_id, token_ids))
         step = PrefillStep(session_id=session.session_id, token_ids=token_ids, new_tokens=new,
                            wanted=lambda: self._alive(request, sink))
         logits = yield from self._engine_step(step, "prefill", request, sink, clock)

@@ -710,6 +710,35 @@ def test_a_full_kv_pool_abandons_pre_positioning_and_the_loop_goes_on(tmp_path):
     assert sink.error is None and sink.chunks[0].path == "prefix"
 
 
+def test_a_system_prompt_another_session_holds_is_shared_not_prefilled_again(tmp_path):
+    """Sessions that open with the same system turn: pre-positioning (and a request that comes before it) asks the
+    engine for what another session holds and prefills only the rest; answers are those of unshared sessions."""
+    from prepos.scheduler import HOUSEKEEPING_INTERVAL_S
+
+    system = "You route requests to tools. Tools: get_weather, get_time, set_alarm, send_mail, read_file."
+    answers = {}
+    for share in (False, True):
+        h = Harness(tmp_path, share_prefixes=share)
+        for sid in ("a", "b", "c"):
+            open_session(h, sid)
+            h.serve(h.request(sid, system, role="system", max_tokens=0))
+            if sid != "c":
+                h.idle()  # a, then b, pre-positioned; c asks before its idle work
+        h.engine.calls.clear()
+        answers[share] = [h.serve(h.request(sid, "Will it rain?", max_tokens=3)) for sid in ("b", "c")]
+        h.clock.t += HOUSEKEEPING_INTERVAL_S + 1
+        h.sched.run_once()
+        shared = h.metrics.sink.get("prepos_shared_prefix_tokens_total")
+        if share:
+            log = len(h.log("a"))  # a never asked: its log is its system turns, as b's and c's were
+            assert shared == h.engine.num_shared_tokens >= 2 * log  # b's and c's system turns
+            assert [c for c in h.engine.calls if c[0] == "prefill" and c[1] == "c"][0][2] < log
+        else:
+            assert shared == 0
+    for unshared, with_sharing in zip(*answers.values()):
+        assert with_sharing.error is None and with_sharing.ids == unshared.ids and with_sharing.chunks[0].path == unshared.chunks[0].path
+
+
 def test_engine_block_reuse_is_published_as_counters(h):
     from prepos.engines.trtllm import ReuseStats
     from prepos.scheduler import HOUSEKEEPING_INTERVAL_S

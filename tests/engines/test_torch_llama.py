@@ -315,6 +315,88 @@ def test_prefill_steps_session_released_or_changed_meanwhile(tied):
         _drain(steps)
 
 
+def test_a_prefix_another_session_holds_is_copied_not_computed(tied):
+    """Sessions that open with the same tokens (a system prompt): the second copies the first one's KV for the
+    shared part and computes only its own tokens; both then decode as a full forward of their own log does."""
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    prompt, a, b = _ids(40, seed=60), [1, 2, 3], [4, 5, 6, 7]
+    engine.prefill("a", prompt + a)
+    before = engine.num_computed_tokens
+    logits = engine.prefill("b", prompt + b)
+    assert engine.num_computed_tokens - before == len(b) and engine.num_shared_tokens == len(prompt)
+    assert _close(logits, _hf_logits(model, prompt + b)[-1])
+    assert list(engine.cached_token_ids("b")) == prompt + b
+    for sid, log in (("a", prompt + a), ("b", prompt + b)):
+        assert _close(engine.decode(sid, 9), _hf_logits(model, [*log, 9])[-1]), sid
+    # a whole sequence another session holds: only its last token is computed, for the logits
+    before = engine.num_computed_tokens
+    assert _close(engine.prefill("c", prompt + a), _hf_logits(model, prompt + a)[-1])
+    assert engine.num_computed_tokens - before == 1
+
+
+def test_prefix_sharing_takes_the_longest_holder_and_skips_what_is_gone_short_or_off(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    prompt = _ids(60, seed=61)
+    engine.prefill("short", prompt[:30])
+    engine.prefill("long", prompt[:50])  # copies short's 30 tokens
+    engine.prefill("other", _ids(60, seed=62))
+    assert engine.num_shared_tokens == 30 and engine.num_computed_tokens == 30 + 20 + 60
+    assert engine.share_prefix("s", prompt) == 50  # the longest holder, not the most recent one
+    assert engine.num_shared_tokens == 30 + 50 and engine.num_computed_tokens == 30 + 20 + 60
+    assert _close(engine.prefill("s", prompt), _hf_logits(model, prompt)[-1])
+    assert engine.num_computed_tokens == 30 + 20 + 60 + 10
+    # what a holder no longer has is not copied: truncated below the listing tokens, released
+    engine.truncate("long", 10)
+    engine.release("s")
+    assert engine.share_prefix("t", prompt) == 30
+    engine.release("short")
+    engine.release("t")
+    assert engine.share_prefix("u", prompt) == 0 and not engine.cached_token_ids("u")
+    # fewer shared tokens than a session is listed by are computed; so is everything with sharing off
+    engine.prefill("v", prompt[:15] + [7] * 20)
+    before = engine.num_computed_tokens
+    engine.prefill("w", prompt[:15] + [8] * 20)
+    assert engine.num_computed_tokens - before == 35
+    off = TorchLlamaEngine(path, kv_block_tokens=BLOCK, share_prefixes=False)
+    off.prefill("a", prompt)
+    assert off.share_prefix("b", prompt) == 0
+    off.prefill("b", prompt)
+    assert off.num_computed_tokens == 120 and off.num_shared_tokens == 0
+    for sid in ("long", "other", "u", "v", "w"):
+        engine.release(sid)
+    assert not engine._donors  # releases take their listings with them
+
+
+def test_share_prefix_keeps_what_the_session_holds_when_no_one_holds_more(tied):
+    path, _ = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    prompt = _ids(40, seed=63)
+    engine.prefill("a", prompt[:20])
+    engine.prefill("s", prompt + [5, 6])
+    assert engine.share_prefix("s", prompt + [7]) == 40  # its own prefix; what follows it is kept too
+    assert list(engine.cached_token_ids("s")) == prompt + [5, 6]
+    # ids a prefill refuses share nothing and change nothing (the prefill names the problem)
+    engine.prefill("b", prompt + [8])
+    assert engine.share_prefix("s", prompt + [8, 10_000]) == 40
+    assert engine.share_prefix("s", []) == 0
+    assert list(engine.cached_token_ids("s")) == prompt + [5, 6]
+
+
+def test_prefill_batch_copies_shared_prefixes(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    prompt = _ids(32, seed=64)
+    engine.prefill("donor", prompt)
+    seqs = {"x": prompt + [1, 2], "y": prompt[:20] + [3, 4, 5], "z": _ids(6, seed=65)}
+    before = engine.num_computed_tokens
+    for (sid, ids), logits in zip(seqs.items(), engine.prefill_batch(list(seqs), list(seqs.values()))):
+        assert _close(logits, _hf_logits(model, ids)[-1]), sid
+        assert list(engine.cached_token_ids(sid)) == ids
+    assert engine.num_computed_tokens - before == 2 + 3 + 6 and engine.num_shared_tokens == 32 + 20
+
+
 def test_kv_bookkeeping(tied):
     path, _ = tied
     engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)

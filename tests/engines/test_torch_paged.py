@@ -137,6 +137,28 @@ def test_prefix_reuse_truncate_and_release_keep_pages_consistent(tied):
     assert len(engine._free) == free and engine.kv_bytes("s") == 0 and engine.cached_token_ids("s") == ()
 
 
+def test_a_shared_prefix_is_copied_into_the_sessions_own_pages(tied):
+    """A session opening with tokens another holds copies them page to page (its own pages: the donor may then
+    change or go) and computes the rest; decode and the pool's free pages stay right."""
+    path, model = tied
+    engine = _engine(path)
+    free = len(engine._free)
+    prompt = _ids(18, seed=70)  # ends mid-page
+    engine.prefill("a", prompt + [1, 2])
+    before = engine.num_computed_tokens
+    assert _close(engine.prefill("b", prompt + [3]).cpu(), _hf_logits(model, prompt + [3])[-1])
+    assert engine.num_computed_tokens - before == 1 and engine.num_shared_tokens == 18
+    assert not set(engine._sessions["a"].pages) & set(engine._sessions["b"].pages)
+    engine.truncate("a", 2)
+    engine.prefill("a", [7] * 20)  # the donor's pages now hold other tokens
+    assert _close(engine.decode("b", 4).cpu(), _hf_logits(model, [*prompt, 3, 4])[-1])
+    assert engine.share_prefix("c", prompt + [5]) == 18  # from b, the one holder left
+    assert _close(engine.prefill("c", prompt + [5]).cpu(), _hf_logits(model, prompt + [5])[-1])
+    for sid in ("a", "b", "c"):
+        engine.release(sid)
+    assert len(engine._free) == free and not engine._donors
+
+
 def test_an_exhausted_pool_is_a_clear_error_and_changes_nothing(tied):
     path, model = tied
     engine = _engine(path, pool=3 * PAGE * TorchLlamaEngine(path).info.kv_bytes_per_token)  # 2 usable pages

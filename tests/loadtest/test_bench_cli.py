@@ -11,6 +11,7 @@ import bench
 import chunking_bench
 import engine_microbench
 import residency_bench
+import share_bench
 import server_death_trials
 
 ENGINE = "engines/smollm2-135m-instruct"
@@ -29,6 +30,11 @@ ENGINE = "engines/smollm2-135m-instruct"
     (residency_bench, ["--passes", "1"], "--passes"),
     (residency_bench, ["--mode", "fifo"], "--mode"),
     (residency_bench, ["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
+    (share_bench, ["--sessions", "201"], "--sessions"),
+    (share_bench, ["--users", "0"], "--users"),
+    (share_bench, ["--think", "-1"], "--think"),
+    (share_bench, ["--think", "inf"], "--think"),
+    (share_bench, ["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
 ])
 def test_benchmark_drivers_name_the_bad_flag(module, argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as exited:

@@ -112,6 +112,19 @@ class Engine(abc.ABC):
                 results.append(err)
         return results
 
+    def share_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
+        """Let the session's KV hold as much of ``token_ids`` as is already computed, here or in another
+        session, short of its last token; return how many leading tokens of ``token_ids`` it holds now.
+
+        An engine that shares prefixes across sessions copies (or maps) the KV of the longest prefix of
+        ``token_ids`` that another session's KV holds, when that is longer than what this session's KV holds:
+        a system prompt or tool list that many sessions open with is then computed once. The session's KV past
+        what ``token_ids`` and it share may be dropped. A later :meth:`prefill` of ``token_ids`` computes only
+        the rest. Ids that :meth:`prefill` would refuse share nothing (the prefill reports them). This default
+        shares nothing: it returns the common prefix of ``token_ids`` and the session's KV and changes nothing.
+        """
+        return common_prefix_length(self.cached_token_ids(session_id), token_ids)
+
     @abc.abstractmethod
     def cached_token_ids(self, session_id: str) -> Sequence[int]:
         """The tokens the session's KV holds now, in order (empty if it has none)."""
@@ -147,9 +160,20 @@ def _check_batch(call: str, session_ids: Sequence[str], items: Sequence, what: s
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
+    """Length of the longest common prefix of two token sequences.
+
+    Lists and tuples are compared a block at a time (one C-level comparison per 64 tokens), then token by token
+    inside the first block that differs."""
     n = min(len(a), len(b))
     i = 0
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b):  # a list never equals a tuple
+            a, b = list(a), list(b)
+        while i + _COMPARE_BLOCK <= n and a[i:i + _COMPARE_BLOCK] == b[i:i + _COMPARE_BLOCK]:
+            i += _COMPARE_BLOCK
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+_COMPARE_BLOCK = 64

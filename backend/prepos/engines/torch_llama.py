@@ -44,6 +44,12 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+SHARED_HEAD_TOKENS = 16
+"""Sessions are listed as prefix donors under their first this many tokens: a shorter shared prefix is not
+looked for in other sessions' KV."""
+SHARE_CANDIDATES = 8
+"""Donors compared per lookup, the most recently listed first."""
+
 
 def _cpu_chunks(out: int, threads: int) -> int:
     """Column blocks of a CPU matrix with ``out`` outputs: one per thread where each block is at least 1024
@@ -61,6 +67,7 @@ def _cpu_chunks(out: int, threads: int) -> int:
 class _Session:
     kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
     ids: list[int] = field(default_factory=list)
+    head: tuple[int, ...] | None = None  # the first tokens it is listed under as a prefix donor
 
 
 def _read_config(model_dir: str) -> dict:
@@ -112,6 +119,11 @@ class TorchLlamaEngine(Engine):
     ordinary torch allocation. On CPU in float32, ``cpu_kernels`` runs the decode
     GEMVs and attention through :mod:`prepos.engines.cpu_kernels` (every matrix
     then packed in 32-column blocks) where those can be built, else torch's ops.
+
+    With ``share_prefixes``, a prefill (and :meth:`share_prefix`) copies the KV of the longest prefix its
+    tokens share with another session's KV, past what the session's own KV holds, instead of computing it:
+    sessions that open with the same system prompt or tool list compute it once. Sessions are found by their
+    first ``SHARED_HEAD_TOKENS`` tokens; ``num_shared_tokens`` counts the tokens copied.
     """
 
     def __init__(
@@ -124,6 +136,7 @@ class TorchLlamaEngine(Engine):
         kv_block_tokens: int = 64,
         host_arena: bool = True,
         cpu_kernels: bool = True,
+        share_prefixes: bool = True,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -140,6 +153,9 @@ class TorchLlamaEngine(Engine):
         self.dtype = _DTYPES[dtype]
         self.kv_block_tokens = kv_block_tokens
         self.num_computed_tokens = 0
+        self.share_prefixes = share_prefixes
+        self.num_shared_tokens = 0
+        self._donors: dict[tuple[int, ...], dict[str, object]] = {}  # first tokens -> sessions holding them
         self.n_layers = cfg["num_hidden_layers"]
         self.hidden = cfg["hidden_size"]
         self.n_heads = cfg["num_attention_heads"]
@@ -328,7 +344,9 @@ class TorchLlamaEngine(Engine):
             s.kv = s.kv[:, :, :, :cap].clone()
 
     def release(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        s = self._sessions.pop(session_id, None)
+        if s is not None:
+            self._unlist(session_id, s)
 
     def kv_bytes(self, session_id: str) -> int:
         s = self._sessions.get(session_id)
@@ -383,6 +401,7 @@ class TorchLlamaEngine(Engine):
                 results.append(err)
                 continue
             del s.ids[keep:]
+            keep = self._adopt(s, kv, ids, keep)
             targets.append((len(results), s, kv, keep, ids[keep:]))
             results.append(None)  # filled below
         if len(targets) == 1:  # the others were impossible: the one-session path
@@ -406,6 +425,7 @@ class TorchLlamaEngine(Engine):
             rows = self._rows_mm(self.lm_head, h).float().unbind(0)  # [batch, vocab]
             for (index, s, _, _, new), row in zip(targets, rows):
                 s.ids.extend(new)
+                self._list(session_ids[index], s)
                 results[index] = row
                 self.num_computed_tokens += len(new)
         return results
@@ -418,15 +438,105 @@ class TorchLlamaEngine(Engine):
             keep -= 1  # everything cached: recompute the last token for its logits
         # The ids shrink first, so a generator closed part-way leaves a consistent prefix.
         del s.ids[keep:]
-        new = ids[keep:]
         kv = self._reserve(s, len(ids))
+        keep = self._adopt(s, kv, ids, keep)
+        new = ids[keep:]
         logits = yield from self._prefill_forward(kv, keep, torch.tensor(new, device=self.device))
         if self._sessions.get(session_id) is s:
             if not self._still_reserved(s, kv) or len(s.ids) != keep:
                 raise RuntimeError(f"session {session_id!r} was changed while its prefill was under way")
             s.ids.extend(new)
+            self._list(session_id, s)
         self.num_computed_tokens += len(new)
         return logits
+
+    # ---- prefixes shared across sessions ---------------------------------------------------
+
+    @torch.inference_mode()
+    def share_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
+        s = self._sessions.get(session_id)
+        keep = common_prefix_length(s.ids, token_ids) if s is not None else 0
+        try:
+            ids = self._check_ids(token_ids)
+        except ValueError:  # the prefill of these ids reports what is wrong with them
+            return keep
+        donor, shared = self._donor(s, ids, keep)
+        if donor is None:
+            return keep
+        s = self._session(session_id)
+        del s.ids[keep:]
+        try:
+            kv = self._reserve(s, shared)
+        except KVCapacityError:  # no room to copy into: the prefill that follows reports it
+            return keep
+        self._copy_prefix(donor, s, kv, ids, keep, shared)
+        self._list(session_id, s)
+        return shared
+
+    def _adopt(self, s, kv, ids: list[int], keep: int) -> int:
+        """Copy into ``kv`` (the session's, reserved for ``ids``) the KV of the longest prefix of ``ids`` that
+        another session holds past ``keep``; returns the tokens of ``ids`` the session now holds."""
+        donor, shared = self._donor(s, ids, keep)
+        return keep if donor is None else self._copy_prefix(donor, s, kv, ids, keep, shared)
+
+    def _copy_prefix(self, donor, s, kv, ids: list[int], keep: int, shared: int) -> int:
+        """Positions ``keep..shared-1`` of ``ids`` from the donor's KV into the session's ``kv``; returns ``shared``."""
+        self._copy_kv(donor, kv, keep, shared)
+        s.ids.extend(ids[keep:shared])
+        self.num_shared_tokens += shared - keep
+        return shared
+
+    def _donor(self, s, ids: list[int], keep: int) -> tuple[object | None, int]:
+        """The listed session (other than ``s``) whose KV holds the longest prefix of ``ids`` short of its last
+        token, and that prefix's length, when it is longer than ``keep``; else ``(None, keep)``. Listings
+        whose session is gone or no longer starts with their tokens are dropped on the way."""
+        limit = len(ids) - 1  # the last token is always computed, for its logits
+        if not self.share_prefixes or limit <= keep or limit < SHARED_HEAD_TOKENS:
+            return None, keep
+        head = tuple(ids[:SHARED_HEAD_TOKENS])
+        listed = self._donors.get(head)
+        if not listed:
+            return None, keep
+        best, best_length, compared = None, keep, 0
+        for sid, other in reversed(list(listed.items())):
+            if self._sessions.get(sid) is not other or tuple(other.ids[:SHARED_HEAD_TOKENS]) != head:
+                del listed[sid]
+                other.head = None
+                continue
+            if other is s:
+                continue
+            length = min(common_prefix_length(other.ids, ids), limit)
+            if length > best_length:
+                best, best_length = other, length
+            compared += 1
+            if best_length == limit or compared == SHARE_CANDIDATES:
+                break
+        if not listed:
+            del self._donors[head]
+        return best, best_length
+
+    def _list(self, session_id: str, s) -> None:
+        """List the session as a donor under its first tokens, once it holds that many."""
+        if not self.share_prefixes or len(s.ids) < SHARED_HEAD_TOKENS:
+            return
+        head = tuple(s.ids[:SHARED_HEAD_TOKENS])
+        if s.head == head:
+            return
+        self._unlist(session_id, s)
+        s.head = head
+        self._donors.setdefault(head, {})[session_id] = s
+
+    def _unlist(self, session_id: str, s) -> None:
+        listed = self._donors.get(s.head) if s.head is not None else None
+        if listed is not None and listed.get(session_id) is s:
+            del listed[session_id]
+            if not listed:
+                del self._donors[s.head]
+        s.head = None
+
+    def _copy_kv(self, donor: _Session, kv: torch.Tensor, start: int, end: int) -> None:
+        """Copy positions ``start..end-1`` of the donor's KV into ``kv`` (a handle from ``_reserve``)."""
+        kv[:, :, :, start:end] = donor.kv[:, :, :, start:end]
 
     def _reserve(self, s: _Session, n_tokens: int) -> torch.Tensor:
         """Room for ``n_tokens`` in the session's KV; returns the handle ``_prefill_forward`` writes through."""

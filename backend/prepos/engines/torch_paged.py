@@ -22,7 +22,9 @@ weight reads take well under a millisecond. This engine removes that overhead:
 
 Prefill is eager (it is one large batch of tokens): its K/V are written into
 the session's pages and attention reads the session's positions gathered from
-the pool. Page 0 is scratch (the graph's capture writes there) and never
+the pool. A prefix another session holds (``share_prefixes``) is copied from
+that session's pages into the session's own: pages are never shared, so a
+session may write any of its pages. Page 0 is scratch (the graph's capture writes there) and never
 belongs to a session.
 
 Off CUDA (tests), the same code runs without a graph, the kernel under Triton's
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 class _PagedSession:
     pages: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
+    head: tuple[int, ...] | None = None  # the first tokens it is listed under as a prefix donor
     epoch: int = 0  # bumped when pages are freed, so a prefill under way can tell
 
 
@@ -69,7 +72,8 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
 
     def __init__(self, model_dir: str, *, device: str = "cuda", dtype: str = "float32",
                  num_threads: int | None = None, kv_pool_bytes: int = 0, page_tokens: int = 64,
-                 splits: int = 32, cuda_graph: bool | None = None, max_batch: int = 32) -> None:
+                 splits: int = 32, cuda_graph: bool | None = None, max_batch: int = 32,
+                 share_prefixes: bool = True) -> None:
         for name, value in (("page_tokens", page_tokens), ("splits", splits)):
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")
@@ -86,7 +90,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
                              f"(TRITON_INTERPRET=1 before Triton is imported); not on {device} in this process")
         # Its decode and attention are the Triton kernels', on CUDA (or interpreted): not the CPU kernels.
         super().__init__(model_dir, device=device, dtype=dtype, num_threads=num_threads,
-                         kv_block_tokens=page_tokens, cpu_kernels=False)
+                         kv_block_tokens=page_tokens, cpu_kernels=False, share_prefixes=share_prefixes)
         if self.head_dim & (self.head_dim - 1):
             raise ValueError(f"{model_dir}: head_dim {self.head_dim} is not a power of two (the decode kernel's)")
         self._paged_kernels = _attention_kernel
@@ -169,6 +173,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
     def release(self, session_id: str) -> None:
         s = self._sessions.pop(session_id, None)
         if s is not None:
+            self._unlist(session_id, s)
             self._free.extend(reversed(s.pages))
             s.pages.clear()
             s.epoch += 1
@@ -196,6 +201,10 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         k = self.pool[layer, 0].index_select(0, rows)  # [end, KV, hd]
         v = self.pool[layer, 1].index_select(0, rows)
         return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+    def _copy_kv(self, donor: _PagedSession, kv, start: int, end: int) -> None:
+        rows = self._slots(donor, start, end)
+        self.pool.index_copy_(2, kv[2][start:end], self.pool.index_select(2, rows))
 
     def _attend(self, q, k, v, mask):
         if self.device.type != "cuda":
