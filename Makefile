@@ -93,7 +93,7 @@ bench-residency: $(ENGINE)
 
 # prefixes shared across sessions: BFCL sessions opening with the same tool lists, engine.share_prefixes on
 # against off (out/share_bench/share_bench_think0.md), about a minute here; SHARE_BENCH_ARGS="--think 3": the
-# system turn prefilled in the idle window instead (about two and a half minutes)
+# system turn prefilled in the idle window instead (about two and a half minutes); "--close": one task per session
 SHARE_BENCH_ARGS ?=
 .PHONY: bench-share
 bench-share: $(ENGINE)

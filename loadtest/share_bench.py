@@ -11,13 +11,15 @@ same one, and those whose classes begin alike share its start), waits
 ``--think`` seconds (0: the agent asks at once, so the system turn is prefilled
 on the critical path; more: pre-positioning prefills it in the idle window),
 then asks its first question with the tool names as ``choices``. Sessions stay
-open until the round ends (agents that run many turns), then close. Reported
+open until the round ends (agents that run many turns), then close; with
+``--close`` each closes right after its answer (one task per session: what
+later sessions can copy is then the kept openings of closed ones). Reported
 per model, over all rounds: the first question's client TTFT p50 / p99 and its
 paths, and per session, from the server's counters, the engine-loop seconds
 (foreground and background), the tokens prefilled and the tokens whose KV was
 copied from another session; and how many answers are the same on both models.
 
-    python loadtest/share_bench.py [--sessions 40] [--users 4] [--think 0] [--rounds 2]
+    python loadtest/share_bench.py [--sessions 40] [--users 4] [--think 0] [--rounds 2] [--close]
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ COUNTERS = ("prepos_engine_seconds_total", "prepos_prefill_tokens_total", "prepo
 SETTLE_S = 3.0  # the engine loop publishes its counters when idle and at least every half second
 
 
-def run_round(server: TritonServer, model: str, traces: list[SessionTrace], users: int, think_s: float) -> dict:
-    """The traces' opening (system turn, ``think_s``, first question) on ``model``; answers and counter deltas."""
+def run_round(server: TritonServer, model: str, traces: list[SessionTrace], users: int, think_s: float,
+              close_each: bool = False) -> dict:
+    """The traces' opening (system turn, ``think_s``, first question) on ``model``, each session closed after its
+    answer with ``close_each``, else at the end; answers and counter deltas."""
     before = {name: server.metric(name, model=model) for name in COUNTERS}
     with Client(server.grpc_url, model=model) as client:
         opened = [client.session() for _ in traces]
@@ -63,23 +67,26 @@ def run_round(server: TritonServer, model: str, traces: list[SessionTrace], user
             if think_s:
                 time.sleep(think_s)
             return opened[i].ask(question.delta, role=question.role, choices=list(question.choices), max_tokens=16,
-                                 speculate=False)
+                                 speculate=False, end=close_each)
 
         with ThreadPoolExecutor(users) as pool:
             answers = list(pool.map(open_and_ask, range(len(traces))))
             time.sleep(SETTLE_S)
             after = {name: server.metric(name, model=model) for name in COUNTERS}
-            list(pool.map(lambda s: s.close(), opened))
-    return {"answers": [(a.text, a.path, a.ttft_ms) for a in answers],
+            if not close_each:
+                list(pool.map(lambda s: s.close(), opened))
+    return {"answers": [(a.text, a.path, a.ttft_ms, a.queue_ms, a.prefill_ms) for a in answers],
             "counters": {name: after[name] - before[name] for name in COUNTERS}}
 
 
 def combine(rounds: list[dict], sessions: int) -> dict:
     """One model's rounds as the table's figures."""
-    ttfts = [ttft for r in rounds for _, _, ttft in r["answers"]]
+    ttfts = [ttft for r in rounds for _, _, ttft, _, _ in r["answers"]]
     per_session = {name: statistics.median(r["counters"][name] for r in rounds) / sessions for name in COUNTERS}
     return {"ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
-            "paths": dict(collections.Counter(path for r in rounds for _, path, _ in r["answers"])),
+            "queue_p50_ms": percentile([a[3] for r in rounds for a in r["answers"]], 50),
+            "prefill_p50_ms": percentile([a[4] for r in rounds for a in r["answers"]], 50),
+            "paths": dict(collections.Counter(a[1] for r in rounds for a in r["answers"])),
             "engine_s": per_session["prepos_engine_seconds_total"],
             "prefilled": per_session["prepos_prefill_tokens_total"],
             "shared": per_session["prepos_shared_prefix_tokens_total"]}
@@ -87,13 +94,16 @@ def combine(rounds: list[dict], sessions: int) -> dict:
 
 def summarize(results: dict[str, dict], same: int, total: int, args: argparse.Namespace, machine: str) -> str:
     lines = [f"`engine.share_prefixes`: {args.sessions} BFCL sessions per round, {args.users} at a time, "
-             f"{args.think:g} s between the system turn and the first question, {args.rounds} rounds ({machine})", "",
-             "| model | first question TTFT p50 / p99 (ms) | paths | engine-loop s per session | "
-             "tokens prefilled per session | tokens shared per session |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"{args.think:g} s between the system turn and the first question, "
+             f"{'each closed after its answer' if args.close else 'open until the round ends'}, {args.rounds} rounds "
+             f"({machine})", "",
+             "| model | first question TTFT p50 / p99 (ms) | its server queue / prefill p50 (ms) | paths | "
+             "engine-loop s per session | tokens prefilled per session | tokens shared per session |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for model, r in results.items():
         paths = ", ".join(f"{path} {n}" for path, n in sorted(r["paths"].items()))
-        lines.append(f"| {model} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {paths} | {r['engine_s']:.3f} | "
+        lines.append(f"| {model} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
+                     f"{r['queue_p50_ms']:.1f} / {r['prefill_p50_ms']:.1f} | {paths} | {r['engine_s']:.3f} | "
                      f"{r['prefilled']:.0f} | {r['shared']:.0f} |")
     lines += ["", f"Same answer on both models: {same} of {total}."]
     return "\n".join(lines)
@@ -106,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", type=int, default=4, help="sessions in flight at once")
     parser.add_argument("--think", type=float, default=0.0, help="seconds between the system turn and the question")
     parser.add_argument("--rounds", type=int, default=2, help="rounds (each runs both models)")
+    parser.add_argument("--close", action="store_true", help="close each session right after its answer")
     parser.add_argument("--engine-dir", type=Path, default=ROOT / "engines" / "smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "share_bench")
     parser.add_argument("--grpc-port", type=int, default=8141)
@@ -128,14 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         for index in range(args.rounds):
             traces = bfcl_sessions(args.sessions, seed=index)
             for model in (list(MODELS) if index % 2 == 0 else list(MODELS)[::-1]):
-                rounds[model].append(run_round(server, model, traces, args.users, args.think))
+                rounds[model].append(run_round(server, model, traces, args.users, args.think, args.close))
                 log.info("round %d, %s: %s", index + 1, model, rounds[model][-1]["counters"])
     shared, unshared = rounds.values()
     pairs = [(a[0], b[0]) for r1, r2 in zip(shared, unshared) for a, b in zip(r1["answers"], r2["answers"])]
     results = {model: combine(model_rounds, args.sessions) for model, model_rounds in rounds.items()}
     table = summarize(results, sum(a == b for a, b in pairs), len(pairs), args,
                       f"{platform.machine()}, {os.cpu_count()} cores")
-    table_file = args.out / f"share_bench_think{args.think:g}.md"
+    table_file = args.out / f"share_bench_think{args.think:g}{'_close' if args.close else ''}.md"
     table_file.write_text(table + "\n")
     print(table)
     print(f"\nwritten: {table_file}")

@@ -107,6 +107,7 @@ class FakeEngine(Engine):
         self.prefill_batches: list[tuple] = []  # the sessions of each prefill_batch call
         self.share_prefixes = share_prefixes  # share_prefix copies what another session holds, as the torch engine
         self.num_shared_tokens = 0
+        self.kept: list[tuple[str, int]] = []  # kept prefixes' keys in kv, least recently kept first
 
     def _compute(self, session_id, seq: list[int], num_new: int) -> torch.Tensor:
         self.clock.t += self.step_time_s + self.token_time_s * num_new / 2
@@ -164,6 +165,24 @@ class FakeEngine(Engine):
         self.kv[session_id] = list(token_ids[:shared])
         self.num_shared_tokens += shared - held
         return shared
+
+    def keep_prefix(self, session_id, num_tokens):
+        ids = self.kv.pop(session_id, None)
+        if not self.share_prefixes or ids is None or len(ids) < num_tokens:
+            return False
+        key = ("kept", len(self.kept) and self.kept[-1][1] + 1)
+        self.kv[key] = ids[:num_tokens]
+        self.kept.append(key)
+        return True
+
+    def kept_prefix_bytes(self):
+        return sum(self.kv_bytes(key) for key in self.kept)
+
+    def drop_kept_prefix(self):
+        if not self.kept:
+            return False
+        del self.kv[self.kept.pop(0)]
+        return True
 
     def cached_token_ids(self, session_id):
         return tuple(self.kv.get(session_id, ()))

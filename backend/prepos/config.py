@@ -66,6 +66,10 @@ class EngineConfig:
     """Torch engine: a prefill copies the KV of the longest prefix its tokens share with another resident session
     (a system prompt or tool list many sessions open with) instead of computing it. The TensorRT-LLM engine's
     block reuse shares prefixes across sessions by itself."""
+    kept_prefixes: int = 32
+    """Torch engine, with ``share_prefixes``: closed sessions whose opening turn (their first; a system prompt)
+    stays behind as a donor for later sessions, at most; the least recently copied goes first, and all of
+    them before any session's state when the KV budget (or pool) is full. 0: none."""
     trtllm_free_gpu_memory_fraction: float = 0.85
     """TensorRT-LLM engine: share of the free GPU memory its executor takes for the KV block pool."""
     trtllm_retention_priority: int = 80
@@ -76,6 +80,7 @@ class EngineConfig:
         _check(self.name in ("torch", "trtllm"), "engine.name", f"unknown engine {self.name!r}; use torch or trtllm")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "engine.dtype", f"unknown dtype {self.dtype!r}")
         _check(self.num_threads >= 0, "engine.num_threads", "must be >= 0")
+        _check(self.kept_prefixes >= 0, "engine.kept_prefixes", "must be >= 0")
         _check(0.0 < self.trtllm_free_gpu_memory_fraction <= 1.0, "engine.trtllm_free_gpu_memory_fraction",
                "must lie in (0, 1]")
         _check(0 <= self.trtllm_retention_priority <= 100, "engine.trtllm_retention_priority", "must lie in [0, 100]")

@@ -47,13 +47,14 @@ def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int =
         return PagedTorchLlamaEngine(str(engine_dir), device=config.device, dtype=config.dtype,
                                      kv_pool_bytes=kv_budget_bytes, page_tokens=config.page_tokens,
                                      cuda_graph=config.cuda_graph, max_batch=max_decode_batch,
-                                     share_prefixes=config.share_prefixes)
+                                     share_prefixes=config.share_prefixes, kept_prefixes=config.kept_prefixes)
     if config.name == "torch":
         from prepos.engines.torch_llama import TorchLlamaEngine
 
         return TorchLlamaEngine(str(engine_dir), device=config.device, dtype=config.dtype,
                                 num_threads=config.num_threads or None, cpu_kernels=config.cpu_kernels,
-                                kv_block_tokens=config.page_tokens, share_prefixes=config.share_prefixes)
+                                kv_block_tokens=config.page_tokens, share_prefixes=config.share_prefixes,
+                                kept_prefixes=config.kept_prefixes)
     raise ConfigError(f"engine.name: unknown engine {config.name!r}; use torch or trtllm")
 
 

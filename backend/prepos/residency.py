@@ -4,6 +4,8 @@ Owned by the engine loop (not thread-safe). The token log is the source of
 truth and is never dropped while a session is open; over the KV budget the
 least valuable state goes first:
 
+0. the engine's kept prefixes (closed sessions' opening turns, kept for
+   later sessions to copy), least recently copied first;
 1. speculative state (the positioned distribution and the KV of its
    speculative tokens) of idle sessions, least recently active first;
 2. the whole KV of idle sessions, in the eviction policy's order; the session
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
     from prepos.journal import SessionJournal
 
 log = logging.getLogger("prepos.residency")
+
+KEPT_PREFIXES = ("kept prefixes",)
+"""The ledger's entry for the engine's kept prefixes (closed sessions' opening turns); no session id is a tuple."""
 
 
 class Residency:
@@ -79,8 +84,15 @@ class Residency:
         return session
 
     def close(self, session: Session, reason: str) -> None:
-        """Forget the session: its KV is released and its journal deleted."""
+        """Forget the session: its KV is released (the engine may keep its opening turn's for later sessions to
+        copy) and its journal deleted."""
+        if session.has_kv:
+            opening = session.turn_starts[1] if len(session.turn_starts) > 1 else len(session.token_log)
+            if self._engine.keep_prefix(session.session_id, opening):
+                log.info("session %r: its opening turn (%d tokens) is kept for later sessions", session.session_id,
+                         opening)
         self.release_kv(session)
+        self._record_kept()
         self.store.close(session.session_id)
         if self._journal is not None:
             try:
@@ -128,6 +140,7 @@ class Residency:
         than its own; when that is not enough, it gives way itself."""
         session.has_kv, session.evicted = True, False
         self._record(session)
+        self._record_kept()  # the engine may have dropped some to make room
         if not self.kv.over_budget:
             return
         older_than = session.last_active_s if background else None
@@ -143,6 +156,12 @@ class Residency:
             self.evict(victim)
         if background and self.kv.over_budget:
             self.evict(session)
+
+    def _record_kept(self) -> None:
+        """Record the kept prefixes' bytes; over the budget, drop them, least recently copied first."""
+        self.kv.record(KEPT_PREFIXES, self._engine.kept_prefix_bytes())
+        while self.kv.over_budget and self._engine.drop_kept_prefix():
+            self.kv.record(KEPT_PREFIXES, self._engine.kept_prefix_bytes())
 
     def _record(self, session: Session) -> None:
         positioned_bytes = session.positioned.logits.nbytes if session.positioned is not None else 0

@@ -40,21 +40,24 @@ def test_cuda_builds_the_paged_engine_with_the_configured_pool_and_pages(monkeyp
 
     monkeypatch.setattr(torch_paged, "PagedTorchLlamaEngine", Recorder)
     config = read_config({"engine.device": "cuda:1", "engine.dtype": "bfloat16", "engine.page_tokens": "16",
-                          "engine.cuda_graph": "false", "engine.share_prefixes": "false"}, environ={})
+                          "engine.cuda_graph": "false", "engine.share_prefixes": "false", "engine.kept_prefixes": "5"},
+                         environ={})
     engine = core.create_engine(config.engine, tmp_path, kv_budget_bytes=1 << 30, max_decode_batch=12)
     assert isinstance(engine, Recorder)
     assert built == dict(model_dir=str(tmp_path), device="cuda:1", dtype="bfloat16", kv_pool_bytes=1 << 30,
-                         page_tokens=16, cuda_graph=False, max_batch=12, share_prefixes=False)
+                         page_tokens=16, cuda_graph=False, max_batch=12, share_prefixes=False, kept_prefixes=5)
 
 
 def test_cpu_builds_the_plain_torch_engine(monkeypatch, tmp_path):
     import prepos.engines.torch_llama as torch_llama
 
     monkeypatch.setattr(torch_llama, "TorchLlamaEngine",
-                        lambda model_dir, **kw: ("plain", kw["device"], kw["cpu_kernels"], kw["share_prefixes"]))
-    assert core.create_engine(EngineConfig(), tmp_path) == ("plain", "cpu", True, True)
-    config = read_config({"engine.cpu_kernels": "false", "engine.share_prefixes": "false"}, environ={})
-    assert core.create_engine(config.engine, tmp_path) == ("plain", "cpu", False, False)
+                        lambda model_dir, **kw: ("plain", kw["device"], kw["cpu_kernels"], kw["share_prefixes"],
+                                                 kw["kept_prefixes"]))
+    assert core.create_engine(EngineConfig(), tmp_path) == ("plain", "cpu", True, True, 32)
+    config = read_config({"engine.cpu_kernels": "false", "engine.share_prefixes": "false", "engine.kept_prefixes": "0"},
+                         environ={})
+    assert core.create_engine(config.engine, tmp_path) == ("plain", "cpu", False, False, 0)
 
 
 @pytest.mark.parametrize("value", ["0", "48", "8192"])

@@ -739,6 +739,30 @@ def test_a_system_prompt_another_session_holds_is_shared_not_prefilled_again(tmp
         assert with_sharing.error is None and with_sharing.ids == unshared.ids and with_sharing.chunks[0].path == unshared.chunks[0].path
 
 
+def test_a_closed_sessions_opening_turn_is_kept_for_the_next_session_and_gives_way_first_over_the_budget(tmp_path):
+    system = "You route requests to tools. Tools: get_weather, get_time, set_alarm, send_mail, read_file."
+    h = Harness(tmp_path, share_prefixes=True)
+    open_session(h, "a", system)
+    h.serve(h.request("a", "Will it rain?", max_tokens=2))
+    opening = len(h.log("a")) - len(h.sched.store.lookup("a").turns()[-1])  # its first turn, the system one
+    h.serve(h.request("a", None, end=True, max_tokens=0))
+    assert h.engine.kept and len(h.engine.kv[h.engine.kept[0]]) == opening
+    assert h.sched._residency.kv.used_bytes == h.engine.kept_prefix_bytes() > 0  # the budget counts them
+    open_session(h, "b", system)
+    h.idle()
+    assert h.engine.num_shared_tokens >= opening  # b's pre-positioning copied a's opening, not computed it
+    # over the budget, the kept prefix goes before any session's state
+    open_session(h, "c", "Another system turn entirely, about something else.")
+    h.idle()
+    ledger = h.sched._residency.kv
+    ledger.budget_bytes = ledger.used_bytes - 1  # b's next turn (shorter than the opening) passes it
+    assert h.serve(h.request("b", "And tomorrow?", max_tokens=2)).error is None
+    assert not h.engine.kept and h.engine.kept_prefix_bytes() == 0 and not ledger.over_budget
+    assert h.metrics.sink.get("prepos_kv_evictions_total", what="kv") == 0
+    assert h.metrics.sink.get("prepos_kv_evictions_total", what="speculative") == 0
+    assert all(h.sched.store.lookup(sid).has_kv for sid in "bc")
+
+
 def test_engine_block_reuse_is_published_as_counters(h):
     from prepos.engines.trtllm import ReuseStats
     from prepos.scheduler import HOUSEKEEPING_INTERVAL_S

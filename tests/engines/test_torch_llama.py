@@ -369,6 +369,20 @@ def test_prefix_sharing_takes_the_longest_holder_and_skips_what_is_gone_short_or
     assert not engine._donors  # releases take their listings with them
 
 
+def test_the_longest_holder_is_found_among_many_sessions_with_the_same_start(tied):
+    """Every session opens alike (one instruction, then a different tool list): the one holding the asked list is
+    found however many were listed after it."""
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    start, tools = _ids(30, seed=80), _ids(150, seed=81)
+    engine.prefill("holder", start + tools)
+    for i in range(3 * 8):
+        engine.prefill(f"other{i}", start + _ids(150, seed=100 + i))
+    assert engine.share_prefix("s", start + tools + [1]) == 180
+    assert _close(engine.prefill("s", start + tools + [1]), _hf_logits(model, start + tools + [1])[-1])
+    assert engine.share_prefix("t", start + tools[:100] + [2]) == 130  # part of it, up to where it differs
+
+
 def test_share_prefix_keeps_what_the_session_holds_when_no_one_holds_more(tied):
     path, _ = tied
     engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
@@ -395,6 +409,59 @@ def test_prefill_batch_copies_shared_prefixes(tied):
         assert _close(logits, _hf_logits(model, ids)[-1]), sid
         assert list(engine.cached_token_ids(sid)) == ids
     assert engine.num_computed_tokens - before == 2 + 3 + 6 and engine.num_shared_tokens == 32 + 20
+
+
+def test_a_closed_sessions_opening_is_kept_for_later_sessions_to_copy(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK, kept_prefixes=4)
+    per_token = engine.info.kv_bytes_per_token
+    opening = _ids(40, seed=66)
+    engine.prefill("a", opening + [1, 2, 3])
+    assert engine.keep_prefix("a", len(opening))
+    assert engine.cached_token_ids("a") == () and engine.kv_bytes("a") == 0
+    assert engine.kept_prefix_bytes() == 3 * BLOCK * per_token  # its first 40 tokens' blocks, not the rest
+    before = engine.num_computed_tokens
+    assert _close(engine.prefill("b", opening + [4, 5]), _hf_logits(model, opening + [4, 5])[-1])
+    assert engine.num_computed_tokens - before == 2 and engine.num_shared_tokens == 40
+    # b holds all of it now: closing b keeps nothing more, it only releases
+    assert not engine.keep_prefix("b", len(opening)) and engine.kv_bytes("b") == 0
+    assert engine.kept_prefix_bytes() == 3 * BLOCK * per_token
+    # openings too short to be listed, and ones past what the session holds, are released
+    engine.prefill("c", opening[:10] + [6])
+    assert not engine.keep_prefix("c", 11) and engine.kv_bytes("c") == 0
+    engine.prefill("d", _ids(20, seed=67))
+    assert not engine.keep_prefix("d", 30) and engine.kv_bytes("d") == 0
+    assert engine.drop_kept_prefix() and not engine.drop_kept_prefix()
+    assert engine.kept_prefix_bytes() == 0 and not engine._donors
+    assert not engine.keep_prefix("nobody", 20)
+    off = TorchLlamaEngine(path, kv_block_tokens=BLOCK)  # kept_prefixes 0
+    off.prefill("a", opening)
+    assert not off.keep_prefix("a", len(opening)) and off.kv_bytes("a") == 0 and off.kept_prefix_bytes() == 0
+
+
+def test_kept_prefixes_are_bounded_least_recently_copied_first_and_a_longer_one_replaces_its_start(tied):
+    path, _ = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK, kept_prefixes=2)
+    x, y, z = (_ids(20, seed=seed) for seed in (68, 69, 70))
+
+    def keep(sid, ids):
+        engine.prefill(sid, ids)
+        assert engine.keep_prefix(sid, len(ids))
+
+    keep("x", x)
+    keep("y", y)
+    engine.prefill("reader", x + [1])  # copies x: y is now the least recently copied
+    engine.release("reader")
+    keep("z", z)  # a third: y goes
+    assert engine.share_prefix("p", y + [1]) == 0
+    assert engine.share_prefix("q", x + [1]) == 20 and engine.share_prefix("r", z + [1]) == 20
+    for sid in "pqr":
+        engine.release(sid)
+    keep("z2", z + _ids(12, seed=71))  # extends z: z's kept prefix is dropped, x stays
+    assert len(engine._kept) == 2 and engine.kept_prefix_bytes() == (2 + 2) * BLOCK * engine.info.kv_bytes_per_token
+    assert engine.share_prefix("s", z + [1]) == 20 and engine.share_prefix("t", x + [1]) == 20
+    with pytest.raises(ValueError, match="kept_prefixes"):
+        TorchLlamaEngine(path, kept_prefixes=-1)
 
 
 def test_kv_bookkeeping(tied):

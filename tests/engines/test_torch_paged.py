@@ -159,6 +159,20 @@ def test_a_shared_prefix_is_copied_into_the_sessions_own_pages(tied):
     assert len(engine._free) == free and not engine._donors
 
 
+def test_kept_prefixes_give_their_pages_to_sessions_that_need_them(tied):
+    path, model = tied
+    per_token = TorchLlamaEngine(path).info.kv_bytes_per_token
+    engine = _engine(path, pool=11 * PAGE * per_token, kept_prefixes=4)  # 10 usable pages
+    opening = _ids(16, seed=72)  # 4 pages
+    engine.prefill("a", opening + [1])
+    assert engine.keep_prefix("a", 16) and len(engine._free) == 6
+    assert _close(engine.prefill("b", opening + [2]).cpu(), _hf_logits(model, opening + [2])[-1])
+    assert engine.num_shared_tokens == 16 and len(engine._free) == 1
+    ids = _ids(8, seed=73)  # 2 pages: only the kept prefix's can give them
+    assert _close(engine.prefill("c", ids).cpu(), _hf_logits(model, ids)[-1])
+    assert engine.kept_prefix_bytes() == 0 and len(engine._free) == 3
+
+
 def test_an_exhausted_pool_is_a_clear_error_and_changes_nothing(tied):
     path, model = tied
     engine = _engine(path, pool=3 * PAGE * TorchLlamaEngine(path).info.kv_bytes_per_token)  # 2 usable pages

@@ -125,6 +125,22 @@ class Engine(abc.ABC):
         """
         return common_prefix_length(self.cached_token_ids(session_id), token_ids)
 
+    def keep_prefix(self, session_id: str, num_tokens: int) -> bool:
+        """Release the session (it closed); an engine that shares prefixes may keep the KV of its first
+        ``num_tokens`` tokens (its opening turn) for later sessions' prefills to copy. Returns whether it kept
+        them. Kept prefixes count in :meth:`kept_prefix_bytes` and give way first (:meth:`drop_kept_prefix`).
+        This default releases."""
+        self.release(session_id)
+        return False
+
+    def kept_prefix_bytes(self) -> int:
+        """KV bytes the kept prefixes hold (allocated capacity)."""
+        return 0
+
+    def drop_kept_prefix(self) -> bool:
+        """Release one kept prefix, the least recently copied; False when none is kept."""
+        return False
+
     @abc.abstractmethod
     def cached_token_ids(self, session_id: str) -> Sequence[int]:
         """The tokens the session's KV holds now, in order (empty if it has none)."""

@@ -25,6 +25,7 @@ on a 135M model (float32 rounding; both are that close to a float64 reference).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -44,11 +45,27 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-SHARED_HEAD_TOKENS = 16
-"""Sessions are listed as prefix donors under their first this many tokens: a shorter shared prefix is not
-looked for in other sessions' KV."""
+SHARED_MIN_TOKENS = 16
+"""The shortest prefix looked for in other sessions' KV (and the first point sessions are listed at)."""
+SHARE_STRIDE = 64
+"""Past the first ``SHARED_MIN_TOKENS``, sessions are listed at every multiple of this many tokens: under a hash of
+their tokens up to there (chained, so one hash per point)."""
+SHARE_LISTED_TOKENS = 4096
+"""Sessions are listed up to this many tokens; a longer shared prefix is still copied whole once found."""
 SHARE_CANDIDATES = 8
-"""Donors compared per lookup, the most recently listed first."""
+"""Donors compared per lookup (the most recently listed first), among those listed at the deepest point."""
+
+
+def _prefix_hashes(ids: Sequence[int], n: int) -> list[int]:
+    """Chained hashes of ``ids[:b]`` for each listing point ``b <= min(n, SHARE_LISTED_TOKENS)``: 16, 64, 128, ..."""
+    hashes, h, start = [], 0, 0
+    end = min(n, SHARE_LISTED_TOKENS)
+    b = SHARED_MIN_TOKENS
+    while b <= end:
+        h = hash((h, tuple(ids[start:b])))
+        hashes.append(h)
+        start, b = b, (b // SHARE_STRIDE + 1) * SHARE_STRIDE
+    return hashes
 
 
 def _cpu_chunks(out: int, threads: int) -> int:
@@ -67,7 +84,7 @@ def _cpu_chunks(out: int, threads: int) -> int:
 class _Session:
     kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
     ids: list[int] = field(default_factory=list)
-    head: tuple[int, ...] | None = None  # the first tokens it is listed under as a prefix donor
+    listed: list[int] = field(default_factory=list)  # the prefix hashes it is listed under as a donor
 
 
 def _read_config(model_dir: str) -> dict:
@@ -122,8 +139,10 @@ class TorchLlamaEngine(Engine):
 
     With ``share_prefixes``, a prefill (and :meth:`share_prefix`) copies the KV of the longest prefix its
     tokens share with another session's KV, past what the session's own KV holds, instead of computing it:
-    sessions that open with the same system prompt or tool list compute it once. Sessions are found by their
-    first ``SHARED_HEAD_TOKENS`` tokens; ``num_shared_tokens`` counts the tokens copied.
+    sessions that open with the same system prompt or tool list compute it once. Sessions are listed under
+    hashes of their prefixes (at 16 tokens and every 64); ``num_shared_tokens`` counts the tokens copied. Up to
+    ``kept_prefixes`` closed sessions' openings stay behind as donors (:meth:`keep_prefix`), the least recently
+    copied dropped first.
     """
 
     def __init__(
@@ -137,11 +156,14 @@ class TorchLlamaEngine(Engine):
         host_arena: bool = True,
         cpu_kernels: bool = True,
         share_prefixes: bool = True,
+        kept_prefixes: int = 0,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if kv_block_tokens <= 0:
             raise ValueError("kv_block_tokens must be positive")
+        if kept_prefixes < 0:
+            raise ValueError(f"kept_prefixes must be >= 0, got {kept_prefixes}")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         cfg = _read_config(model_dir)
@@ -155,7 +177,10 @@ class TorchLlamaEngine(Engine):
         self.num_computed_tokens = 0
         self.share_prefixes = share_prefixes
         self.num_shared_tokens = 0
-        self._donors: dict[tuple[int, ...], dict[str, object]] = {}  # first tokens -> sessions holding them
+        self._donors: dict[int, dict[object, object]] = {}  # prefix hash -> the sessions listed under it, by key
+        self.kept_prefixes = kept_prefixes
+        self._kept: dict[tuple[str, int], None] = {}  # kept prefixes' keys in _sessions, least recently copied first
+        self._kept_keys = itertools.count()
         self.n_layers = cfg["num_hidden_layers"]
         self.hidden = cfg["hidden_size"]
         self.n_heads = cfg["num_attention_heads"]
@@ -179,7 +204,7 @@ class TorchLlamaEngine(Engine):
                    for on in (self._kernel_attention, self._kernel_prefill_attention)))
         self._load_weights(model_dir, tie=cfg.get("tie_word_embeddings", False), host_arena=host_arena)
         self._build_rope(cfg["rope_theta"], max_context)
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str | tuple[str, int], _Session] = {}  # sessions, and kept prefixes by their keys
         elem = torch.empty((), dtype=self.dtype).element_size()
         read = [*self.wqkv, *self.wo, *self.wgu, *self.wdown, self.ln_final, self.lm_head]
         self.info = EngineInfo(
@@ -339,6 +364,7 @@ class TorchLlamaEngine(Engine):
         if s is None or num_tokens >= len(s.ids):
             return
         del s.ids[num_tokens:]
+        self._list(session_id, s)
         cap = -(-num_tokens // self.kv_block_tokens) * self.kv_block_tokens
         if cap < s.kv.shape[3]:
             s.kv = s.kv[:, :, :, :cap].clone()
@@ -460,23 +486,64 @@ class TorchLlamaEngine(Engine):
             ids = self._check_ids(token_ids)
         except ValueError:  # the prefill of these ids reports what is wrong with them
             return keep
-        donor, shared = self._donor(s, ids, keep)
-        if donor is None:
+        if self._donor(s, ids, keep)[1] is None:
             return keep
         s = self._session(session_id)
         del s.ids[keep:]
         try:
-            kv = self._reserve(s, shared)
+            kv = self._reserve(s, len(ids))
         except KVCapacityError:  # no room to copy into: the prefill that follows reports it
             return keep
-        self._copy_prefix(donor, s, kv, ids, keep, shared)
+        shared = self._adopt(s, kv, ids, keep)  # looked up again: making room may have dropped a kept prefix
         self._list(session_id, s)
         return shared
+
+    def keep_prefix(self, session_id: str, num_tokens: int) -> bool:
+        """Release the session but keep the KV of its first ``num_tokens`` tokens as a donor for later sessions'
+        prefills (a closed session's system turn), while fewer than ``kept_prefixes`` are kept (past that the
+        least recently copied one goes). Not kept, only released: sharing off, fewer tokens than a donor is
+        listed by, or another session or kept prefix holds all of them already. A kept prefix that the new one
+        extends is dropped."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            return False
+        ids = s.ids[:num_tokens]
+        if (not self.share_prefixes or not self.kept_prefixes or len(ids) < max(num_tokens, SHARED_MIN_TOKENS)
+                or self._donor(s, ids, 0, limit=num_tokens)[2] == num_tokens):
+            self.release(session_id)
+            return False
+        self.truncate(session_id, num_tokens)  # the blocks past it go
+        self._unlist(session_id, s)
+        del self._sessions[session_id]
+        for key in [k for k in self._kept if common_prefix_length(self._sessions[k].ids, ids) == len(self._sessions[k].ids)]:
+            self._drop_kept(key)
+        key = ("kept", next(self._kept_keys))  # no session id is a tuple
+        self._sessions[key] = s
+        self._list(key, s)
+        self._kept[key] = None
+        while len(self._kept) > self.kept_prefixes:
+            self.drop_kept_prefix()
+        return True
+
+    def drop_kept_prefix(self) -> bool:
+        """Release the least recently copied kept prefix; False when none is kept."""
+        key = next(iter(self._kept), None)
+        if key is None:
+            return False
+        self._drop_kept(key)
+        return True
+
+    def kept_prefix_bytes(self) -> int:
+        return sum(self.kv_bytes(key) for key in self._kept)
+
+    def _drop_kept(self, key: tuple[str, int]) -> None:
+        del self._kept[key]
+        self.release(key)
 
     def _adopt(self, s, kv, ids: list[int], keep: int) -> int:
         """Copy into ``kv`` (the session's, reserved for ``ids``) the KV of the longest prefix of ``ids`` that
         another session holds past ``keep``; returns the tokens of ``ids`` the session now holds."""
-        donor, shared = self._donor(s, ids, keep)
+        _, donor, shared = self._donor(s, ids, keep)
         return keep if donor is None else self._copy_prefix(donor, s, kv, ids, keep, shared)
 
     def _copy_prefix(self, donor, s, kv, ids: list[int], keep: int, shared: int) -> int:
@@ -486,53 +553,60 @@ class TorchLlamaEngine(Engine):
         self.num_shared_tokens += shared - keep
         return shared
 
-    def _donor(self, s, ids: list[int], keep: int) -> tuple[object | None, int]:
-        """The listed session (other than ``s``) whose KV holds the longest prefix of ``ids`` short of its last
-        token, and that prefix's length, when it is longer than ``keep``; else ``(None, keep)``. Listings
-        whose session is gone or no longer starts with their tokens are dropped on the way."""
-        limit = len(ids) - 1  # the last token is always computed, for its logits
-        if not self.share_prefixes or limit <= keep or limit < SHARED_HEAD_TOKENS:
-            return None, keep
-        head = tuple(ids[:SHARED_HEAD_TOKENS])
-        listed = self._donors.get(head)
-        if not listed:
-            return None, keep
-        best, best_length, compared = None, keep, 0
-        for sid, other in reversed(list(listed.items())):
-            if self._sessions.get(sid) is not other or tuple(other.ids[:SHARED_HEAD_TOKENS]) != head:
-                del listed[sid]
-                other.head = None
-                continue
-            if other is s:
-                continue
-            length = min(common_prefix_length(other.ids, ids), limit)
-            if length > best_length:
-                best, best_length = other, length
-            compared += 1
-            if best_length == limit or compared == SHARE_CANDIDATES:
-                break
-        if not listed:
-            del self._donors[head]
-        return best, best_length
-
-    def _list(self, session_id: str, s) -> None:
-        """List the session as a donor under its first tokens, once it holds that many."""
-        if not self.share_prefixes or len(s.ids) < SHARED_HEAD_TOKENS:
-            return
-        head = tuple(s.ids[:SHARED_HEAD_TOKENS])
-        if s.head == head:
-            return
-        self._unlist(session_id, s)
-        s.head = head
-        self._donors.setdefault(head, {})[session_id] = s
-
-    def _unlist(self, session_id: str, s) -> None:
-        listed = self._donors.get(s.head) if s.head is not None else None
-        if listed is not None and listed.get(session_id) is s:
-            del listed[session_id]
+    def _donor(self, s, ids: list[int], keep: int, limit: int | None = None) -> tuple[object, object | None, int]:
+        """The key and session of the listed session or kept prefix (other than ``s``) whose KV holds the longest
+        prefix of ``ids``, at most ``limit`` tokens (default: short of the last token, which a prefill computes
+        for its logits), and that prefix's length, when it is longer than ``keep``; else ``(None, None,
+        keep)``. Candidates are those listed at the deepest listing point of ``ids`` that has any; listings
+        whose session has gone are dropped on the way; a kept prefix found becomes the most recently copied."""
+        limit = len(ids) - 1 if limit is None else limit
+        if not self.share_prefixes or limit <= keep or limit < SHARED_MIN_TOKENS:
+            return None, None, keep
+        for h in reversed(_prefix_hashes(ids, limit)):
+            listed = self._donors.get(h)
             if not listed:
-                del self._donors[s.head]
-        s.head = None
+                continue
+            best_key, best, best_length, compared = None, None, keep, 0
+            for key, other in reversed(list(listed.items())):
+                if self._sessions.get(key) is not other:
+                    del listed[key]
+                    continue
+                if other is s:
+                    continue
+                length = min(common_prefix_length(other.ids, ids), limit)
+                if length > best_length:
+                    best_key, best, best_length = key, other, length
+                compared += 1
+                if best_length == limit or compared == SHARE_CANDIDATES:
+                    break
+            if not listed:
+                del self._donors[h]
+            if compared:  # the deepest point with another session listed: no shallower one holds more
+                if best_key in self._kept:
+                    self._kept[best_key] = self._kept.pop(best_key)
+                return best_key, best, best_length
+        return None, None, keep
+
+    def _list(self, key, s) -> None:
+        """List the session (or kept prefix) as a donor under the hashes of its prefixes, as its KV holds them now."""
+        if not self.share_prefixes:
+            return
+        hashes = _prefix_hashes(s.ids, len(s.ids))
+        same = common_prefix_length(s.listed, hashes)
+        self._unlist(key, s, same)
+        for h in hashes[same:]:
+            self._donors.setdefault(h, {})[key] = s
+        s.listed = hashes
+
+    def _unlist(self, key, s, keep: int = 0) -> None:
+        """Take the session off its listings past the first ``keep``."""
+        for h in s.listed[keep:]:
+            listed = self._donors.get(h)
+            if listed is not None and listed.get(key) is s:
+                del listed[key]
+                if not listed:
+                    del self._donors[h]
+        del s.listed[keep:]
 
     def _copy_kv(self, donor: _Session, kv: torch.Tensor, start: int, end: int) -> None:
         """Copy positions ``start..end-1`` of the donor's KV into ``kv`` (a handle from ``_reserve``)."""

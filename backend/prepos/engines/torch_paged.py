@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 class _PagedSession:
     pages: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
-    head: tuple[int, ...] | None = None  # the first tokens it is listed under as a prefix donor
+    listed: list[int] = field(default_factory=list)  # the prefix hashes it is listed under as a donor
     epoch: int = 0  # bumped when pages are freed, so a prefill under way can tell
 
 
@@ -73,7 +73,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
     def __init__(self, model_dir: str, *, device: str = "cuda", dtype: str = "float32",
                  num_threads: int | None = None, kv_pool_bytes: int = 0, page_tokens: int = 64,
                  splits: int = 32, cuda_graph: bool | None = None, max_batch: int = 32,
-                 share_prefixes: bool = True) -> None:
+                 share_prefixes: bool = True, kept_prefixes: int = 0) -> None:
         for name, value in (("page_tokens", page_tokens), ("splits", splits)):
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")
@@ -90,7 +90,8 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
                              f"(TRITON_INTERPRET=1 before Triton is imported); not on {device} in this process")
         # Its decode and attention are the Triton kernels', on CUDA (or interpreted): not the CPU kernels.
         super().__init__(model_dir, device=device, dtype=dtype, num_threads=num_threads,
-                         kv_block_tokens=page_tokens, cpu_kernels=False, share_prefixes=share_prefixes)
+                         kv_block_tokens=page_tokens, cpu_kernels=False, share_prefixes=share_prefixes,
+                         kept_prefixes=kept_prefixes)
         if self.head_dim & (self.head_dim - 1):
             raise ValueError(f"{model_dir}: head_dim {self.head_dim} is not a power of two (the decode kernel's)")
         self._paged_kernels = _attention_kernel
@@ -144,6 +145,8 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
 
     def _grow(self, s: _PagedSession, n_tokens: int) -> None:
         need = -(-n_tokens // self.page_tokens) - len(s.pages)
+        while need > len(self._free) and self.drop_kept_prefix():  # kept prefixes give way to sessions
+            pass
         if need > len(self._free):
             raise KVPoolExhausted(f"KV pool exhausted: {need} more pages of {self.page_tokens} tokens needed, "
                                   f"{len(self._free)} of {self.num_pages - 1} free")
@@ -164,6 +167,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         if s is None or num_tokens >= len(s.ids):
             return
         del s.ids[num_tokens:]
+        self._list(session_id, s)
         keep = -(-num_tokens // self.page_tokens)
         if keep < len(s.pages):
             self._free.extend(reversed(s.pages[keep:]))
