@@ -192,6 +192,36 @@ def test_rebuild_after_eviction_matches_stateless_prefill(tmp_path, engine_manif
         srv.stop()
 
 
+TOOL_LIST = ("You route requests to tools. Reply with only the name of the next tool to call.\nTools:\n"
+             "get_weather(city): today's forecast for a city\nget_time(timezone): the current time in a timezone\n"
+             "set_alarm(time, label): an alarm on the user's phone\nsend_message(to, text): a text message to a contact")
+
+
+def test_sessions_opening_with_one_tool_list_copy_its_kv_and_answer_as_a_stateless_prefill(
+        server, engine_manifest, tokenizer, reference_model):
+    """A second session with the same system turn copies its KV from the first, still open; once both have
+    closed, a third copies it from the opening kept behind. Each answers as a stateless prefill of its log."""
+    system_tokens = len(tokenizer.encode(TOOL_LIST))
+
+    def open_and_ask(client, question, copies):
+        shared = server.metric("prepos_shared_prefix_tokens_total")
+        conv = Conversation(engine_manifest, tokenizer)
+        session = client.session()
+        session.append(TOOL_LIST, role="system")
+        conv.append("system", TOOL_LIST)
+        check_answer(reference_model, conv, session.ask(question, max_tokens=6, speculate=False), "user", question, 6)
+        if copies:
+            eventually(lambda: server.metric("prepos_shared_prefix_tokens_total") >= shared + system_tokens)
+        return session
+
+    with Client(server.grpc_url) as client:
+        first = open_and_ask(client, "Will it rain in Paris?", copies=False)
+        second = open_and_ask(client, "What time is it in Tokyo?", copies=True)  # from first, open
+        first.close()
+        second.close()
+        open_and_ask(client, "Wake me at seven.", copies=True).close()  # from the opening kept at close
+
+
 def _raw_request(server, session_id, inputs, start=False, end=False):
     """Send one request on its own stream; return (list of responses, error message or None)."""
     import tritonclient.grpc as grpcclient
