@@ -5,11 +5,15 @@ one system update, lets the server's background work go quiet, pauses
 `gap_s`, then sends the measured question (yes/no choices, one answer token)
 and closes the session. The path that actually served the request is what the
 sample records; the number of tokens prefilled on the critical path follows
-from that path (DESIGN.md, served paths).
+from that path (DESIGN.md, served paths). Each probe's entry text is its own
+(a numbered feed): the engine copies a prefix another session holds
+(``engine.share_prefixes``), and an entry that an earlier probe's session laid
+down would then be copied instead of prefilled.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from prepos_client import Client
@@ -18,6 +22,12 @@ from .common import QUESTION, YES_NO, Sample, TokenCounter
 from .server import FLOOR, MAIN, PREFIX, REBUILD, FigureServer
 
 WARM_UP = "Did the feed start? Answer yes or no."
+_FEEDS = itertools.count(1)
+
+
+def _entry_text(counter: TokenCounter, length: int) -> str:
+    """A filler of `length` tokens no other probe's session has laid down."""
+    return counter.filler(length, tag=f" {next(_FEEDS)}")
 OTHER_SESSION = "Another session's short note."
 
 
@@ -32,7 +42,7 @@ def _prefill_tokens(path: str, counter: TokenCounter, entry_tokens: int, questio
 def positioned(server: FigureServer, counter: TokenCounter, figure: str, length: int, mode: str,
                gap_s: float) -> Sample:
     """A question to a positioned session of `prepos`: `exact` (empty delta), `gated` (threshold 0) or `prepaid`."""
-    text = counter.filler(length)
+    text = _entry_text(counter, length)
     entry = counter.update_turn(text)
     question = "" if mode == "exact" else QUESTION
     options = {"gated": {"gate_threshold": 0.0, "speculate": True}, "prepaid": {"speculate": False}, "exact": {}}[mode]
@@ -46,7 +56,7 @@ def positioned(server: FigureServer, counter: TokenCounter, figure: str, length:
 
 def prefix(server: FigureServer, counter: TokenCounter, figure: str, length: int, gap_s: float) -> Sample:
     """A question right after the entry, on `prepos_prefix` (no pre-positioning): a prefix cache's cost."""
-    text = counter.filler(length)
+    text = _entry_text(counter, length)
     entry = counter.update_turn(text)
     with Client(server.url, model=PREFIX) as client, client.session() as session:
         session.append(text, role="system")
@@ -57,7 +67,7 @@ def prefix(server: FigureServer, counter: TokenCounter, figure: str, length: int
 
 def rebuild(server: FigureServer, counter: TokenCounter, figure: str, length: int, gap_s: float) -> Sample:
     """A question to a session whose KV another session's request evicted (`prepos_rebuild`, 1-byte KV budget)."""
-    text = counter.filler(length)
+    text = _entry_text(counter, length)
     with Client(server.url, model=REBUILD) as client, client.session() as victim:
         victim.append(text, role="system")
         warm = victim.ask(WARM_UP, max_tokens=1, choices=list(YES_NO))
@@ -82,7 +92,7 @@ def decode_step_ms(server: FigureServer, counter: TokenCounter, length: int, gap
                    num_tokens: int = 9) -> float:
     """Client-seen time per decode step after the first token (free generation on a positioned `prepos` session)."""
     with Client(server.url, model=MAIN) as client, client.session() as session:
-        session.append(counter.filler(length), role="system")
+        session.append(_entry_text(counter, length), role="system")
         server.wait_positioned(MAIN)
         time.sleep(gap_s)
         answer = session.ask("Describe the feed in one long sentence.", max_tokens=num_tokens, speculate=False)
