@@ -41,7 +41,9 @@ log = logging.getLogger("prepos.bench")
 VARIANTS = {  # model name -> parameters added to prepos's config
     "prepos": {},
     "prepos_prefix": {"scheduler.preposition": "false"},
-    "prepos_stateless": {"scheduler.preposition": "false", "scheduler.retain_kv": "false"},
+    # stateless: no KV kept between requests, and none copied from other sessions' requests in flight
+    "prepos_stateless": {"scheduler.preposition": "false", "scheduler.retain_kv": "false",
+                         "engine.share_prefixes": "false"},
 }
 
 
