@@ -38,7 +38,7 @@ for sub in ("backend", "client", "loadtest"):
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
 from prepos_loadtest.repository import check_engine_dir, variant_server  # noqa: E402
-from prepos_loadtest.stats import percentile  # noqa: E402
+from prepos_loadtest.stats import path_counts, percentile  # noqa: E402
 
 log = logging.getLogger("prepos.residency_bench")
 
@@ -97,9 +97,8 @@ def summarize(results: dict, args: argparse.Namespace, machine: str) -> str:
              "`rebuild` per later pass | wall per later pass (s, median) | later passes TTFT p50 / p99 (ms) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for model, r in results.items():
-        paths = ", ".join(f"{path} {n}" for path, n in sorted(r["paths"].items()))
         lines.append(f"| {model} | {r['resident']} of {args.sessions} | {r['kv_bytes_per_session'] / 2**20:.2f} | "
-                     f"{paths} | {', '.join(map(str, r['rebuilds']))} | {r['wall_s']:.1f} | "
+                     f"{path_counts(r['paths'])} | {', '.join(map(str, r['rebuilds']))} | {r['wall_s']:.1f} | "
                      f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} |")
     return "\n".join(lines)
 

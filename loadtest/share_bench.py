@@ -43,7 +43,7 @@ for sub in ("backend", "client", "loadtest"):
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
 from prepos_loadtest.repository import check_engine_dir, variant_server  # noqa: E402
-from prepos_loadtest.stats import percentile  # noqa: E402
+from prepos_loadtest.stats import path_counts, percentile  # noqa: E402
 from prepos_loadtest.workloads import SessionTrace, bfcl_sessions  # noqa: E402
 
 log = logging.getLogger("prepos.share_bench")
@@ -101,9 +101,8 @@ def summarize(results: dict[str, dict], same: int, total: int, args: argparse.Na
              "engine-loop s per session | tokens prefilled per session | tokens shared per session |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for model, r in results.items():
-        paths = ", ".join(f"{path} {n}" for path, n in sorted(r["paths"].items()))
         lines.append(f"| {model} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
-                     f"{r['queue_p50_ms']:.1f} / {r['prefill_p50_ms']:.1f} | {paths} | {r['engine_s']:.3f} | "
+                     f"{r['queue_p50_ms']:.1f} / {r['prefill_p50_ms']:.1f} | {path_counts(r['paths'])} | {r['engine_s']:.3f} | "
                      f"{r['prefilled']:.0f} | {r['shared']:.0f} |")
     lines += ["", f"Same answer on both models: {same} of {total}."]
     return "\n".join(lines)

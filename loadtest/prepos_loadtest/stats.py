@@ -18,3 +18,8 @@ def percentile(values: Iterable[float | None], q: float) -> float:
     if not ordered:
         return math.nan
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def path_counts(paths: dict[str, int]) -> str:
+    """Served paths and how many answers each served, as a report writes them: ``prefix 20, prepaid 280``."""
+    return ", ".join(f"{path} {n}" for path, n in sorted(paths.items()))
