@@ -410,6 +410,7 @@ class TritonServer:
                 stub.kill()
             except psutil.NoSuchProcess:
                 pass
+        _wait_dead(alive, timeout_s=5.0)  # a killed stub is gone (or a zombie) when stop returns
 
     def __enter__(self) -> "TritonServer":
         self.start()
@@ -422,6 +423,22 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _wait_dead(processes, timeout_s: float) -> None:
+    """Wait, at most ``timeout_s``, until every process has exited: gone, or a zombie its parent has not reaped
+    (processes that are not our children cannot be reaped here)."""
+    import psutil
+
+    def running(process) -> bool:
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while any(running(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
