@@ -86,11 +86,8 @@ class Residency:
     def close(self, session: Session, reason: str) -> None:
         """Forget the session: its KV is released (the engine may keep its opening turn's for later sessions to
         copy) and its journal deleted."""
-        if session.has_kv:
-            opening = session.turn_starts[1] if len(session.turn_starts) > 1 else len(session.token_log)
-            if self._engine.keep_prefix(session.session_id, opening):
-                log.info("session %r: its opening turn (%d tokens) is kept for later sessions", session.session_id,
-                         opening)
+        opening = session.turn_starts[1] if len(session.turn_starts) > 1 else len(session.token_log)
+        kept = session.has_kv and self._engine.keep_prefix(session.session_id, opening)
         self.release_kv(session)
         self._record_kept()
         self.store.close(session.session_id)
@@ -99,7 +96,8 @@ class Residency:
                 self._journal.delete(session.session_id)
             except OSError as err:
                 log.error("session %r: could not delete its journal: %s", session.session_id, err)
-        log.info("session %r closed (%s), %d tokens in its log", session.session_id, reason, len(session.token_log))
+        log.info("session %r closed (%s), %d tokens in its log%s", session.session_id, reason, len(session.token_log),
+                 f"; its opening turn ({opening} tokens) is kept for later sessions to copy" if kept else "")
 
     # --- the token log -------------------------------------------------
 

@@ -544,10 +544,8 @@ class TorchLlamaEngine(Engine):
         """Copy into ``kv`` (the session's, reserved for ``ids``) the KV of the longest prefix of ``ids`` that
         another session holds past ``keep``; returns the tokens of ``ids`` the session now holds."""
         _, donor, shared = self._donor(s, ids, keep)
-        return keep if donor is None else self._copy_prefix(donor, s, kv, ids, keep, shared)
-
-    def _copy_prefix(self, donor, s, kv, ids: list[int], keep: int, shared: int) -> int:
-        """Positions ``keep..shared-1`` of ``ids`` from the donor's KV into the session's ``kv``; returns ``shared``."""
+        if donor is None:
+            return keep
         self._copy_kv(donor, kv, keep, shared)
         s.ids.extend(ids[keep:shared])
         self.num_shared_tokens += shared - keep
