@@ -43,6 +43,8 @@ SPECS = (
     MetricSpec("prepos_sessions", "gauge", "Open sessions, by state", ("state",)),
     MetricSpec("prepos_kv_bytes", "gauge", "KV cache bytes held by all sessions"),
     MetricSpec("prepos_kv_budget_bytes", "gauge", "KV cache budget in bytes"),
+    MetricSpec("prepos_kept_prefix_bytes", "gauge",
+               "KV bytes of the opening turns kept from closed sessions for later sessions to copy (in prepos_kv_bytes)"),
     MetricSpec("prepos_kv_evictions_total", "counter",
                "Evictions under the memory budget, by what went: speculative state or a session's whole KV", ("what",),
                values=("speculative", "kv")),
@@ -226,9 +228,10 @@ class Metrics:
         for state, count in by_state.items():
             self.sink.set("prepos_sessions", {"state": state}, count)
 
-    def kv(self, used_bytes: int, budget_bytes: int) -> None:
+    def kv(self, used_bytes: int, budget_bytes: int, kept_prefix_bytes: int = 0) -> None:
         self.sink.set("prepos_kv_bytes", {}, used_bytes)
         self.sink.set("prepos_kv_budget_bytes", {}, budget_bytes)
+        self.sink.set("prepos_kept_prefix_bytes", {}, kept_prefix_bytes)
 
     def kv_blocks(self, reused: int, new: int, missed: int) -> None:
         for outcome, count in (("reused", reused), ("new", new), ("missed", missed)):

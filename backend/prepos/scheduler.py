@@ -438,7 +438,7 @@ class Scheduler:
             if self._expired(session, now):
                 self._close(session, "idle timeout")
         self._metrics.sessions({state.value: n for state, n in self.store.count_by_state().items()})
-        self._metrics.kv(self._residency.kv.used_bytes, self._residency.kv.budget_bytes)
+        self._metrics.kv(self._residency.kv.used_bytes, self._residency.kv.budget_bytes, self._engine.kept_prefix_bytes())
         self._publish_reuse()
         self._metrics.flush()  # under sustained load too
 

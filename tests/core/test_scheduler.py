@@ -740,6 +740,8 @@ def test_a_system_prompt_another_session_holds_is_shared_not_prefilled_again(tmp
 
 
 def test_a_closed_sessions_opening_turn_is_kept_for_the_next_session_and_gives_way_first_over_the_budget(tmp_path):
+    from prepos.scheduler import HOUSEKEEPING_INTERVAL_S
+
     system = "You route requests to tools. Tools: get_weather, get_time, set_alarm, send_mail, read_file."
     h = Harness(tmp_path, share_prefixes=True)
     open_session(h, "a", system)
@@ -748,6 +750,9 @@ def test_a_closed_sessions_opening_turn_is_kept_for_the_next_session_and_gives_w
     h.serve(h.request("a", None, end=True, max_tokens=0))
     assert h.engine.kept and len(h.engine.kv[h.engine.kept[0]]) == opening
     assert h.sched._residency.kv.used_bytes == h.engine.kept_prefix_bytes() > 0  # the budget counts them
+    h.clock.t += HOUSEKEEPING_INTERVAL_S + 1
+    h.sched.run_once()
+    assert h.metrics.sink.get("prepos_kept_prefix_bytes") == h.engine.kept_prefix_bytes()
     open_session(h, "b", system)
     h.idle()
     assert h.engine.num_shared_tokens >= opening  # b's pre-positioning copied a's opening, not computed it

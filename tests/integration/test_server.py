@@ -219,6 +219,7 @@ def test_sessions_opening_with_one_tool_list_copy_its_kv_and_answer_as_a_statele
         second = open_and_ask(client, "What time is it in Tokyo?", copies=True)  # from first, open
         first.close()
         second.close()
+        eventually(lambda: server.metric("prepos_kept_prefix_bytes") > 0)
         open_and_ask(client, "Wake me at seven.", copies=True).close()  # from the opening kept at close
 
 
