@@ -168,10 +168,10 @@ class FakeEngine(Engine):
 
     def keep_prefix(self, session_id, num_tokens):
         ids = self.kv.pop(session_id, None)
-        if not self.share_prefixes or ids is None or len(ids) < num_tokens:
+        if not self.share_prefixes or not ids:
             return False
         key = ("kept", len(self.kept) and self.kept[-1][1] + 1)
-        self.kv[key] = ids[:num_tokens]
+        self.kv[key] = ids[:num_tokens]  # as much of the opening as its KV holds
         self.kept.append(key)
         return True
 

@@ -429,9 +429,12 @@ def test_a_closed_sessions_opening_is_kept_for_later_sessions_to_copy(tied):
     # openings too short to be listed, and ones past what the session holds, are released
     engine.prefill("c", opening[:10] + [6])
     assert not engine.keep_prefix("c", 11) and engine.kv_bytes("c") == 0
+    # an opening past what the session holds (its last answer token never went through the model): what it holds
     engine.prefill("d", _ids(20, seed=67))
-    assert not engine.keep_prefix("d", 30) and engine.kv_bytes("d") == 0
-    assert engine.drop_kept_prefix() and not engine.drop_kept_prefix()
+    assert engine.keep_prefix("d", 21) and engine.kv_bytes("d") == 0
+    assert engine.share_prefix("e", _ids(20, seed=67) + [1]) == 20
+    engine.release("e")
+    assert engine.drop_kept_prefix() and engine.drop_kept_prefix() and not engine.drop_kept_prefix()  # a's, d's
     assert engine.kept_prefix_bytes() == 0 and not engine._donors
     assert not engine.keep_prefix("nobody", 20)
     off = TorchLlamaEngine(path, kv_block_tokens=BLOCK)  # kept_prefixes 0

@@ -127,8 +127,8 @@ class Engine(abc.ABC):
 
     def keep_prefix(self, session_id: str, num_tokens: int) -> bool:
         """Release the session (it closed); an engine that shares prefixes may keep the KV of its first
-        ``num_tokens`` tokens (its opening turn) for later sessions' prefills to copy. Returns whether it kept
-        them. Kept prefixes count in :meth:`kept_prefix_bytes` and give way first (:meth:`drop_kept_prefix`).
+        ``num_tokens`` tokens (its opening turn; as many of them as its KV holds) for later sessions' prefills to
+        copy. Returns whether it kept them. Kept prefixes count in :meth:`kept_prefix_bytes` and give way first (:meth:`drop_kept_prefix`).
         This default releases."""
         self.release(session_id)
         return False

@@ -499,7 +499,8 @@ class TorchLlamaEngine(Engine):
         return shared
 
     def keep_prefix(self, session_id: str, num_tokens: int) -> bool:
-        """Release the session but keep the KV of its first ``num_tokens`` tokens as a donor for later sessions'
+        """Release the session but keep the KV of its first ``num_tokens`` tokens (as many of them as it holds:
+        a one-turn session's last answer token never went through the model) as a donor for later sessions'
         prefills (a closed session's system turn), while fewer than ``kept_prefixes`` are kept (past that the
         least recently copied one goes). Not kept, only released: sharing off, fewer tokens than a donor is
         listed by, or another session or kept prefix holds all of them already. A kept prefix that the new one
@@ -508,11 +509,11 @@ class TorchLlamaEngine(Engine):
         if s is None:
             return False
         ids = s.ids[:num_tokens]
-        if (not self.share_prefixes or not self.kept_prefixes or len(ids) < max(num_tokens, SHARED_MIN_TOKENS)
-                or self._donor(s, ids, 0, limit=num_tokens)[2] == num_tokens):
+        if (not self.share_prefixes or not self.kept_prefixes or len(ids) < SHARED_MIN_TOKENS
+                or self._donor(s, ids, 0, limit=len(ids))[2] == len(ids)):
             self.release(session_id)
             return False
-        self.truncate(session_id, num_tokens)  # the blocks past it go
+        self.truncate(session_id, len(ids))  # the blocks past it go
         self._unlist(session_id, s)
         del self._sessions[session_id]
         for key in [k for k in self._kept if common_prefix_length(self._sessions[k].ids, ids) == len(self._sessions[k].ids)]:
