@@ -42,7 +42,7 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import check_engine_dir, variant_server  # noqa: E402
+from prepos_loadtest.repository import check_engine_dir, check_out_dir, variant_server  # noqa: E402
 from prepos_loadtest.stats import path_counts, percentile  # noqa: E402
 from prepos_loadtest.workloads import SessionTrace, bfcl_sessions  # noqa: E402
 
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(args.think) and args.think >= 0):
         parser.error("--think must be a number >= 0")
     check_engine_dir(parser, args.engine_dir)
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out: {args.out} exists and is not a folder")
+    check_out_dir(parser, args.out)
 
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = ROOT / ".run" / "share_bench"

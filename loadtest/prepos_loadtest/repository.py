@@ -1,5 +1,5 @@
 """Servers for measurements: model repositories of prepos variants side by side, the server of one, its engine
-folder checked, and free loopback ports."""
+folder and output folder checked, and free loopback ports."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def check_engine_dir(parser: argparse.ArgumentParser, engine_dir: Path) -> None:
     """Exit through ``parser.error`` naming ``--engine-dir`` when ``engine_dir`` holds no prepos engine."""
     if not (engine_dir / "prepos_engine.json").is_file():
         parser.error(f"--engine-dir: no engine in {engine_dir} (make engine builds the default)")
+
+
+def check_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:
+    """Exit through ``parser.error`` naming ``--out`` when ``out`` exists and is not a folder."""
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out: {out} exists and is not a folder")
 
 
 def free_loopback_ports(count: int) -> list[int]:

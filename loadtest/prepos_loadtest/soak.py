@@ -34,7 +34,7 @@ from prepos.launcher import interrupt_on_sigterm
 from prepos.metrics import metric_sum
 
 from . import run as loadtest_run
-from .repository import free_loopback_ports
+from .repository import check_out_dir, free_loopback_ports
 from .soak_probe import pid_listening_on, scrape, tree_memory
 from .soak_report import SoakSummary, summarize, write_plot
 
@@ -248,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     options = _options(args, parser)
     if not args.server and (args.metrics_url or args.server_pid):
         parser.error("--metrics-url and --server-pid describe a running server: give its --server too")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out: {args.out} exists and is not a folder")
+    check_out_dir(parser, args.out)
     interrupt_on_sigterm()  # a SIGTERM stops the load, the sampler and a server started here on the way out
     if args.server:
         host = args.server

@@ -13,6 +13,7 @@ import engine_microbench
 import residency_bench
 import share_bench
 import server_death_trials
+from prepos_loadtest.soak import main as soak_main
 
 ENGINE = "engines/smollm2-135m-instruct"
 
@@ -42,6 +43,17 @@ def test_benchmark_drivers_name_the_bad_flag(module, argv, flag, capsys, tmp_pat
     assert exited.value.code == 2
     assert flag in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("main", [residency_bench.main, share_bench.main, soak_main])
+def test_an_out_that_is_a_file_is_refused_and_left_alone(main, capsys, tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    with pytest.raises(SystemExit) as exited:
+        main(["--out", str(taken)])
+    assert exited.value.code == 2
+    assert f"--out: {taken} exists and is not a folder" in capsys.readouterr().err
+    assert taken.read_text() == "not a folder"
 
 
 @pytest.mark.parametrize(("module", "argv", "flag"), [
