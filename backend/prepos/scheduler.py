@@ -151,7 +151,7 @@ class Scheduler:
         self._background_after_s = 0.0  # no background work before this time (see background_delay_ms)
         self._next_housekeeping = 0.0
         self._reuse_seen = (0, 0, 0)  # engine block-reuse counters already published (reused, new, missed)
-        self._shared_seen = getattr(engine, "num_shared_tokens", 0)  # shared prefix tokens already published
+        self._shared_seen = engine.num_shared_tokens  # shared prefix tokens already published
         self._thread: threading.Thread | None = None
         self._running = False
 
@@ -443,12 +443,11 @@ class Scheduler:
         self._metrics.flush()  # under sustained load too
 
     def _publish_reuse(self) -> None:
-        """Prefix tokens copied between sessions and block reuse, counted by engines that report them (the torch
-        engines, TensorRT-LLM's), as counters since the last call."""
-        shared = getattr(self._engine, "num_shared_tokens", None)
-        if shared is not None:
-            self._metrics.shared_prefix_tokens(shared - self._shared_seen)
-            self._shared_seen = shared
+        """Prefix tokens copied between sessions, and block reuse counted by engines that report it
+        (TensorRT-LLM's), as counters since the last call."""
+        shared = self._engine.num_shared_tokens
+        self._metrics.shared_prefix_tokens(shared - self._shared_seen)
+        self._shared_seen = shared
         reuse_stats = getattr(self._engine, "reuse_stats", None)
         if reuse_stats is None:
             return

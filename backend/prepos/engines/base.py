@@ -43,6 +43,8 @@ class Engine(abc.ABC):
     kv_capacity_bytes: int | None = None
     """KV bytes of a pool the engine allocated up front (sessions beyond it cannot grow), or None where
     KV memory is allocated on demand."""
+    num_shared_tokens: int = 0
+    """Tokens whose KV :meth:`share_prefix` (or a prefill) copied from another session's since construction."""
 
     @abc.abstractmethod
     def prefill(self, session_id: str, token_ids: Sequence[int]) -> torch.Tensor:
@@ -175,6 +177,9 @@ def _check_batch(call: str, session_ids: Sequence[str], items: Sequence, what: s
         raise ValueError(f"{call}: a session appears twice in {list(session_ids)!r}")
 
 
+_COMPARE_BLOCK = 64  # tokens common_prefix_length compares at once
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences.
 
@@ -190,6 +195,3 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-_COMPARE_BLOCK = 64

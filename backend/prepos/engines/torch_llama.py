@@ -513,13 +513,12 @@ class TorchLlamaEngine(Engine):
                 or self._donor(s, ids, 0, limit=len(ids))[2] == len(ids)):
             self.release(session_id)
             return False
-        self.truncate(session_id, len(ids))  # the blocks past it go
-        self._unlist(session_id, s)
-        del self._sessions[session_id]
         for key in [k for k in self._kept if common_prefix_length(self._sessions[k].ids, ids) == len(self._sessions[k].ids)]:
             self._drop_kept(key)
+        self._unlist(session_id, s)
         key = ("kept", next(self._kept_keys))  # no session id is a tuple
-        self._sessions[key] = s
+        self._sessions[key] = self._sessions.pop(session_id)
+        self.truncate(key, len(ids))  # the blocks past it go
         self._list(key, s)
         self._kept[key] = None
         while len(self._kept) > self.kept_prefixes:
