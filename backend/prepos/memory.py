@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from prepos.session import Session
 
@@ -45,20 +45,36 @@ EVICTION_POLICIES = {"lru": LeastRecentlyActive, "next_use": FarthestNextUse}
 
 
 class KvLedger:
-    """KV bytes held per session, their running total, and which sessions may be evicted."""
+    """KV bytes held per session, their running total, and which sessions may be evicted.
 
-    def __init__(self, budget_bytes: int, policy: str = "lru"):
+    A session's entry has two parts: its KV and other bytes it holds (a positioned distribution). Where the
+    engine can tell the KV it holds in all (``kv_total``: KV that several sessions share by reference counted
+    once), that is the KV part of the total instead of the sum of the sessions' KV, so that evicting a session
+    whose KV others still hold frees nothing, and sharing leaves room for more sessions.
+    """
+
+    def __init__(self, budget_bytes: int, policy: str = "lru", kv_total: Callable[[], int | None] = lambda: None):
         self.budget_bytes = budget_bytes
         self._policy = EVICTION_POLICIES[policy]()
-        self._bytes: dict[str | int, int] = {}
-        self.used_bytes = 0
+        self._kv_total = kv_total
+        self._bytes: dict[str | int, tuple[int, int]] = {}
+        self._kv_bytes = self._other_bytes = 0
 
-    def record(self, session_id: str | int, num_bytes: int) -> None:
-        self.used_bytes += num_bytes - self._bytes.get(session_id, 0)
-        self._bytes[session_id] = num_bytes
+    def record(self, session_id: str | int, kv_bytes: int, other_bytes: int = 0) -> None:
+        old_kv, old_other = self._bytes.get(session_id, (0, 0))
+        self._kv_bytes += kv_bytes - old_kv
+        self._other_bytes += other_bytes - old_other
+        self._bytes[session_id] = (kv_bytes, other_bytes)
 
     def forget(self, session_id: str | int) -> None:
-        self.used_bytes -= self._bytes.pop(session_id, 0)
+        old_kv, old_other = self._bytes.pop(session_id, (0, 0))
+        self._kv_bytes -= old_kv
+        self._other_bytes -= old_other
+
+    @property
+    def used_bytes(self) -> int:
+        total = self._kv_total()
+        return (self._kv_bytes if total is None else total) + self._other_bytes
 
     @property
     def over_budget(self) -> bool:

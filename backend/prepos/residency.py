@@ -43,7 +43,7 @@ class Residency:
     def __init__(self, *, engine: Engine, metrics: Metrics, max_sessions: int, kv_budget_bytes: int,
                  eviction_policy: str, journal: SessionJournal | None, clock: Callable[[], float]):
         self.store = SessionStore(max_sessions)
-        self.kv = KvLedger(kv_budget_bytes, eviction_policy)
+        self.kv = KvLedger(kv_budget_bytes, eviction_policy, kv_total=engine.kv_total_bytes)
         self._engine = engine
         self._metrics = metrics
         self._journal = journal
@@ -163,7 +163,7 @@ class Residency:
 
     def _record(self, session: Session) -> None:
         positioned_bytes = session.positioned.logits.nbytes if session.positioned is not None else 0
-        self.kv.record(session.session_id, self._engine.kv_bytes(session.session_id) + positioned_bytes)
+        self.kv.record(session.session_id, self._engine.kv_bytes(session.session_id), positioned_bytes)
 
     def _drop_speculative(self, victim: Session) -> None:
         self._engine.truncate(victim.session_id, len(victim.token_log))

@@ -18,6 +18,19 @@ def test_ledger_keeps_a_running_total_and_orders_victims_least_recent_first():
     assert ledger.used_bytes == 50
 
 
+def test_ledger_counts_the_engines_kv_total_where_it_tells_one_and_every_sessions_other_bytes():
+    total = {"kv": None}
+    ledger = KvLedger(budget_bytes=100, kv_total=lambda: total["kv"])
+    ledger.record("a", 60, 5)
+    ledger.record("b", 60, 7)
+    assert ledger.used_bytes == 132 and ledger.over_budget  # no total told: the sessions' KV summed
+    total["kv"] = 70  # b shares 50 of a's bytes by reference
+    assert ledger.used_bytes == 82 and not ledger.over_budget
+    ledger.forget("a")
+    total["kv"] = 60  # a's own 10 bytes went; b still holds the rest
+    assert ledger.used_bytes == 67
+
+
 def _ids(sessions):
     return [s.session_id for s in sessions]
 

@@ -7,6 +7,8 @@ tests/conftest.py) and the step runs eagerly; with one, the captured graph is ch
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -137,29 +139,137 @@ def test_prefix_reuse_truncate_and_release_keep_pages_consistent(tied):
     assert len(engine._free) == free and engine.kv_bytes("s") == 0 and engine.cached_token_ids("s") == ()
 
 
-def test_a_shared_prefix_is_copied_into_the_sessions_own_pages(tied):
-    """A session opening with tokens another holds copies them page to page (its own pages: the donor may then
-    change or go) and computes the rest; decode and the pool's free pages stay right."""
+def test_a_shared_prefix_is_shared_by_reference_and_written_only_into_own_pages(tied):
+    """A session opening with tokens another holds takes that session's whole pages into its block table and
+    copies the rows of the last, partly filled one; each side that then writes into a page the other holds gets a
+    page of its own first (copy on write), so neither sees the other's tokens; pages go back to the pool when the
+    last table holding them lets go."""
     path, model = tied
     engine = _engine(path)
     free = len(engine._free)
-    prompt = _ids(18, seed=70)  # ends mid-page
+    prompt = _ids(18, seed=70)  # 4 whole pages and 2 rows of a fifth
     engine.prefill("a", prompt + [1, 2])
     before = engine.num_computed_tokens
     assert _close(engine.prefill("b", prompt + [3]).cpu(), _hf_logits(model, prompt + [3])[-1])
     assert engine.num_computed_tokens - before == 1 and engine.num_shared_tokens == 18
-    assert not set(engine._sessions["a"].pages) & set(engine._sessions["b"].pages)
-    engine.truncate("a", 2)
-    engine.prefill("a", [7] * 20)  # the donor's pages now hold other tokens
+    a, b = engine._sessions["a"], engine._sessions["b"]
+    assert a.pages[:4] == b.pages[:4] and a.pages[4] != b.pages[4]
+    assert len(engine._free) == free - 6  # 5 pages of a's and b's own fifth
+    assert engine.kv_total_bytes() == 6 * PAGE * engine.info.kv_bytes_per_token
+    assert engine.kv_bytes("a") == engine.kv_bytes("b") == 5 * PAGE * engine.info.kv_bytes_per_token
+    engine.truncate("a", 2)  # a keeps 2 rows of page 0, which b holds too
+    assert len(engine._free) == free - 6 + 1  # a's fifth page: pages 1-3 stay, b holds them
+    engine.prefill("a", [*prompt[:2], *[7] * 20])  # a diverges inside page 0: it writes into a copy
+    assert not set(engine._sessions["a"].pages) & set(b.pages)
     assert _close(engine.decode("b", 4).cpu(), _hf_logits(model, [*prompt, 3, 4])[-1])
+    assert _close(engine.decode("a", 5).cpu(), _hf_logits(model, [*prompt[:2], *[7] * 20, 5])[-1])
     assert engine.share_prefix("c", prompt + [5]) == 18  # from b, the one holder left
+    assert engine._sessions["c"].pages[:4] == b.pages[:4]
     assert _close(engine.prefill("c", prompt + [5]).cpu(), _hf_logits(model, prompt + [5])[-1])
-    for sid in ("a", "b", "c"):
+    engine.release("b")
+    assert _close(engine.decode("c", 6).cpu(), _hf_logits(model, [*prompt, 5, 6])[-1])
+    for sid in ("a", "c"):
         engine.release(sid)
-    assert len(engine._free) == free and not engine._donors
+    assert len(engine._free) == free and not engine._donors and engine.kv_total_bytes() == 0
+    assert not any(engine._holders)
+
+
+def test_a_session_truncated_into_a_shared_page_copies_it_before_it_decodes(tied):
+    """The donor goes back into a page its recipient holds (a turn that was not accepted) and decodes there: it
+    writes into a copy, and the recipient's rows are what they were."""
+    path, model = tied
+    engine = _engine(path)
+    prompt = _ids(16, seed=74)  # 4 whole pages
+    engine.prefill("a", prompt + [1])
+    engine.prefill("b", prompt + [2])
+    shared = engine._sessions["b"].pages[3]
+    assert engine._sessions["a"].pages[3] == shared
+    engine.truncate("a", 14)
+    assert _close(engine.decode("a", 9).cpu(), _hf_logits(model, [*prompt[:14], 9])[-1])
+    assert engine._sessions["a"].pages[3] != shared and engine._holders[shared] == 1
+    assert _close(engine.decode("b", 3).cpu(), _hf_logits(model, [*prompt, 2, 3])[-1])
+
+
+def test_sharing_by_reference_fits_sessions_a_copy_would_not(tied):
+    """Four sessions opening with the same 4 pages need 4 + 4 pages by reference: a pool of 9 holds them, where
+    copies would need 20."""
+    path, model = tied
+    per_token = TorchLlamaEngine(path).info.kv_bytes_per_token
+    engine = _engine(path, pool=10 * PAGE * per_token)  # 9 usable pages
+    opening = _ids(16, seed=75)
+    for n in range(4):
+        ids = opening + [n + 1]
+        assert _close(engine.prefill(f"s{n}", ids).cpu(), _hf_logits(model, ids)[-1])
+    assert len(engine._free) == 1 and engine.num_shared_tokens == 3 * 16
+    with pytest.raises(KVPoolExhausted, match="2 more pages"):
+        engine.prefill("t", _ids(8, seed=76))
+    assert engine.cached_token_ids("t") == () and len(engine._free) == 1
+
+
+def test_random_prefills_truncates_decodes_and_closes_keep_every_session_right(tied):
+    """Sessions opening alike (so pages are shared and written around) go through a random mix of prefills that
+    diverge at any row, truncates, decodes, batches, releases and kept openings: every logits row matches the
+    stateless forward of its session's tokens, and every page is held exactly as often as block tables name it."""
+    import random
+
+    path, model = tied
+    engine = _engine(path, pool=60 * PAGE * TorchLlamaEngine(path).info.kv_bytes_per_token, kept_prefixes=2)
+    rng = random.Random(5)
+    openings = [_ids(26, seed=80), _ids(26, seed=80)[:19] + _ids(9, seed=81)]  # past the 16 tokens a donor needs
+    logs: dict[str, list[int]] = {}
+    for step in range(70):
+        sid = f"s{rng.randrange(5)}"
+        op = rng.choice(["prefill", "prefill", "prefills", "decode", "batch", "truncate", "close"] if sid in logs
+                        else ["prefill", "prefills"])
+        if op in ("prefill", "prefills"):
+            sids = sorted({sid, *rng.sample([f"s{n}" for n in range(5)], 2)}) if op == "prefills" else [sid]
+            seqs = []
+            for n, other in enumerate(sids):
+                base = logs.get(other) or rng.choice(openings)
+                cut = rng.randrange(1 if other in logs else 17, len(base) + 1)
+                seqs.append(base[:cut] + _ids(rng.randrange(1, 6), seed=1000 * n + step))
+            for other, ids, row in zip(sids, seqs, engine.prefill_batch(sids, seqs)):
+                assert _close(row.cpu(), _hf_logits(model, ids)[-1]), (step, op, other)
+                logs[other] = ids
+        elif op == "decode":
+            t = rng.randrange(512)
+            assert _close(engine.decode(sid, t).cpu(), _hf_logits(model, logs[sid] + [t])[-1]), (step, op)
+            logs[sid].append(t)
+        elif op == "batch":
+            sids = sorted(logs)
+            tokens = [rng.randrange(512) for _ in sids]
+            for other, t, row in zip(sids, tokens, engine.decode_batch(sids, tokens)):
+                logs[other].append(t)
+                assert _close(row.cpu(), _hf_logits(model, logs[other])[-1]), (step, op, other)
+        elif op == "truncate":
+            n = rng.randrange(1, len(logs[sid]) + 1)
+            engine.truncate(sid, n)
+            del logs[sid][n:]
+        else:
+            engine.keep_prefix(sid, rng.randrange(1, len(logs.pop(sid)) + 1))
+        tables = [t.pages for t in engine._sessions.values()]
+        held = collections.Counter(page for pages in tables for page in pages)
+        assert all(engine._holders[page] == held[page] for page in range(engine.num_pages)), step
+        assert sorted(engine._free) == [p for p in range(1, engine.num_pages) if not held[p]], step
+    assert engine.num_shared_tokens > 0
+
+
+def test_pages_a_session_gives_up_for_shared_ones_make_room_in_a_full_pool(tied):
+    """In a full pool, a session whose new tokens another session holds lets go of its own pages for that one's:
+    the pages freed give room for its new ones."""
+    path, model = tied
+    engine = _engine(path, pool=8 * PAGE * TorchLlamaEngine(path).info.kv_bytes_per_token)  # 7 usable pages
+    opening = _ids(16, seed=77)
+    engine.prefill("d", opening + [1])  # 5 pages
+    engine.prefill("s", _ids(8, seed=78))  # 2 pages: the pool is full
+    assert not engine._free
+    assert _close(engine.prefill("s", opening + [2]).cpu(), _hf_logits(model, opening + [2])[-1])
+    assert engine.num_shared_tokens == 16 and len(engine._free) == 1
 
 
 def test_kept_prefixes_give_their_pages_to_sessions_that_need_them(tied):
+    """A kept opening's pages are referenced by the session that copies it; dropped, it gives back only the pages
+    no session holds, and it is dropped when a session needs the room."""
     path, model = tied
     per_token = TorchLlamaEngine(path).info.kv_bytes_per_token
     engine = _engine(path, pool=11 * PAGE * per_token, kept_prefixes=4)  # 10 usable pages
@@ -167,8 +277,13 @@ def test_kept_prefixes_give_their_pages_to_sessions_that_need_them(tied):
     engine.prefill("a", opening + [1])
     assert engine.keep_prefix("a", 16) and len(engine._free) == 6
     assert _close(engine.prefill("b", opening + [2]).cpu(), _hf_logits(model, opening + [2])[-1])
-    assert engine.num_shared_tokens == 16 and len(engine._free) == 1
-    ids = _ids(8, seed=73)  # 2 pages: only the kept prefix's can give them
+    assert engine.num_shared_tokens == 16 and len(engine._free) == 5  # b's fifth page is its own
+    assert engine.drop_kept_prefix() and len(engine._free) == 5  # b holds its pages
+    assert _close(engine.decode("b", 3).cpu(), _hf_logits(model, [*opening, 2, 3])[-1])
+    engine.release("b")
+    engine.prefill("a", opening + [1])
+    assert engine.keep_prefix("a", 16) and len(engine._free) == 6
+    ids = _ids(28, seed=73)  # 7 pages: only the kept prefix's can give the last one
     assert _close(engine.prefill("c", ids).cpu(), _hf_logits(model, ids)[-1])
     assert engine.kept_prefix_bytes() == 0 and len(engine._free) == 3
 

@@ -10,6 +10,7 @@ import pytest
 import bench
 import chunking_bench
 import engine_microbench
+import pool_bench
 import residency_bench
 import share_bench
 import server_death_trials
@@ -36,6 +37,9 @@ ENGINE = "engines/smollm2-135m-instruct"
     (share_bench, ["--think", "-1"], "--think"),
     (share_bench, ["--think", "inf"], "--think"),
     (share_bench, ["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
+    (pool_bench, ["--sessions", "0"], "--sessions"),
+    (pool_bench, ["--page-tokens", "48"], "--page-tokens"),
+    (pool_bench, ["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
 ])
 def test_benchmark_drivers_name_the_bad_flag(module, argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as exited:
@@ -45,7 +49,7 @@ def test_benchmark_drivers_name_the_bad_flag(module, argv, flag, capsys, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("main", [residency_bench.main, share_bench.main, soak_main])
+@pytest.mark.parametrize("main", [residency_bench.main, share_bench.main, pool_bench.main, soak_main])
 def test_an_out_that_is_a_file_is_refused_and_left_alone(main, capsys, tmp_path):
     taken = tmp_path / "taken"
     taken.write_text("not a folder")

@@ -159,6 +159,12 @@ class Engine(abc.ABC):
     def kv_bytes(self, session_id: str) -> int:
         """Bytes of KV memory the session holds now (allocated capacity, not just used)."""
 
+    def kv_total_bytes(self) -> int | None:
+        """Bytes of KV memory held over all sessions and kept prefixes, where KV that several of them share by
+        reference is counted once; None where nothing is shared that way, so that the total is the sum of
+        :meth:`kv_bytes` and :meth:`kept_prefix_bytes`."""
+        return None
+
 
 def check_decode_batch(session_ids: Sequence[str], token_ids: Sequence[int]) -> None:
     """``ValueError`` unless ``decode_batch`` got one token per session and no session twice."""

@@ -422,12 +422,10 @@ class TorchLlamaEngine(Engine):
                 keep = common_prefix_length(s.ids, ids)
                 if keep == len(ids):
                     keep -= 1  # everything cached: recompute the last token for its logits
-                kv = self._reserve(s, len(ids))
+                kv, keep = self._take(s, ids, keep)
             except (ValueError, KVCapacityError) as err:
                 results.append(err)
                 continue
-            del s.ids[keep:]
-            keep = self._adopt(s, kv, ids, keep)
             targets.append((len(results), s, kv, keep, ids[keep:]))
             results.append(None)  # filled below
         if len(targets) == 1:  # the others were impossible: the one-session path
@@ -462,10 +460,8 @@ class TorchLlamaEngine(Engine):
         keep = common_prefix_length(s.ids, ids)
         if keep == len(ids):
             keep -= 1  # everything cached: recompute the last token for its logits
-        # The ids shrink first, so a generator closed part-way leaves a consistent prefix.
-        del s.ids[keep:]
-        kv = self._reserve(s, len(ids))
-        keep = self._adopt(s, kv, ids, keep)
+        # The ids shrink before the first yield, so a generator closed part-way leaves a consistent prefix.
+        kv, keep = self._take(s, ids, keep)
         new = ids[keep:]
         logits = yield from self._prefill_forward(kv, keep, torch.tensor(new, device=self.device))
         if self._sessions.get(session_id) is s:
@@ -489,12 +485,10 @@ class TorchLlamaEngine(Engine):
         if self._donor(s, ids, keep)[1] is None:
             return keep
         s = self._session(session_id)
-        del s.ids[keep:]
         try:
-            kv = self._reserve(s, len(ids))
-        except KVCapacityError:  # no room to copy into: the prefill that follows reports it
+            _, shared = self._take(s, ids, keep)  # looked up again: making room may drop a kept prefix
+        except KVCapacityError:  # no room: the prefill that follows reports it
             return keep
-        shared = self._adopt(s, kv, ids, keep)  # looked up again: making room may have dropped a kept prefix
         self._list(session_id, s)
         return shared
 
@@ -540,16 +534,21 @@ class TorchLlamaEngine(Engine):
         del self._kept[key]
         self.release(key)
 
-    def _adopt(self, s, kv, ids: list[int], keep: int) -> int:
-        """Copy into ``kv`` (the session's, reserved for ``ids``) the KV of the longest prefix of ``ids`` that
-        another session holds past ``keep``; returns the tokens of ``ids`` the session now holds."""
+    def _take(self, s, ids: list[int], keep: int) -> tuple[object, int]:
+        """Make the session's KV ready for a prefill of ``ids``, of which it holds the first ``keep``: room for all
+        of them, and the KV of the longest prefix of ``ids`` that another session holds past ``keep`` copied in.
+        Returns the handle ``_prefill_forward`` writes through and how many leading tokens of ``ids`` the session
+        holds now. Without room, raises :class:`KVCapacityError` and changes nothing."""
+        self._ensure_capacity(s, len(ids))
+        kv = s.kv
+        del s.ids[keep:]
         _, donor, shared = self._donor(s, ids, keep)
         if donor is None:
-            return keep
-        self._copy_kv(donor, kv, keep, shared)
+            return kv, keep
+        kv[:, :, :, keep:shared] = donor.kv[:, :, :, keep:shared]
         s.ids.extend(ids[keep:shared])
         self.num_shared_tokens += shared - keep
-        return shared
+        return kv, shared
 
     def _donor(self, s, ids: list[int], keep: int, limit: int | None = None) -> tuple[object, object | None, int]:
         """The key and session of the listed session or kept prefix (other than ``s``) whose KV holds the longest
@@ -606,17 +605,8 @@ class TorchLlamaEngine(Engine):
                     del self._donors[h]
         del s.listed[keep:]
 
-    def _copy_kv(self, donor: _Session, kv: torch.Tensor, start: int, end: int) -> None:
-        """Copy positions ``start..end-1`` of the donor's KV into ``kv`` (a handle from ``_reserve``)."""
-        kv[:, :, :, start:end] = donor.kv[:, :, :, start:end]
-
-    def _reserve(self, s: _Session, n_tokens: int) -> torch.Tensor:
-        """Room for ``n_tokens`` in the session's KV; returns the handle ``_prefill_forward`` writes through."""
-        self._ensure_capacity(s, n_tokens)
-        return s.kv
-
     def _still_reserved(self, s: _Session, kv: torch.Tensor) -> bool:
-        """Whether ``kv`` (from ``_reserve``) is still the session's KV: nothing truncated or regrew it since."""
+        """Whether ``kv`` (from ``_take``) is still the session's KV: nothing truncated or regrew it since."""
         return s.kv is kv
 
     def _store_kv(self, kv: torch.Tensor, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -22,9 +22,14 @@ weight reads take well under a millisecond. This engine removes that overhead:
 
 Prefill is eager (it is one large batch of tokens): its K/V are written into
 the session's pages and attention reads the session's positions gathered from
-the pool. A prefix another session holds (``share_prefixes``) is copied from
-that session's pages into the session's own: pages are never shared, so a
-session may write any of its pages. Page 0 is scratch (the graph's capture writes there) and never
+the pool. A prefix another session holds (``share_prefixes``) is shared by
+reference: the session's block table points at that session's whole pages
+(a count per page says how many tables hold it), and only the rows of a last,
+partly filled page are copied. Nobody writes a page another table holds: a
+session about to write into one (its KV diverges inside it, or it was
+truncated into it) first gets a page of its own with the rows before the
+write copied (copy on write). A page goes back to the free list when no table
+holds it. Page 0 is scratch (the graph's capture writes there) and never
 belongs to a session.
 
 Off CUDA (tests), the same code runs without a graph, the kernel under Triton's
@@ -112,6 +117,8 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         self.pool = torch.zeros(self.n_layers, 2, n_pages * page_tokens, self.n_kv_heads, self.head_dim,
                                 dtype=self.dtype, device=self.device)
         self._free = list(range(n_pages - 1, 0, -1))  # page 0 is scratch; pop() hands out low pages first
+        self._holders = [0] * n_pages  # per page, how many block tables (sessions, kept prefixes) hold it
+        self._page_bytes = page_bytes
         self.kv_capacity_bytes = (n_pages - 1) * page_bytes
         self._max_pages = -(-self.info.max_context // page_tokens)
         # decode step inputs, one row per session of the step: token, position, flat slot of the position,
@@ -143,15 +150,42 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
             s = self._sessions[session_id] = _PagedSession()
         return s
 
-    def _grow(self, s: _PagedSession, n_tokens: int) -> None:
-        need = -(-n_tokens // self.page_tokens) - len(s.pages)
-        while need > len(self._free) and self.drop_kept_prefix():  # kept prefixes give way to sessions
-            pass
-        if need > len(self._free):
-            raise KVPoolExhausted(f"KV pool exhausted: {need} more pages of {self.page_tokens} tokens needed, "
+    def _own(self, s: _PagedSession, start: int, n_tokens: int) -> None:
+        """Pages of the session's own for positions ``start..n_tokens-1``: a new one where it has none, or where the
+        page it has is held by another table too (the rows before ``start`` copied into the new one). Kept prefixes
+        give way while the pool is short; without room, :class:`KVPoolExhausted` and nothing changed."""
+        P = self.page_tokens
+        while True:
+            todo = [i for i in range(start // P, -(-n_tokens // P))
+                    if i >= len(s.pages) or self._holders[s.pages[i]] > 1]
+            if len(todo) <= len(self._free) or not self.drop_kept_prefix():  # kept prefixes give way to sessions
+                break
+        if len(todo) > len(self._free):
+            raise KVPoolExhausted(f"KV pool exhausted: {len(todo)} more pages of {P} tokens needed, "
                                   f"{len(self._free)} of {self.num_pages - 1} free")
-        for _ in range(need):
-            s.pages.append(self._free.pop())
+        for i in todo:
+            page = self._free.pop()
+            self._holders[page] = 1
+            if i < len(s.pages):  # copy on write
+                if i * P < start:
+                    self._copy_rows(s.pages[i], page, 0, start - i * P)
+                self._let_go([s.pages[i]])
+                s.pages[i] = page
+                s.epoch += 1
+            else:
+                s.pages.append(page)
+
+    def _let_go(self, pages: list[int]) -> None:
+        """The pages are no longer held by one table; those no table holds go back to the free list."""
+        for page in reversed(pages):
+            self._holders[page] -= 1
+            if not self._holders[page]:
+                self._free.append(page)
+
+    def _copy_rows(self, src: int, dst: int, lo: int, hi: int) -> None:
+        """Rows ``lo..hi-1`` of page ``src`` into the same rows of page ``dst``, every layer."""
+        P = self.page_tokens
+        self.pool[:, :, dst * P + lo: dst * P + hi] = self.pool[:, :, src * P + lo: src * P + hi]
 
     def _slots(self, s: _PagedSession, start: int, end: int) -> torch.Tensor:
         """Flat pool rows of positions ``start..end-1`` (int64, on the device)."""
@@ -170,7 +204,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         self._list(session_id, s)
         keep = -(-num_tokens // self.page_tokens)
         if keep < len(s.pages):
-            self._free.extend(reversed(s.pages[keep:]))
+            self._let_go(s.pages[keep:])
             del s.pages[keep:]
             s.epoch += 1
 
@@ -178,19 +212,53 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         s = self._sessions.pop(session_id, None)
         if s is not None:
             self._unlist(session_id, s)
-            self._free.extend(reversed(s.pages))
+            self._let_go(s.pages)
             s.pages.clear()
             s.epoch += 1
 
     def kv_bytes(self, session_id: str) -> int:
         s = self._sessions.get(session_id)
-        return 0 if s is None else len(s.pages) * self.page_tokens * self.info.kv_bytes_per_token
+        return 0 if s is None else len(s.pages) * self._page_bytes
+
+    def kv_total_bytes(self) -> int:
+        return (self.num_pages - 1 - len(self._free)) * self._page_bytes
 
     # ---- prefill: the base forward, K/V through the pages ----------------------------------
 
-    def _reserve(self, s: _PagedSession, n_tokens: int):
-        self._grow(s, n_tokens)
-        return (s, s.epoch, self._slots(s, 0, n_tokens))
+    def _take(self, s: _PagedSession, ids: list[int], keep: int):
+        """The base's, by reference: the donor's whole pages past the session's first ``keep // page_tokens`` go
+        into its block table, the rows of a last, partly filled one are copied into a page of its own, and the
+        pages it will write are its own (:meth:`_own`). All or nothing."""
+        P = self.page_tokens
+        while True:
+            _, donor, shared = self._donor(s, ids, keep)
+            whole = shared // P if donor is not None else 0  # the donor's pages below this are referenced
+            pages = s.pages[:keep // P] + donor.pages[keep // P:whole] + s.pages[whole:] if whole else s.pages
+            write = shared if donor is not None else keep
+            need = sum(1 for i in range(write // P, -(-len(ids) // P))
+                       if i >= len(pages) or self._holders[pages[i]] > 1)
+            freed = sum(1 for page in s.pages[keep // P:whole] if self._holders[page] == 1)
+            if need <= len(self._free) + freed or not self.drop_kept_prefix():
+                break
+        if need > len(self._free) + freed:
+            raise KVPoolExhausted(f"KV pool exhausted: {need - freed} more pages of {P} tokens needed, "
+                                  f"{len(self._free)} of {self.num_pages - 1} free")
+        del s.ids[keep:]
+        if whole > keep // P:
+            for page in donor.pages[keep // P:whole]:
+                self._holders[page] += 1
+            self._let_go(s.pages[keep // P:whole])
+            s.pages[keep // P:whole] = donor.pages[keep // P:whole]
+            s.epoch += 1
+        self._own(s, write, len(ids))
+        if donor is not None:
+            if shared > whole * P:  # the rows of the donor's partly shared page
+                start = whole * P
+                self._copy_rows(donor.pages[whole], s.pages[whole], max(keep, start) - start, shared - start)
+            s.ids.extend(ids[keep:shared])
+            self.num_shared_tokens += shared - keep
+            keep = shared
+        return (s, s.epoch, self._slots(s, 0, len(ids))), keep
 
     def _still_reserved(self, s: _PagedSession, kv) -> bool:
         return kv[0] is s and kv[1] == s.epoch
@@ -205,10 +273,6 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         k = self.pool[layer, 0].index_select(0, rows)  # [end, KV, hd]
         v = self.pool[layer, 1].index_select(0, rows)
         return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-
-    def _copy_kv(self, donor: _PagedSession, kv, start: int, end: int) -> None:
-        rows = self._slots(donor, start, end)
-        self.pool.index_copy_(2, kv[2][start:end], self.pool.index_select(2, rows))
 
     def _attend(self, q, k, v, mask):
         if self.device.type != "cuda":
@@ -228,7 +292,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         s, token_id, pos = self._decode_target(session_id, token_id)
         if not pos:
             raise ValueError(f"session {session_id!r} has no KV; prefill it first")
-        self._grow(s, pos + 1)
+        self._own(s, pos, pos + 1)
         return s, token_id, pos
 
     @torch.inference_mode()
