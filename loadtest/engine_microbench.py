@@ -28,6 +28,8 @@ from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("engine_microbench")
 
+TURN_TOKENS = 35  # a turn's new tokens in turn_growth: a short user message, its framing and cue
+
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -138,14 +140,33 @@ def hf_eager(model_dir: str, ids: list[int], steps: int, exts: dict[int, list[in
     return times, prefill
 
 
+def turn_growth(engine: TorchLlamaEngine, ids: list[int], ext: list[int], device: str, runs: int) -> dict:
+    """Seconds of a turn that extends a session by ``ext``: its KV full, so the turn grows it (a copy of the
+    whole KV, paid by the turn), against room made ahead (``make_room``, as the scheduler does after
+    pre-positioning), in alternating runs. The session holds ``ids`` cut to whole KV blocks."""
+    n = len(ids) - len(ids) % engine.kv_block_tokens
+    ids = ids[:n]
+    engine.prefill("bench", ids)
+    times: dict[str, list[float]] = {"full": [], "room": []}
+    for _ in range(runs):
+        for which, runs_of in times.items():
+            if which == "room":
+                engine.make_room("bench", n + n // 16)
+            runs_of.append(_timed(lambda: engine.prefill("bench", ids + ext), device))
+            engine.truncate("bench", n)  # a full KV again
+    engine.release("bench")
+    return {"tokens": n, "delta": len(ext), **{f"{which}_ms": [t * 1e3 for t in v] for which, v in times.items()}}
+
+
 def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
             context: int = 100, steps: int = 50, prefill_runs: int = 3, with_hf: bool = True, rounds: int = 5,
-            long_context: int = 2000) -> dict:
+            long_context: int = 2000, turn_runs: int = 7) -> dict:
     """Decode-step and prefill figures of the torch engine next to the memory-bandwidth bound (and HF eager).
 
     The decode/bound ratio is the median over ``rounds`` paired rounds (see :func:`paired_rounds`); the
     ratio against the fastest probe of the run, the strictest reading, is reported beside it. A decode step at
-    ``long_context`` cached tokens (0: skipped) is set against its bound too: the weights plus the KV it reads.
+    ``long_context`` cached tokens (0: skipped) is set against its bound too: the weights plus the KV it reads,
+    and a turn over that many tokens is timed with the KV full and with room made ahead (:func:`turn_growth`).
     """
     engine = TorchLlamaEngine(model_dir, device=device, dtype=dtype, num_threads=threads)
     info = engine.info
@@ -160,11 +181,13 @@ def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", thre
     bandwidth = statistics.median(bandwidths)
     bound = info.weight_bytes / bandwidth
     ratios = [r["ratio"] for r in paired]
-    long_dec = []
+    long_dec, turn = [], None
     if long_context:
         log.info("engine decode at %d cached tokens ...", long_context)
         long_ids = torch.randint(0, info.vocab_size, (long_context,), generator=gen).tolist()
         long_dec = engine_decode(engine, long_ids, max(5, steps // 5), device)
+        log.info("a turn over %d cached tokens, KV full and with room made ahead ...", long_context)
+        turn = turn_growth(engine, long_ids, exts[40][:TURN_TOKENS], device, turn_runs)
     long_bytes = info.weight_bytes + (long_context + 1) * info.kv_bytes_per_token
     log.info("engine prefill ...")
     pre = {n: engine_prefill(engine, ids, ext, device, prefill_runs) for n, ext in exts.items()}
@@ -194,6 +217,7 @@ def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", thre
         "long_context": long_context,
         "long_decode_median_ms": statistics.median(long_dec) * 1e3 if long_dec else None,
         "long_decode_bound_ms": long_bytes / bandwidth * 1e3,
+        "turn": turn,
         "hf_eager_decode_median_ms": statistics.median(hf_dec) * 1e3 if hf_dec else None,
         "engine_prefill_tok_s": {str(n): n / t for n, t in pre.items()},
         "hf_eager_prefill_tok_s": {str(n): n / t for n, t in hf_pre.items()},
@@ -216,6 +240,12 @@ def format_table(result: dict) -> str:
         n = result["long_context"]
         rows += [(f"engine decode median @ctx {n}", f"{result['long_decode_median_ms']:.2f} ms"),
                  (f"bound @ctx {n} (weights + KV read)", f"{result['long_decode_bound_ms']:.2f} ms")]
+    if result.get("turn"):
+        t = result["turn"]
+        for which, how in (("full", "KV full, grown by the turn"), ("room", "room made ahead")):
+            runs = t[f"{which}_ms"]
+            rows.append((f"turn +{t['delta']} over {t['tokens']}, {how}: median / max",
+                         f"{statistics.median(runs):.1f} / {max(runs):.1f} ms"))
     if result["hf_eager_decode_median_ms"]:
         rows.append((f"HF eager decode median @ctx {result['context']}", f"{result['hf_eager_decode_median_ms']:.2f} ms"))
     for n, tok_s in result["engine_prefill_tok_s"].items():
@@ -240,10 +270,12 @@ def main() -> None:
     ap.add_argument("--long-context", type=int, default=2000,
                     help="also time decode steps at this many cached tokens (0: skip)")
     ap.add_argument("--prefill-runs", type=int, default=3)
+    ap.add_argument("--turn-runs", type=int, default=7,
+                    help="runs of a turn over --long-context tokens, KV full and with room made ahead, each")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = ap.parse_args()
-    for name in ("context", "steps", "rounds", "prefill_runs"):
+    for name in ("context", "steps", "rounds", "prefill_runs", "turn_runs"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
     if args.long_context < 0 or (args.threads is not None and args.threads < 1):
@@ -254,7 +286,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = measure(args.model_dir, device=args.device, dtype=args.dtype, threads=args.threads,
                      context=args.context, steps=args.steps, prefill_runs=args.prefill_runs, with_hf=not args.no_hf,
-                     rounds=args.rounds, long_context=args.long_context)
+                     rounds=args.rounds, long_context=args.long_context, turn_runs=args.turn_runs)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -108,6 +108,7 @@ class FakeEngine(Engine):
         self.share_prefixes = share_prefixes  # share_prefix copies what another session holds, as the torch engine
         self.num_shared_tokens = 0
         self.kept: list[tuple[str, int]] = []  # kept prefixes' keys in kv, least recently kept first
+        self.room: dict = {}  # session -> tokens its KV has room for (make_room), counted in kv_bytes
 
     def _compute(self, session_id, seq: list[int], num_new: int) -> torch.Tensor:
         self.clock.t += self.step_time_s + self.token_time_s * num_new / 2
@@ -189,12 +190,20 @@ class FakeEngine(Engine):
 
     def truncate(self, session_id, num_tokens):
         self.kv[session_id] = self.kv.get(session_id, [])[:num_tokens]
+        self.room.pop(session_id, None)  # as the torch engine, whose truncate gives the room back
 
     def release(self, session_id):
         self.kv.pop(session_id, None)
+        self.room.pop(session_id, None)
+
+    def make_room(self, session_id, num_tokens):
+        if session_id in self.kv:
+            self.room[session_id] = max(self.room.get(session_id, 0), min(num_tokens, self.info.max_context))
 
     def kv_bytes(self, session_id):
-        return 100 * len(self.kv.get(session_id, ()))
+        if session_id not in self.kv:
+            return 0
+        return 100 * max(len(self.kv[session_id]), self.room.get(session_id, 0))
 
 
 class CollectSink:

@@ -768,6 +768,39 @@ def test_a_closed_sessions_opening_turn_is_kept_for_the_next_session_and_gives_w
     assert all(h.sched.store.lookup(sid).has_kv for sid in "bc")
 
 
+def test_a_positioned_session_gets_room_for_its_next_turn_in_the_idle_window_while_the_budget_has_some(tmp_path):
+    """Where the KV grows by a copy, the copy is made after pre-positioning (a sixteenth more than the KV holds)
+    and counted; not when the budget lacks a quarter of the session's KV to spare, nor for a short session;
+    answers are the same."""
+    from prepos.scheduler import ROOM_FRACTION, ROOM_MIN_TOKENS
+
+    system = "You route requests to tools. Tools: get_weather, get_time, set_alarm, send_mail, read_file. " * 6
+    answers, used, held = [], 0, 0
+    for tight in (False, True):
+        h = Harness(tmp_path)
+        open_session(h, "a", system)
+        if tight:  # what pre-positioning holds without the room, and less than a quarter of the KV more
+            h.sched._residency.kv.budget_bytes = used + 100 * held // 4 - 1
+        h.idle()
+        a = h.sched.store.lookup("a")
+        held = len(h.engine.kv["a"])  # the log, the entry and the cue
+        assert a.positioned is not None and a.has_kv
+        if tight:
+            assert "a" not in h.engine.room and h.sched._residency.kv.used_bytes == used
+        else:
+            assert h.engine.room["a"] == held + held // ROOM_FRACTION
+            used = h.sched._residency.kv.used_bytes
+            assert used == 100 * h.engine.room["a"] + a.positioned.logits.nbytes  # the room counts
+            used -= 100 * (h.engine.room["a"] - held)
+        answers.append(h.serve(h.request("a", "Will it rain?", max_tokens=3)))
+        assert answers[-1].chunks[0].path == "prepaid"
+    assert answers[0].ids == answers[1].ids and held >= ROOM_MIN_TOKENS
+    h = Harness(tmp_path)
+    open_session(h, "b", system[:ROOM_MIN_TOKENS // 2])
+    h.idle()
+    assert h.sched.store.lookup("b").positioned is not None and "b" not in h.engine.room
+
+
 def test_engine_block_reuse_is_published_as_counters(h):
     from prepos.engines.trtllm import ReuseStats
     from prepos.scheduler import HOUSEKEEPING_INTERVAL_S

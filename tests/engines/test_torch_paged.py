@@ -288,6 +288,15 @@ def test_kept_prefixes_give_their_pages_to_sessions_that_need_them(tied):
     assert engine.kept_prefix_bytes() == 0 and len(engine._free) == 3
 
 
+def test_make_room_takes_no_pages_ahead(tied):
+    path, _ = tied
+    engine = _engine(path)
+    engine.prefill("s", _ids(9, seed=14))
+    pages, free = list(engine._sessions["s"].pages), len(engine._free)
+    engine.make_room("s", 40)
+    assert engine._sessions["s"].pages == pages and len(engine._free) == free
+
+
 def test_an_exhausted_pool_is_a_clear_error_and_changes_nothing(tied):
     path, model = tied
     engine = _engine(path, pool=3 * PAGE * TorchLlamaEngine(path).info.kv_bytes_per_token)  # 2 usable pages

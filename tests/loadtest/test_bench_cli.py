@@ -63,6 +63,7 @@ def test_an_out_that_is_a_file_is_refused_and_left_alone(main, capsys, tmp_path)
 @pytest.mark.parametrize(("module", "argv", "flag"), [
     (engine_microbench, ["--model-dir", "/nonexistent-model"], "--model-dir"),
     (engine_microbench, ["--model-dir", ENGINE, "--steps", "0"], "--steps"),
+    (engine_microbench, ["--model-dir", ENGINE, "--turn-runs", "0"], "--turn-runs"),
     (chunking_bench, ["--model-dir", "/nonexistent-model"], "--model-dir"),
     (chunking_bench, ["--model-dir", ENGINE, "--reps", "0"], "--reps"),
 ])

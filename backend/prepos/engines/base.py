@@ -159,6 +159,11 @@ class Engine(abc.ABC):
     def kv_bytes(self, session_id: str) -> int:
         """Bytes of KV memory the session holds now (allocated capacity, not just used)."""
 
+    def make_room(self, session_id: str, num_tokens: int) -> None:
+        """Let the session's KV hold ``num_tokens`` tokens (at most ``info.max_context``) without growing. An engine
+        whose KV grows by copying it elsewhere grows it now: the scheduler calls this in a session's idle window,
+        so that its next request does not pay that copy. This default does nothing (KV that grows in place)."""
+
     def kv_total_bytes(self) -> int | None:
         """Bytes of KV memory held over all sessions and kept prefixes, where KV that several of them share by
         reference is counted once; None where nothing is shared that way, so that the total is the sum of

@@ -339,6 +339,11 @@ class TorchLlamaEngine(Engine):
         kv[:, :, :, :n] = s.kv[:, :, :, :n]
         s.kv = kv
 
+    def make_room(self, session_id: str, num_tokens: int) -> None:
+        s = self._sessions.get(session_id)
+        if s is not None:
+            self._ensure_capacity(s, min(num_tokens, self.info.max_context))
+
     def _kv_shape(self, capacity: int) -> tuple[int, ...]:
         return (self.n_layers, 2, self.n_kv_heads, capacity, self.head_dim)
 
