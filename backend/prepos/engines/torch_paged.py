@@ -236,7 +236,8 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         while True:
             _, donor, shared = self._donor(s, ids, keep)
             whole = shared // P if donor is not None else 0  # the donor's pages below this are referenced
-            pages = s.pages[:keep // P] + donor.pages[keep // P:whole] + s.pages[whole:] if whole else s.pages
+            pages = s.pages[:keep // P] + donor.pages[keep // P:whole] + s.pages[whole:] if whole > keep // P \
+                else s.pages  # its block table once the donor's pages are in
             write = shared if donor is not None else keep
             need = sum(1 for i in range(write // P, -(-len(ids) // P))
                        if i >= len(pages) or self._holders[pages[i]] > 1)
