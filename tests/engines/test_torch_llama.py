@@ -398,6 +398,19 @@ def test_share_prefix_keeps_what_the_session_holds_when_no_one_holds_more(tied):
     assert list(engine.cached_token_ids("s")) == prompt + [5, 6]
 
 
+def test_share_prefix_makes_room_for_all_the_tokens_so_a_chunked_prefill_grows_the_kv_once(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
+    ids = _ids(9 * BLOCK, seed=66)
+    assert engine.share_prefix("s", ids) == 0  # nobody holds any of it: nothing shared, room made
+    kv = engine._sessions["s"].kv
+    assert engine.kv_bytes("s") == 9 * BLOCK * engine.info.kv_bytes_per_token
+    for end in range(BLOCK, len(ids) + 1, BLOCK):
+        logits = engine.prefill("s", ids[:end])
+        assert engine._sessions["s"].kv is kv
+    assert _close(logits, _hf_logits(model, ids)[-1])
+
+
 def test_prefill_batch_copies_shared_prefixes(tied):
     path, model = tied
     engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK)
