@@ -28,6 +28,7 @@ from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("engine_microbench")
 
+CHUNK_TOKENS = 32  # scheduler.chunk_tokens' default: a pre-positioning's chunk in chunked_prefill
 TURN_TOKENS = 35  # a turn's new tokens in turn_growth: a short user message, its framing and cue
 
 
@@ -158,6 +159,25 @@ def turn_growth(engine: TorchLlamaEngine, ids: list[int], ext: list[int], device
     return {"tokens": n, "delta": len(ext), **{f"{which}_ms": [t * 1e3 for t in v] for which, v in times.items()}}
 
 
+def chunked_prefill(engine: TorchLlamaEngine, ids: list[int], chunk: int, device: str, runs: int) -> dict:
+    """Seconds to prefill ``ids`` into a new session ``chunk`` tokens at a time, as pre-positioning does: the KV
+    grown at every chunk that passes its capacity, against room made for all of them first (what
+    ``share_prefix`` does before the first chunk), in alternating runs."""
+    times: dict[str, list[float]] = {"grown": [], "room": []}
+
+    def prefill_in_chunks(room: bool) -> None:
+        if room:
+            engine.share_prefix("bench", ids)
+        for end in range(chunk, len(ids) + chunk, chunk):
+            engine.prefill("bench", ids[:min(end, len(ids))])
+
+    for _ in range(runs):
+        for which, runs_of in times.items():
+            runs_of.append(_timed(lambda: prefill_in_chunks(which == "room"), device))
+            engine.release("bench")
+    return {"tokens": len(ids), "chunk": chunk, **{f"{which}_s": v for which, v in times.items()}}
+
+
 def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
             context: int = 100, steps: int = 50, prefill_runs: int = 3, with_hf: bool = True, rounds: int = 5,
             long_context: int = 2000, turn_runs: int = 7) -> dict:
@@ -166,7 +186,8 @@ def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", thre
     The decode/bound ratio is the median over ``rounds`` paired rounds (see :func:`paired_rounds`); the
     ratio against the fastest probe of the run, the strictest reading, is reported beside it. A decode step at
     ``long_context`` cached tokens (0: skipped) is set against its bound too: the weights plus the KV it reads,
-    and a turn over that many tokens is timed with the KV full and with room made ahead (:func:`turn_growth`).
+    a turn over that many tokens is timed with the KV full and with room made ahead (:func:`turn_growth`), and
+    their prefill in chunks with the KV grown chunk by chunk and with room made first (:func:`chunked_prefill`).
     """
     engine = TorchLlamaEngine(model_dir, device=device, dtype=dtype, num_threads=threads)
     info = engine.info
@@ -181,13 +202,16 @@ def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", thre
     bandwidth = statistics.median(bandwidths)
     bound = info.weight_bytes / bandwidth
     ratios = [r["ratio"] for r in paired]
-    long_dec, turn = [], None
+    long_dec, turn, chunked = [], None, None
     if long_context:
         log.info("engine decode at %d cached tokens ...", long_context)
         long_ids = torch.randint(0, info.vocab_size, (long_context,), generator=gen).tolist()
         long_dec = engine_decode(engine, long_ids, max(5, steps // 5), device)
         log.info("a turn over %d cached tokens, KV full and with room made ahead ...", long_context)
         turn = turn_growth(engine, long_ids, exts[40][:TURN_TOKENS], device, turn_runs)
+        log.info("a prefill of %d tokens in chunks of %d, grown chunk by chunk and with room made first ...",
+                 long_context, CHUNK_TOKENS)
+        chunked = chunked_prefill(engine, long_ids, CHUNK_TOKENS, device, prefill_runs)
     long_bytes = info.weight_bytes + (long_context + 1) * info.kv_bytes_per_token
     log.info("engine prefill ...")
     pre = {n: engine_prefill(engine, ids, ext, device, prefill_runs) for n, ext in exts.items()}
@@ -218,6 +242,7 @@ def measure(model_dir: str, *, device: str = "cpu", dtype: str = "float32", thre
         "long_decode_median_ms": statistics.median(long_dec) * 1e3 if long_dec else None,
         "long_decode_bound_ms": long_bytes / bandwidth * 1e3,
         "turn": turn,
+        "chunked": chunked,
         "hf_eager_decode_median_ms": statistics.median(hf_dec) * 1e3 if hf_dec else None,
         "engine_prefill_tok_s": {str(n): n / t for n, t in pre.items()},
         "hf_eager_prefill_tok_s": {str(n): n / t for n, t in hf_pre.items()},
@@ -246,6 +271,11 @@ def format_table(result: dict) -> str:
             runs = t[f"{which}_ms"]
             rows.append((f"turn +{t['delta']} over {t['tokens']}, {how}: median / max",
                          f"{statistics.median(runs):.1f} / {max(runs):.1f} ms"))
+    if result.get("chunked"):
+        c = result["chunked"]
+        for which, how in (("grown", "KV grown chunk by chunk"), ("room", "room made first")):
+            rows.append((f"prefill {c['tokens']} in chunks of {c['chunk']}, {how}: median",
+                         f"{statistics.median(c[f'{which}_s']):.2f} s"))
     if result["hf_eager_decode_median_ms"]:
         rows.append((f"HF eager decode median @ctx {result['context']}", f"{result['hf_eager_decode_median_ms']:.2f} ms"))
     for n, tok_s in result["engine_prefill_tok_s"].items():

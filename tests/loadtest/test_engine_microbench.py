@@ -51,7 +51,10 @@ def test_long_context_bound_adds_the_kv_read(tmp_path, monkeypatch):
     turn = result["turn"]  # over the 64 of 90 tokens that fill whole KV blocks
     assert turn["tokens"] == 64 and turn["delta"] == 35 and len(turn["full_ms"]) == len(turn["room_ms"]) == 7
     assert "turn +35 over 64, KV full, grown by the turn" in table and "turn +35 over 64, room made ahead" in table
+    chunked = result["chunked"]
+    assert chunked["tokens"] == 90 and chunked["chunk"] == 32 and len(chunked["grown_s"]) == len(chunked["room_s"]) == 1
+    assert "prefill 90 in chunks of 32, room made first" in table
     without = engine_microbench.measure(str(tmp_path), context=10, steps=5, prefill_runs=1, with_hf=False,
                                         rounds=1, long_context=0)
-    assert without["long_decode_median_ms"] is None and without["turn"] is None
+    assert without["long_decode_median_ms"] is None and without["turn"] is None and without["chunked"] is None
     assert "@ctx 0" not in engine_microbench.format_table(without)
