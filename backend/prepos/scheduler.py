@@ -533,8 +533,9 @@ class Scheduler:
             forced_ids=forced, logits=logits.clone(), greedy_scan=greedy, delta_ids=self._speculative_delta_ids,
         )
         self._residency.note_kv(session, background=True)  # the cached distribution counts against the budget
-        self._make_room(session, len(target))
         self._metrics.prepositioning_ended("completed")
+        yield  # a step of its own: a request that came meanwhile goes before the room is made (a copy of the KV)
+        self._make_room(session, len(target))  # (a request of this session's own has dropped this task)
 
     def _make_room(self, session: Session, length: int) -> None:
         """Let the positioned session's KV hold a sixteenth more than its ``length`` tokens. Where the KV grows by

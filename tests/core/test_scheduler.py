@@ -801,6 +801,37 @@ def test_a_positioned_session_gets_room_for_its_next_turn_in_the_idle_window_whi
     assert h.sched.store.lookup("b").positioned is not None and "b" not in h.engine.room
 
 
+def test_room_is_made_in_a_step_of_its_own_after_requests_that_came_meanwhile(tmp_path):
+    """The growth is a copy of the whole KV: a request that arrives during the pre-positioning's last chunk is
+    served first; a request of the session's own drops the task, so no room is made for the state it used."""
+    from prepos.scheduler import ROOM_FRACTION
+
+    system = "You route requests to tools. Tools: get_weather, get_time, set_alarm, send_mail, read_file. " * 6
+    for asker in ("b", "a"):
+        h = Harness(tmp_path, chunk_tokens=10_000)  # the whole pre-positioning in one chunk
+        open_session(h, "b")
+        open_session(h, "a", system)
+        h.idle()
+        target = len(h.engine.kv["a"])  # log, entry and cue
+        h.sched.store.lookup("a").positioned = None  # a pre-positions again: its one chunk costs nothing now
+        h.engine.room.clear()
+        h.sched._idle["a"] = h.sched.store.lookup("a")
+        order = []
+        make_room = h.engine.make_room
+        h.engine.make_room = lambda sid, n: (order.append(("room", sid, n)), make_room(sid, n))
+        sinks = []
+        h.engine.on_compute = lambda: sinks.append(h.submit(h.request(asker, "Hi", max_tokens=1))) if not sinks else None
+        while not sinks or not sinks[0].done:
+            h.sched.run_once()
+            if sinks and sinks[0].done:
+                order.append("answer")
+        h.engine.on_compute = None
+        h.idle()
+        assert order[0] == "answer"
+        made = ("room", "a", target + target // ROOM_FRACTION) in order
+        assert made == (asker == "b")  # a's own request consumed its positioned state: no room for it
+
+
 def test_engine_block_reuse_is_published_as_counters(h):
     from prepos.engines.trtllm import ReuseStats
     from prepos.scheduler import HOUSEKEEPING_INTERVAL_S
