@@ -143,7 +143,7 @@ def hf_eager(model_dir: str, ids: list[int], steps: int, exts: dict[int, list[in
 
 def turn_growth(engine: TorchLlamaEngine, ids: list[int], ext: list[int], device: str, runs: int) -> dict:
     """Seconds of a turn that extends a session by ``ext``: its KV full, so the turn grows it (a copy of the
-    whole KV, paid by the turn), against room made ahead (``make_room``, as the scheduler does after
+    whole KV, paid by the turn), against room made ahead (``reserve``, as the scheduler does after
     pre-positioning), in alternating runs. The session holds ``ids`` cut to whole KV blocks."""
     n = len(ids) - len(ids) % engine.kv_block_tokens
     ids = ids[:n]
@@ -152,7 +152,7 @@ def turn_growth(engine: TorchLlamaEngine, ids: list[int], ext: list[int], device
     for _ in range(runs):
         for which, runs_of in times.items():
             if which == "room":
-                engine.make_room("bench", n + n // 16)
+                engine.reserve("bench", n + n // 16)
             runs_of.append(_timed(lambda: engine.prefill("bench", ids + ext), device))
             engine.truncate("bench", n)  # a full KV again
     engine.release("bench")

@@ -108,7 +108,7 @@ class FakeEngine(Engine):
         self.share_prefixes = share_prefixes  # share_prefix copies what another session holds, as the torch engine
         self.num_shared_tokens = 0
         self.kept: list[tuple[str, int]] = []  # kept prefixes' keys in kv, least recently kept first
-        self.room: dict = {}  # session -> tokens its KV has room for (make_room), counted in kv_bytes
+        self.room: dict = {}  # session -> tokens its KV has room for (reserve), counted in kv_bytes
 
     def _compute(self, session_id, seq: list[int], num_new: int) -> torch.Tensor:
         self.clock.t += self.step_time_s + self.token_time_s * num_new / 2
@@ -196,7 +196,8 @@ class FakeEngine(Engine):
         self.kv.pop(session_id, None)
         self.room.pop(session_id, None)
 
-    def make_room(self, session_id, num_tokens):
+    def reserve_steps(self, session_id, num_tokens):
+        yield  # a step, as the torch engine's copy of a layer
         if session_id in self.kv:
             self.room[session_id] = max(self.room.get(session_id, 0), min(num_tokens, self.info.max_context))
 

@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("prepos.scheduler")
 
 HOUSEKEEPING_INTERVAL_S = 0.5
-ROOM_FRACTION = 16  # a positioned session's KV keeps room for this fraction more of its length (see _make_room)
-ROOM_MIN_TOKENS = 512  # below it a growth's copy costs little (about 1 ms at 576 tokens here), and room costs memory
+RESERVE_FRACTION = 16  # a positioned session's KV keeps room for this fraction more of its length (see _reserve_ahead)
+RESERVE_MIN_TOKENS = 512  # below it a growth's copy costs little (about 1 ms at 576 tokens here), and room costs memory
 _CHUNK_BOUNDARY = object()  # what a pre-positioning task yields between chunks (engine steps yield None)
 
 
@@ -534,19 +534,20 @@ class Scheduler:
         )
         self._residency.note_kv(session, background=True)  # the cached distribution counts against the budget
         self._metrics.prepositioning_ended("completed")
-        yield  # a step of its own: a request that came meanwhile goes before the room is made (a copy of the KV)
-        self._make_room(session, len(target))  # (a request of this session's own has dropped this task)
+        yield from self._reserve_ahead(session, len(target))
 
-    def _make_room(self, session: Session, length: int) -> None:
+    def _reserve_ahead(self, session: Session, length: int) -> Iterator[None]:
         """Let the positioned session's KV hold a sixteenth more than its ``length`` tokens. Where the KV grows by
         a copy (the torch engine on CPU: the whole KV; a turn over 4,000 tokens of SmolLM2 took 1.6x as long
         here when it grew it), the copy is then paid in the idle window instead of by the next request. Only
-        for sessions of ``ROOM_MIN_TOKENS`` or more, and while the budget has room to spare: a quarter of what
-        the session holds."""
+        for sessions of ``RESERVE_MIN_TOKENS`` or more, and while the budget has room to spare: a quarter of what
+        the session holds. The copy runs a layer per step, so a request that comes meanwhile waits no longer than
+        for a layer of a chunk (a request of the session's own drops this task)."""
         ledger = self._residency.kv
-        if session.has_kv and length >= ROOM_MIN_TOKENS \
+        if session.has_kv and length >= RESERVE_MIN_TOKENS \
                 and ledger.used_bytes + self._engine.kv_bytes(session.session_id) // 4 <= ledger.budget_bytes:
-            self._engine.make_room(session.session_id, min(length + length // ROOM_FRACTION, self._max_context))
+            yield from self._engine.reserve_steps(session.session_id,
+                                                  min(length + length // RESERVE_FRACTION, self._max_context))
             self._residency.note_kv(session, background=True)
 
     # --- memory and lifecycle -----------------------------------------

@@ -772,7 +772,7 @@ def test_a_positioned_session_gets_room_for_its_next_turn_in_the_idle_window_whi
     """Where the KV grows by a copy, the copy is made after pre-positioning (a sixteenth more than the KV holds)
     and counted; not when the budget lacks a quarter of the session's KV to spare, nor for a short session;
     answers are the same."""
-    from prepos.scheduler import ROOM_FRACTION, ROOM_MIN_TOKENS
+    from prepos.scheduler import RESERVE_FRACTION, RESERVE_MIN_TOKENS
 
     system = "You route requests to tools. Tools: get_weather, get_time, set_alarm, send_mail, read_file. " * 6
     answers, used, held = [], 0, 0
@@ -788,23 +788,24 @@ def test_a_positioned_session_gets_room_for_its_next_turn_in_the_idle_window_whi
         if tight:
             assert "a" not in h.engine.room and h.sched._residency.kv.used_bytes == used
         else:
-            assert h.engine.room["a"] == held + held // ROOM_FRACTION
+            assert h.engine.room["a"] == held + held // RESERVE_FRACTION
             used = h.sched._residency.kv.used_bytes
             assert used == 100 * h.engine.room["a"] + a.positioned.logits.nbytes  # the room counts
             used -= 100 * (h.engine.room["a"] - held)
         answers.append(h.serve(h.request("a", "Will it rain?", max_tokens=3)))
         assert answers[-1].chunks[0].path == "prepaid"
-    assert answers[0].ids == answers[1].ids and held >= ROOM_MIN_TOKENS
+    assert answers[0].ids == answers[1].ids and held >= RESERVE_MIN_TOKENS
     h = Harness(tmp_path)
-    open_session(h, "b", system[:ROOM_MIN_TOKENS // 2])
+    open_session(h, "b", system[:RESERVE_MIN_TOKENS // 2])
     h.idle()
     assert h.sched.store.lookup("b").positioned is not None and "b" not in h.engine.room
 
 
-def test_room_is_made_in_a_step_of_its_own_after_requests_that_came_meanwhile(tmp_path):
-    """The growth is a copy of the whole KV: a request that arrives during the pre-positioning's last chunk is
-    served first; a request of the session's own drops the task, so no room is made for the state it used."""
-    from prepos.scheduler import ROOM_FRACTION
+def test_room_is_made_in_steps_of_its_own_after_requests_that_came_meanwhile(tmp_path):
+    """The growth is a copy of the whole KV, made in steps: a request that arrives during the pre-positioning's
+    last chunk is served first; a request of the session's own drops the task, so no room is made for the state
+    it used."""
+    from prepos.scheduler import RESERVE_FRACTION
 
     system = "You route requests to tools. Tools: get_weather, get_time, set_alarm, send_mail, read_file. " * 6
     for asker in ("b", "a"):
@@ -817,10 +818,14 @@ def test_room_is_made_in_a_step_of_its_own_after_requests_that_came_meanwhile(tm
         h.engine.room.clear()
         h.sched._idle["a"] = h.sched.store.lookup("a")
         order = []
-        make_room = h.engine.make_room
-        h.engine.make_room = lambda sid, n: (order.append(("room", sid, n)), make_room(sid, n))
+        reserve_steps = h.engine.reserve_steps
+
+        def recorded(sid, n):
+            yield from reserve_steps(sid, n)
+            order.append(("room", sid, n))  # made
+        h.engine.reserve_steps = recorded
         sinks = []
-        h.engine.on_compute = lambda: sinks.append(h.submit(h.request(asker, "Hi", max_tokens=1))) if not sinks else None
+        h.engine.on_compute = lambda: None if sinks else sinks.append(h.submit(h.request(asker, "Hi", max_tokens=1)))
         while not sinks or not sinks[0].done:
             h.sched.run_once()
             if sinks and sinks[0].done:
@@ -828,7 +833,7 @@ def test_room_is_made_in_a_step_of_its_own_after_requests_that_came_meanwhile(tm
         h.engine.on_compute = None
         h.idle()
         assert order[0] == "answer"
-        made = ("room", "a", target + target // ROOM_FRACTION) in order
+        made = ("room", "a", target + target // RESERVE_FRACTION) in order
         assert made == (asker == "b")  # a's own request consumed its positioned state: no room for it
 
 

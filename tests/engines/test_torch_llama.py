@@ -536,7 +536,7 @@ def test_kv_grows_by_a_block_while_short_and_by_an_eighth_once_long(tied):
     assert engine.kv_bytes("t") == 10 * BLOCK * per_token
 
 
-def test_make_room_grows_the_kv_ahead_so_the_next_turn_does_not_copy_it(tied):
+def test_reserve_grows_the_kv_ahead_so_the_next_turn_does_not_copy_it(tied):
     """Room made for a turn ahead: the turn's prefill writes into the same KV (no copy), with the same logits;
     room is never made past max_context, for a session without KV, or smaller than what the KV holds."""
     path, model = tied
@@ -545,18 +545,36 @@ def test_make_room_grows_the_kv_ahead_so_the_next_turn_does_not_copy_it(tied):
     ids = _ids(9 * BLOCK, seed=24)
     engine.prefill("s", ids)
     assert engine.kv_bytes("s") == 9 * BLOCK * per_token  # full: a turn would grow it by a copy
-    engine.make_room("s", 9 * BLOCK + 9 * BLOCK // 16)
+    engine.reserve("s", 9 * BLOCK + 9 * BLOCK // 16)
     kv = engine._sessions["s"].kv
     assert engine.kv_bytes("s") == 11 * BLOCK * per_token  # the growth step: an eighth, rounded up to blocks
     turn = ids + _ids(7, seed=25)
     assert _close(engine.prefill("s", turn), _hf_logits(model, turn)[-1])
     assert engine._sessions["s"].kv is kv
-    engine.make_room("s", 3)
+    engine.reserve("s", 3)
     assert engine.kv_bytes("s") == 11 * BLOCK * per_token
-    engine.make_room("s", 10**6)
+    engine.reserve("s", 10**6)
     assert engine.kv_bytes("s") == engine.info.max_context * per_token
-    engine.make_room("nobody", 100)
+    engine.reserve("nobody", 100)
     assert engine.kv_bytes("nobody") == 0 and engine.cached_token_ids("nobody") == ()
+
+
+def test_reserve_steps_copy_a_layer_at_a_time_and_drop_the_copy_when_the_session_changes_meanwhile(tied):
+    path, model = tied
+    engine = TorchLlamaEngine(path, kv_block_tokens=BLOCK, cpu_kernels=False)
+    ids = _ids(2 * BLOCK, seed=26)
+    engine.prefill("s", ids)
+    kv = engine._sessions["s"].kv
+    steps = engine.reserve_steps("s", 3 * BLOCK)
+    assert sum(1 for _ in steps) == engine.n_layers and engine._sessions["s"].kv is not kv
+    assert engine.kv_bytes("s") == 3 * BLOCK * engine.info.kv_bytes_per_token
+    assert _close(engine.decode("s", 7), _hf_logits(model, [*ids, 7])[-1])  # every layer's rows came along
+    kv = engine._sessions["s"].kv
+    steps = engine.reserve_steps("s", 5 * BLOCK)
+    next(steps)
+    engine.decode("s", 8)  # the session moved on: the half-made copy is dropped, its KV stays
+    assert sum(1 for _ in steps) == engine.n_layers - 1 and engine._sessions["s"].kv is kv
+    assert _close(engine.decode("s", 9), _hf_logits(model, [*ids, 7, 8, 9])[-1])
 
 
 def test_input_validation(tied):

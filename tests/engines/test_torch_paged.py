@@ -288,12 +288,12 @@ def test_kept_prefixes_give_their_pages_to_sessions_that_need_them(tied):
     assert engine.kept_prefix_bytes() == 0 and len(engine._free) == 3
 
 
-def test_make_room_takes_no_pages_ahead(tied):
+def test_reserve_takes_no_pages_ahead(tied):
     path, _ = tied
     engine = _engine(path)
     engine.prefill("s", _ids(9, seed=14))
     pages, free = list(engine._sessions["s"].pages), len(engine._free)
-    engine.make_room("s", 40)
+    engine.reserve("s", 40)
     assert engine._sessions["s"].pages == pages and len(engine._free) == free
 
 

@@ -159,10 +159,18 @@ class Engine(abc.ABC):
     def kv_bytes(self, session_id: str) -> int:
         """Bytes of KV memory the session holds now (allocated capacity, not just used)."""
 
-    def make_room(self, session_id: str, num_tokens: int) -> None:
+    def reserve(self, session_id: str, num_tokens: int) -> None:
         """Let the session's KV hold ``num_tokens`` tokens (at most ``info.max_context``) without growing. An engine
-        whose KV grows by copying it elsewhere grows it now: the scheduler calls this in a session's idle window,
-        so that its next request does not pay that copy. This default does nothing (KV that grows in place)."""
+        whose KV grows by copying it elsewhere grows it now: the scheduler does so in a session's idle window, so
+        that its next request does not pay that copy. Runs :meth:`reserve_steps` through."""
+        for _ in self.reserve_steps(session_id, num_tokens):
+            pass
+
+    def reserve_steps(self, session_id: str, num_tokens: int) -> Generator[None, None, None]:
+        """:meth:`reserve`, yielding between steps of the copy (so that other work can go between them). A session
+        that changes meanwhile keeps its KV as it is. This default does nothing (KV that grows in place)."""
+        return
+        yield
 
     def kv_total_bytes(self) -> int | None:
         """Bytes of KV memory held over all sessions and kept prefixes, where KV that several of them share by

@@ -330,19 +330,33 @@ class TorchLlamaEngine(Engine):
     # ---- KV management -------------------------------------------------------------------
 
     def _ensure_capacity(self, s: _Session, n_tokens: int) -> None:
-        cap = s.kv.shape[3]
-        if n_tokens <= cap:
+        if n_tokens <= s.kv.shape[3]:
             return
-        blocks = -(-max(n_tokens, cap + cap // 8) // self.kv_block_tokens)
-        kv = torch.empty(self._kv_shape(blocks * self.kv_block_tokens), dtype=self.dtype, device=self.device)
+        kv = self._grown_kv(s, n_tokens)
         n = len(s.ids)
         kv[:, :, :, :n] = s.kv[:, :, :, :n]
         s.kv = kv
 
-    def make_room(self, session_id: str, num_tokens: int) -> None:
+    def _grown_kv(self, s: _Session, n_tokens: int) -> torch.Tensor:
+        """An empty KV tensor for the session to grow into: room for ``n_tokens``, and at least an eighth more than
+        it has, in whole blocks."""
+        cap = s.kv.shape[3]
+        blocks = -(-max(n_tokens, cap + cap // 8) // self.kv_block_tokens)
+        return torch.empty(self._kv_shape(blocks * self.kv_block_tokens), dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def reserve_steps(self, session_id: str, num_tokens: int) -> Generator[None, None, None]:
+        """The growth, copied a layer at a time; the session's KV becomes the new one after the last layer, unless
+        it changed meanwhile (then the copy is dropped)."""
         s = self._sessions.get(session_id)
-        if s is not None:
-            self._ensure_capacity(s, min(num_tokens, self.info.max_context))
+        if s is None or min(num_tokens, self.info.max_context) <= s.kv.shape[3]:
+            return
+        kv, old, n = self._grown_kv(s, min(num_tokens, self.info.max_context)), s.kv, len(s.ids)
+        for layer in range(self.n_layers):
+            kv[layer, :, :, :n] = old[layer, :, :, :n]
+            yield
+        if self._sessions.get(session_id) is s and s.kv is old and len(s.ids) == n:
+            s.kv = kv
 
     def _kv_shape(self, capacity: int) -> tuple[int, ...]:
         return (self.n_layers, 2, self.n_kv_heads, capacity, self.head_dim)
@@ -492,7 +506,7 @@ class TorchLlamaEngine(Engine):
             return keep
         s = self._session(session_id)
         if self._donor(s, ids, keep)[1] is None:
-            self.make_room(session_id, len(ids))
+            self.reserve(session_id, len(ids))
             return keep
         try:
             _, shared = self._take(s, ids, keep)  # looked up again: making room may drop a kept prefix

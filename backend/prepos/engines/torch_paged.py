@@ -187,8 +187,10 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         P = self.page_tokens
         self.pool[:, :, dst * P + lo: dst * P + hi] = self.pool[:, :, src * P + lo: src * P + hi]
 
-    def make_room(self, session_id: str, num_tokens: int) -> None:
+    def reserve_steps(self, session_id: str, num_tokens: int):
         """Nothing: a session takes pages as its positions are written, and nothing moves."""
+        return
+        yield
 
     def _slots(self, s: _PagedSession, start: int, end: int) -> torch.Tensor:
         """Flat pool rows of positions ``start..end-1`` (int64, on the device)."""
