@@ -100,8 +100,8 @@ bench-share: $(ENGINE)
 	$(PY) loadtest/share_bench.py $(SHARE_BENCH_ARGS)
 
 # the paged engine's KV pool for BFCL sessions opening alike, prefixes shared by reference against no sharing
-# (out/pool_bench/pool_bench.md); on CUDA where there is one, else on CPU under Triton's interpreter (about a
-# minute and a half here); POOL_BENCH_ARGS="--page-tokens 16" for smaller pages
+# (out/pool_bench/pool_bench.md); on CUDA where there is one, else on CPU under Triton's interpreter (under a
+# minute here); POOL_BENCH_ARGS="--page-tokens 16" for smaller pages
 POOL_BENCH_ARGS ?=
 .PHONY: bench-pool
 bench-pool: $(ENGINE)
