@@ -330,33 +330,30 @@ class TorchLlamaEngine(Engine):
     # ---- KV management -------------------------------------------------------------------
 
     def _ensure_capacity(self, s: _Session, n_tokens: int) -> None:
-        if n_tokens <= s.kv.shape[3]:
-            return
-        kv = self._grown_kv(s, n_tokens)
-        n = len(s.ids)
-        kv[:, :, :, :n] = s.kv[:, :, :, :n]
-        s.kv = kv
+        for _ in self._grow_steps(s, n_tokens):
+            pass
 
-    def _grown_kv(self, s: _Session, n_tokens: int) -> torch.Tensor:
-        """An empty KV tensor for the session to grow into: room for ``n_tokens``, and at least an eighth more than
-        it has, in whole blocks."""
+    def _grow_steps(self, s: _Session, n_tokens: int) -> Generator[None, None, None]:
+        """Grow the session's KV to hold ``n_tokens`` (and at least an eighth more than it has, in whole blocks):
+        a new tensor, the tokens it holds copied a layer per step; it becomes the session's KV after the last
+        layer, unless the KV changed meanwhile (then the copy is dropped)."""
         cap = s.kv.shape[3]
-        blocks = -(-max(n_tokens, cap + cap // 8) // self.kv_block_tokens)
-        return torch.empty(self._kv_shape(blocks * self.kv_block_tokens), dtype=self.dtype, device=self.device)
-
-    @torch.inference_mode()
-    def reserve_steps(self, session_id: str, num_tokens: int) -> Generator[None, None, None]:
-        """The growth, copied a layer at a time; the session's KV becomes the new one after the last layer, unless
-        it changed meanwhile (then the copy is dropped)."""
-        s = self._sessions.get(session_id)
-        if s is None or min(num_tokens, self.info.max_context) <= s.kv.shape[3]:
+        if n_tokens <= cap:
             return
-        kv, old, n = self._grown_kv(s, min(num_tokens, self.info.max_context)), s.kv, len(s.ids)
+        blocks = -(-max(n_tokens, cap + cap // 8) // self.kv_block_tokens)
+        kv = torch.empty(self._kv_shape(blocks * self.kv_block_tokens), dtype=self.dtype, device=self.device)
+        old, n = s.kv, len(s.ids)
         for layer in range(self.n_layers):
             kv[layer, :, :, :n] = old[layer, :, :, :n]
             yield
-        if self._sessions.get(session_id) is s and s.kv is old and len(s.ids) == n:
+        if s.kv is old and len(s.ids) == n:
             s.kv = kv
+
+    @torch.inference_mode()
+    def reserve_steps(self, session_id: str, num_tokens: int) -> Generator[None, None, None]:
+        s = self._sessions.get(session_id)
+        if s is not None:
+            yield from self._grow_steps(s, min(num_tokens, self.info.max_context))
 
     def _kv_shape(self, capacity: int) -> tuple[int, ...]:
         return (self.n_layers, 2, self.n_kv_heads, capacity, self.head_dim)

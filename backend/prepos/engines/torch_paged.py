@@ -156,8 +156,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         give way while the pool is short; without room, :class:`KVPoolExhausted` and nothing changed."""
         P = self.page_tokens
         while True:
-            todo = [i for i in range(start // P, -(-n_tokens // P))
-                    if i >= len(s.pages) or self._holders[s.pages[i]] > 1]
+            todo = self._not_own(s.pages, start, n_tokens)
             if len(todo) <= len(self._free) or not self.drop_kept_prefix():  # kept prefixes give way to sessions
                 break
         if len(todo) > len(self._free):
@@ -174,6 +173,12 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
                 s.epoch += 1
             else:
                 s.pages.append(page)
+
+    def _not_own(self, pages: list[int], start: int, n_tokens: int) -> list[int]:
+        """The indices of the block table ``pages`` that positions ``start..n_tokens-1`` need a page of their own
+        at: past its end, or where its page is held by another table too."""
+        P = self.page_tokens
+        return [i for i in range(start // P, -(-n_tokens // P)) if i >= len(pages) or self._holders[pages[i]] > 1]
 
     def _let_go(self, pages: list[int]) -> None:
         """The pages are no longer held by one table; those no table holds go back to the free list."""
@@ -241,8 +246,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
             pages = s.pages[:keep // P] + donor.pages[keep // P:whole] + s.pages[whole:] if whole > keep // P \
                 else s.pages  # its block table once the donor's pages are in
             write = shared if donor is not None else keep
-            need = sum(1 for i in range(write // P, -(-len(ids) // P))
-                       if i >= len(pages) or self._holders[pages[i]] > 1)
+            need = len(self._not_own(pages, write, len(ids)))
             freed = sum(1 for page in s.pages[keep // P:whole] if self._holders[page] == 1)
             if need <= len(self._free) + freed or not self.drop_kept_prefix():
                 break
