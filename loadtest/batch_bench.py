@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import statistics
 import sys
 import threading
@@ -45,7 +43,7 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import variant_server  # noqa: E402
+from prepos_loadtest.repository import machine, variant_server  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("prepos.batch_bench")
@@ -162,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                     result = wave(server.grpc_url, model, users, args.max_tokens)
                     runs[users][model].append(result)
                     log.info("%d users, %s: %d tokens in %.2f s", users, model, result["tokens"], result["wall_s"])
-    machine = f"{platform.machine()}, {os.cpu_count()} cores"
-    table = summarize(runs, args, machine)
+    table = summarize(runs, args, machine())
     table_file, runs_file = args.out / OUTPUTS[args.mode], args.out / f"runs_{args.mode}.json"
     table_file.write_text(table + "\n")
     runs_file.write_text(json.dumps(runs, indent=1))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ for sub in ("backend", "loadtest"):
 import torch  # noqa: E402
 
 from prepos.template import EngineManifest, Tokenizer  # noqa: E402
-from prepos_loadtest.repository import check_engine_dir, check_out_dir  # noqa: E402
+from prepos_loadtest.repository import check_engine_dir, check_out_dir, machine, write_table  # noqa: E402
 from prepos_loadtest.workloads import bfcl_sessions  # noqa: E402
 
 MB = 1e6
@@ -87,7 +86,7 @@ def summarize(on: dict, off: dict, openings: list[list[int]], page_tokens: int, 
         rows.append(f"| {name} | {r['pool_bytes'] / MB:.1f} MB | {r['named_bytes'] / MB:.1f} MB | {r['computed']} | "
                     f"{r['shared']} |")
     rows += ["", f"Same greedy first token with sharing on and off: {same} of {n}."]
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,11 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     openings = opening_ids(bfcl_sessions(args.sessions), args.engine_dir)
     on = run(args.engine_dir, openings, args.page_tokens, share=True)
     off = run(args.engine_dir, openings, args.page_tokens, share=False)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.processor() or 'CPU'}"
-    text = summarize(on, off, openings, args.page_tokens, f"{device}, {os.cpu_count()} CPUs")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pool_bench.md").write_text(text)
-    print(text, end="")
+    where = f"{torch.cuda.get_device_name()}, {machine()}" if torch.cuda.is_available() else machine()
+    write_table(args.out / "pool_bench.md", summarize(on, off, openings, args.page_tokens, where))
     return 0
 
 

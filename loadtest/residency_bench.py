@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import logging
-import os
-import platform
 import statistics
 import sys
 import time
@@ -37,7 +35,8 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import check_engine_dir, check_out_dir, variant_server  # noqa: E402
+from prepos_loadtest.repository import (  # noqa: E402
+    check_engine_dir, check_out_dir, machine, variant_server, write_table)
 from prepos_loadtest.stats import path_counts, percentile  # noqa: E402
 
 log = logging.getLogger("prepos.residency_bench")
@@ -138,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         for model in models:
             results[model] = run_model(server, model, args.sessions, args.users, args.pause, args.passes)
             log.info("%s: %s", model, results[model])
-    table = summarize(results, args, f"{platform.machine()}, {os.cpu_count()} cores")
-    table_file = args.out / f"{args.mode}_bench.md"
-    table_file.write_text(table + "\n")
-    print(table)
-    print(f"\nwritten: {table_file}")
+    write_table(args.out / f"{args.mode}_bench.md", summarize(results, args, machine()))
     return 0
 
 

@@ -28,8 +28,6 @@ import argparse
 import collections
 import logging
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -42,7 +40,8 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import check_engine_dir, check_out_dir, variant_server  # noqa: E402
+from prepos_loadtest.repository import (  # noqa: E402
+    check_engine_dir, check_out_dir, machine, variant_server, write_table)
 from prepos_loadtest.stats import path_counts, percentile  # noqa: E402
 from prepos_loadtest.workloads import SessionTrace, bfcl_sessions  # noqa: E402
 
@@ -142,12 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     shared, unshared = rounds.values()
     pairs = [(a[0], b[0]) for r1, r2 in zip(shared, unshared) for a, b in zip(r1["answers"], r2["answers"])]
     results = {model: combine(model_rounds, args.sessions) for model, model_rounds in rounds.items()}
-    table = summarize(results, sum(a == b for a, b in pairs), len(pairs), args,
-                      f"{platform.machine()}, {os.cpu_count()} cores")
-    table_file = args.out / f"share_bench_think{args.think:g}{'_close' if args.close else ''}.md"
-    table_file.write_text(table + "\n")
-    print(table)
-    print(f"\nwritten: {table_file}")
+    table = summarize(results, sum(a == b for a, b in pairs), len(pairs), args, machine())
+    write_table(args.out / f"share_bench_think{args.think:g}{'_close' if args.close else ''}.md", table)
     return 0
 
 

@@ -1,9 +1,11 @@
 """Servers for measurements: model repositories of prepos variants side by side, the server of one, its engine
-folder and output folder checked, and free loopback ports."""
+folder and output folder checked, free loopback ports, and the tables written at the end."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import re
 import shutil
 import socket
@@ -42,6 +44,20 @@ def variant_server(run_dir: Path, folder: str, variants: Mapping[str, Mapping[st
     options = ServerOptions(model_repositories=(repo,), grpc_port=grpc_port, http_port=grpc_port + 1,
                             metrics_port=grpc_port + 2, run_dir=run_dir)
     return TritonServer(options, env={"PREPOS_ENGINE_DIR": str(engine_dir.resolve())})
+
+
+def machine() -> str:
+    """The machine, as the benchmark tables name where they were measured."""
+    return f"{platform.machine()}, {os.cpu_count()} cores"
+
+
+def write_table(table_file: Path, table: str) -> None:
+    """Write a benchmark's Markdown table to ``table_file`` (its folder made if need be) and print it, then where
+    it went."""
+    table_file.parent.mkdir(parents=True, exist_ok=True)
+    table_file.write_text(table + "\n")
+    print(table)
+    print(f"\nwritten: {table_file}")
 
 
 def check_engine_dir(parser: argparse.ArgumentParser, engine_dir: Path) -> None:
