@@ -1,16 +1,16 @@
 """How the torch engine lays out and multiplies its CPU matrices, measured: the evidence behind
-``_cpu_chunks``, the host arena and the CPU GEMV kernel.
+``cpu_chunks``, the host arena and the CPU GEMV kernel.
 
 1. For each weight-matrix shape of the model, read bandwidth of a decode GEMV (one
    ``bmm`` over the matrix's column blocks) at several block counts, over one copy
    per layer so the weights come from memory, not cache.
-2. Decode steps of two engines in one process, the packing of ``_cpu_chunks`` and
+2. Decode steps of two engines in one process, the packing of ``cpu_chunks`` and
    one block per thread, in alternating blocks of steps so both see the same
    machine: p50 and p99 of each and the ratio of the p50s.
 3. The same paired decode for the weights in the huge-page host arena
    (``prepos.engines.host_arena``) and in ordinary torch allocations, both on torch's ops.
 4. The same paired decode for the CPU kernels (``prepos.engines.cpu_kernels``, every
-   matrix in 32-column blocks) and torch's ops over ``_cpu_chunks`` (the GEMV kernel
+   matrix in 32-column blocks) and torch's ops over ``cpu_chunks`` (the GEMV kernel
    also gets a column in the sweep of 1).
 5. One token's attention in every layer over a cache of 100 to 6,000 keys: the
    kernel's against SDPA's.
@@ -50,6 +50,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "backend"))
 
+import prepos.engines.llama_weights as llama_weights  # noqa: E402
 import prepos.engines.torch_llama as torch_llama  # noqa: E402
 from prepos.engines import cpu_kernels  # noqa: E402
 from prepos.engines.openmp import release_calling_thread  # noqa: E402
@@ -119,13 +120,13 @@ def paired_decode(engines: dict[str, torch_llama.TorchLlamaEngine], blocks: int,
 
 def chunking_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
     packed = torch_llama.TorchLlamaEngine(model_dir, cpu_kernels=False)
-    rule = torch_llama._cpu_chunks
-    torch_llama._cpu_chunks = lambda out, threads: threads if threads > 1 and out % threads == 0 else 1
+    rule = llama_weights.cpu_chunks
+    llama_weights.cpu_chunks = lambda out, threads: threads if threads > 1 and out % threads == 0 else 1
     try:
         per_thread = torch_llama.TorchLlamaEngine(model_dir, cpu_kernels=False)
     finally:
-        torch_llama._cpu_chunks = rule
-    return {"_cpu_chunks": packed, "one block per thread": per_thread}
+        llama_weights.cpu_chunks = rule
+    return {"cpu_chunks": packed, "one block per thread": per_thread}
 
 
 def page_engines(model_dir: str) -> dict[str, torch_llama.TorchLlamaEngine]:
@@ -369,10 +370,10 @@ def main() -> None:
     probe_dims = dict(kv_heads=probe.n_kv_heads, group=probe.group, head_dim=probe.head_dim)
     del probe
     if "sweep" in parts:
-        print(f"threads={threads}; GEMV read bandwidth, GB/s, by column blocks (* = _cpu_chunks; "
+        print(f"threads={threads}; GEMV read bandwidth, GB/s, by column blocks (* = cpu_chunks; "
               "kernel: the CPU GEMV kernel over 32-column blocks):")
         for name, by_count in gemv_sweep(shapes, layers, args.reps, cpu_kernels.load()).items():
-            chosen = torch_llama._cpu_chunks(shapes[name][1], threads)
+            chosen = llama_weights.cpu_chunks(shapes[name][1], threads)
             cells = "  ".join(f"{c}{'*' if c == chosen else ''}: {gbs:.1f}" for c, gbs in by_count.items())
             print(f"  {name:8s} {shapes[name]}  {cells}")
     kernels = cpu_kernels.load()

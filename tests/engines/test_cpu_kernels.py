@@ -375,7 +375,7 @@ def test_engine_decode_past_several_key_chunks(tmp_path):
 def test_decode_layers_refuses_matrices_it_cannot_read(kernels, tied):
     path, _ = tied
     saved = torch.get_num_threads()
-    try:  # on one thread _cpu_chunks keeps each matrix whole: [1, in, out]
+    try:  # on one thread cpu_chunks keeps each matrix whole: [1, in, out]
         engine = TorchLlamaEngine(path, num_threads=1, cpu_kernels=False)
     finally:
         torch.set_num_threads(saved)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from prepos.engines.torch_llama import TorchLlamaEngine, _cpu_chunks
+from prepos.engines.llama_weights import cpu_chunks
+from prepos.engines.torch_llama import TorchLlamaEngine
 
 ATOL = 1e-4
 BLOCK = 16
@@ -229,7 +230,7 @@ def test_hf_generate_agrees(tied):
     (4, [4, 4, 8, 4, 16]),  # 64 / 32 = 2 blocks would not split over 4 threads: one per thread
 ])
 def test_weight_chunking_and_generic_norm_path(tied, threads, blocks):
-    """Without the CPU kernel, packed matrices follow _cpu_chunks, and every chunking gives transformers' logits."""
+    """Without the CPU kernel, packed matrices follow cpu_chunks, and every chunking gives transformers' logits."""
     path, model = tied
     saved = torch.get_num_threads()
     try:
@@ -253,7 +254,7 @@ def test_weight_chunking_and_generic_norm_path(tied, threads, blocks):
     (100, 2, 2), (101, 2, 1), (960, 1, 1),
 ])
 def test_cpu_chunks(out, threads, chunks):
-    assert _cpu_chunks(out, threads) == chunks
+    assert cpu_chunks(out, threads) == chunks
 
 
 def _drain(steps):
@@ -366,7 +367,7 @@ def test_prefix_sharing_takes_the_longest_holder_and_skips_what_is_gone_short_or
     assert off.num_computed_tokens == 120 and off.num_shared_tokens == 0
     for sid in ("long", "other", "u", "v", "w"):
         engine.release(sid)
-    assert not engine._donors  # releases take their listings with them
+    assert not engine._prefixes  # releases take their listings with them
 
 
 def test_the_longest_holder_is_found_among_many_sessions_with_the_same_start(tied):
@@ -448,7 +449,7 @@ def test_a_closed_sessions_opening_is_kept_for_later_sessions_to_copy(tied):
     assert engine.share_prefix("e", _ids(20, seed=67) + [1]) == 20
     engine.release("e")
     assert engine.drop_kept_prefix() and engine.drop_kept_prefix() and not engine.drop_kept_prefix()  # a's, d's
-    assert engine.kept_prefix_bytes() == 0 and not engine._donors
+    assert engine.kept_prefix_bytes() == 0 and not engine._prefixes
     assert not engine.keep_prefix("nobody", 20)
     off = TorchLlamaEngine(path, kv_block_tokens=BLOCK)  # kept_prefixes 0
     off.prefill("a", opening)

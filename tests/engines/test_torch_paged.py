@@ -170,7 +170,7 @@ def test_a_shared_prefix_is_shared_by_reference_and_written_only_into_own_pages(
     assert _close(engine.decode("c", 6).cpu(), _hf_logits(model, [*prompt, 5, 6])[-1])
     for sid in ("a", "c"):
         engine.release(sid)
-    assert len(engine._free) == free and not engine._donors and engine.kv_total_bytes() == 0
+    assert len(engine._free) == free and not engine._prefixes and engine.kv_total_bytes() == 0
     assert not any(engine._holders)
 
 

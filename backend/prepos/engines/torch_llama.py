@@ -6,18 +6,10 @@ separate functions: prefill runs a block of new tokens causally against a
 session's cached prefix; decode is the one-token hot path, written to keep
 Python and kernel-launch overhead small next to the weight reads that bound it.
 
-Weight layout: the q/k/v projections are fused into one matrix and gate/up
-into another, so a layer issues four matmuls, and each RMSNorm weight is folded
-into the matrix it feeds. A matrix is stored as ``[chunks, in, out/chunks]``:
-column blocks, each contiguous. A decode GEMV is then one ``bmm`` whose batch
-is the chunks, which torch spreads over its threads; a plain ``mv`` keeps one
-core streaming and reads weights ~25% slower on a 2-core CPU. On CPU the chunk
-count follows the output width (:func:`_cpu_chunks`): wide matrices get one chunk
-per thread, narrow ones 32-column chunks, the shape MKL's batched small GEMV
-reads fastest (``loadtest/chunking_bench.py``: on a 2-core EPYC, SmolLM2-135M's
-q/k/v, o and down matrices read at 11-16 GB/s in 2 chunks and at 20-38 GB/s in
-32-column ones, and a decode step took 12-22% less). Elsewhere a matrix is one chunk. The embedding of tied
-checkpoints is read out of the lm_head's chunks, so that matrix is held once.
+The checkpoint is read and packed by :mod:`prepos.engines.llama_weights` (fused
+q/k/v and gate/up matrices with the RMSNorm weights folded in, stored in column
+blocks); sessions' shared prefixes are found through
+:mod:`prepos.engines.prefix_index`.
 
 Numerics: float32 logits agree with transformers' float32 ones to ~1e-4 absolute
 on a 135M model (float32 rounding; both are that close to a float64 reference).
@@ -26,58 +18,21 @@ on a 135M model (float32 rounding; both are that close to a float64 reference).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Generator, Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from prepos.engines.base import (Engine, EngineInfo, KVCapacityError, check_decode_batch, check_prefill_batch,
                                  common_prefix_length)
 from prepos.engines import cpu_kernels as kernels_lib
-from prepos.engines.host_arena import HostArena, huge_page_bytes, thp_mode
+from prepos.engines.host_arena import huge_page_bytes, thp_mode
+from prepos.engines.llama_weights import DTYPES, pack_weights, read_config, rope_tables
+from prepos.engines.prefix_index import SHARED_MIN_TOKENS, Donor, PrefixIndex
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-SHARED_MIN_TOKENS = 16
-"""The shortest prefix looked for in other sessions' KV (and the first point sessions are listed at)."""
-SHARE_STRIDE = 64
-"""Past the first ``SHARED_MIN_TOKENS``, sessions are listed at every multiple of this many tokens: under a hash of
-their tokens up to there (chained, so one hash per point)."""
-SHARE_LISTED_TOKENS = 4096
-"""Sessions are listed up to this many tokens; a longer shared prefix is still copied whole once found."""
-SHARE_CANDIDATES = 8
-"""Donors compared per lookup (the most recently listed first), among those listed at the deepest point."""
-
-
-def _prefix_hashes(ids: Sequence[int], n: int) -> list[int]:
-    """Chained hashes of ``ids[:b]`` for each listing point ``b <= min(n, SHARE_LISTED_TOKENS)``: 16, 64, 128, ..."""
-    hashes, h, start = [], 0, 0
-    end = min(n, SHARE_LISTED_TOKENS)
-    b = SHARED_MIN_TOKENS
-    while b <= end:
-        h = hash((h, tuple(ids[start:b])))
-        hashes.append(h)
-        start, b = b, (b // SHARE_STRIDE + 1) * SHARE_STRIDE
-    return hashes
-
-
-def _cpu_chunks(out: int, threads: int) -> int:
-    """Column blocks of a CPU matrix with ``out`` outputs: one per thread where each block is at least 1024
-    columns wide, else 32-column blocks when they split evenly over the threads, else one per thread; a
-    single block on one thread or where the threads do not divide ``out``."""
-    if threads < 2 or out % threads:
-        return 1
-    narrow = out // 32
-    if out // threads < 1024 and out % 32 == 0 and narrow % threads == 0:
-        return narrow
-    return threads
 
 
 @dataclass
@@ -85,39 +40,6 @@ class _Session:
     kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
     ids: list[int] = field(default_factory=list)
     listed: list[int] = field(default_factory=list)  # the prefix hashes it is listed under as a donor
-
-
-def _read_config(model_dir: str) -> dict:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-    if "LlamaForCausalLM" not in archs:
-        raise ValueError(f"{model_dir}: architectures {archs} is not LlamaForCausalLM")
-    rope_params = cfg.get("rope_parameters") or {}
-    for scaling in (cfg.get("rope_scaling"), rope_params):
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if scaling and kind != "default":
-            raise ValueError(f"{model_dir}: rope scaling {scaling!r} is not supported (only plain RoPE)")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ValueError(f"{model_dir}: projection biases are not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{model_dir}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    cfg["rope_theta"] = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    return cfg
-
-
-def _load_tensors(model_dir: str) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors, from one ``model.safetensors`` or an indexed set of shards."""
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        shards = ["model.safetensors"]
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        tensors.update(load_file(os.path.join(model_dir, shard)))
-    return tensors
 
 
 class TorchLlamaEngine(Engine):
@@ -158,26 +80,27 @@ class TorchLlamaEngine(Engine):
         share_prefixes: bool = True,
         kept_prefixes: int = 0,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if kv_block_tokens <= 0:
             raise ValueError("kv_block_tokens must be positive")
         if kept_prefixes < 0:
             raise ValueError(f"kept_prefixes must be >= 0, got {kept_prefixes}")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        cfg = _read_config(model_dir)
+        cfg = read_config(model_dir)
         self.device = torch.device(device)
         if self.device.type == "cuda":
             # cuDNN's attention builds a plan per new shape (hundreds of ms): every new delta length would pay
             # it. Flash and memory-efficient attention need none. (Process-wide, like torch's own switch.)
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.dtype = _DTYPES[dtype]
+        self.dtype = DTYPES[dtype]
         self.kv_block_tokens = kv_block_tokens
         self.num_computed_tokens = 0
         self.share_prefixes = share_prefixes
         self.num_shared_tokens = 0
-        self._donors: dict[int, dict[object, object]] = {}  # prefix hash -> the sessions listed under it, by key
+        self._sessions: dict[str | tuple[str, int], _Session] = {}  # sessions, and kept prefixes by their keys
+        self._prefixes = PrefixIndex(self._sessions)  # the donors of shared prefixes
         self.kept_prefixes = kept_prefixes
         self._kept: dict[tuple[str, int], None] = {}  # kept prefixes' keys in _sessions, least recently copied first
         self._kept_keys = itertools.count()
@@ -204,7 +127,6 @@ class TorchLlamaEngine(Engine):
                    for on in (self._kernel_attention, self._kernel_prefill_attention)))
         self._load_weights(model_dir, tie=cfg.get("tie_word_embeddings", False), host_arena=host_arena)
         self._build_rope(cfg["rope_theta"], max_context)
-        self._sessions: dict[str | tuple[str, int], _Session] = {}  # sessions, and kept prefixes by their keys
         elem = torch.empty((), dtype=self.dtype).element_size()
         read = [*self.wqkv, *self.wo, *self.wgu, *self.wdown, self.ln_final, self.lm_head]
         self.info = EngineInfo(
@@ -221,52 +143,12 @@ class TorchLlamaEngine(Engine):
     # ---- loading -------------------------------------------------------------------------
 
     def _load_weights(self, model_dir: str, *, tie: bool, host_arena: bool) -> None:
-        sd = _load_tensors(model_dir)
-        dev, dt = self.device, self.dtype
-        threads = torch.get_num_threads() if dev.type == "cpu" else 1
-        if not tie and "lm_head.weight" not in sd:
-            log.warning("%s: untied config but no lm_head.weight; using the embedding", model_dir)
-            tie = True
-        # Each packed matrix: the checkpoint tensors stacked along outputs, and the RMSNorm weight folded
-        # into its rows (times sqrt(hidden), see _rms_scale), so a norm is one scale factor per token.
-        specs: list[tuple[tuple[str, ...], str | None]] = []
-        for i in range(self.n_layers):
-            p = f"model.layers.{i}."
-            specs += [(tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"), p + "input_layernorm.weight"),
-                      ((p + "self_attn.o_proj.weight",), None),
-                      ((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), p + "post_attention_layernorm.weight"),
-                      ((p + "mlp.down_proj.weight",), None)]
-        specs.append((("model.embed_tokens.weight" if tie else "lm_head.weight",), None))
-        arena = None
-        if dev.type == "cpu" and host_arena:
-            elem = torch.empty((), dtype=dt).element_size()
-            arena = HostArena(HostArena.size_for([sum(sd[n].numel() for n in names) * elem for names, _ in specs]))
-        root_n = float(self.hidden) ** 0.5
-
-        def pack(names: tuple[str, ...], norm: str | None) -> torch.Tensor:
-            w = torch.cat([sd.pop(n).float() for n in names], 0)  # [out, in]
-            if norm is not None:
-                w = w * (sd.pop(norm).float() * root_n)[None, :]
-            out, d_in = w.shape
-            c = out // kernels_lib.BLOCK if self._kernels and out % kernels_lib.BLOCK == 0 else _cpu_chunks(out, threads)
-            # [out, in] -> [c, in, out/c]: block j holds outputs j*out/c.., so a flat view of the
-            # bmm result [c, 1, out/c] is the output vector in order
-            blocks = w.view(c, out // c, d_in).transpose(1, 2)
-            if arena is None:
-                return blocks.contiguous().to(device=dev, dtype=dt)
-            return arena.take(blocks.shape, dt).copy_(blocks)
-
-        # Untied: the embedding is kept [vocab, hidden] for row gathers and never read whole (popped
-        # before packing; a tied one is popped by the lm_head's pack).
-        self.embed = None if tie else sd.pop("model.embed_tokens.weight").to(device=dev, dtype=dt)
-        packed = [pack(names, norm) for names, norm in specs]
-        L = self.n_layers
-        self.wqkv, self.wo, self.wgu, self.wdown = (packed[k : 4 * L : 4] for k in range(4))
-        self.lm_head = packed[-1]  # [c, hidden, vocab/c]
-        self.ln_final = sd.pop("model.norm.weight").to(device=dev, dtype=dt)
-        sd.pop("lm_head.weight", None)
-        if sd:
-            log.warning("%s: ignoring unexpected tensors %s", model_dir, sorted(sd)[:5])
+        packed = pack_weights(model_dir, num_layers=self.n_layers, hidden=self.hidden, tie=tie, device=self.device,
+                              dtype=self.dtype, kernel_block=kernels_lib.BLOCK if self._kernels else None,
+                              host_arena=host_arena)
+        self.embed, self.lm_head, self.ln_final = packed.embed, packed.lm_head, packed.ln_final
+        self.wqkv, self.wo, self.wgu, self.wdown = packed.wqkv, packed.wo, packed.wgu, packed.wdown
+        dev, dt, arena = self.device, self.dtype, packed.arena
         self._decode_layers = None
         if self._kernel_attention:
             try:
@@ -311,17 +193,8 @@ class TorchLlamaEngine(Engine):
         return y if residual is None else residual + y
 
     def _build_rope(self, theta: float, max_context: int) -> None:
-        # Same float32 recipe as transformers' default RoPE so logits match it closely.
-        hd = self.head_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
-        freqs = torch.arange(max_context, dtype=torch.float)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_context, hd]
-        sin = emb.sin()
-        half = hd // 2
-        # rotate_half(x) * sin == roll(x, half) * sin_signed: folds the negation into the table.
-        sin[:, :half].neg_()
-        self.cos = emb.cos().to(self.device, self.dtype)  # [max_context, hd]
-        self.sin_signed = sin.to(self.device, self.dtype)  # [max_context, hd]
+        hd, half = self.head_dim, self.head_dim // 2
+        self.cos, self.sin_signed = rope_tables(theta, hd, max_context, self.device, self.dtype)  # [max_context, hd]
         # Decode applies RoPE at one position as x @ R with R = diag(cos) + roll_matrix * sin_signed:
         # built once per step, then one matmul per layer instead of three elementwise ops.
         self._eye = torch.eye(hd, device=self.device, dtype=self.dtype)
@@ -388,7 +261,7 @@ class TorchLlamaEngine(Engine):
     def release(self, session_id: str) -> None:
         s = self._sessions.pop(session_id, None)
         if s is not None:
-            self._unlist(session_id, s)
+            self._prefixes.unlist(session_id, s)
 
     def kv_bytes(self, session_id: str) -> int:
         s = self._sessions.get(session_id)
@@ -502,7 +375,7 @@ class TorchLlamaEngine(Engine):
         except ValueError:  # the prefill of these ids reports what is wrong with them
             return keep
         s = self._session(session_id)
-        if self._donor(s, ids, keep)[1] is None:
+        if self._donor(s, ids, keep) is None:
             self.reserve(session_id, len(ids))
             return keep
         try:
@@ -524,12 +397,12 @@ class TorchLlamaEngine(Engine):
             return False
         ids = s.ids[:num_tokens]
         if (not self.share_prefixes or not self.kept_prefixes or len(ids) < SHARED_MIN_TOKENS
-                or self._donor(s, ids, 0, limit=len(ids))[2] == len(ids)):
+                or ((held := self._donor(s, ids, 0, limit=len(ids))) is not None and held.num_tokens == len(ids))):
             self.release(session_id)
             return False
         for key in [k for k in self._kept if common_prefix_length(self._sessions[k].ids, ids) == len(self._sessions[k].ids)]:
             self._drop_kept(key)
-        self._unlist(session_id, s)
+        self._prefixes.unlist(session_id, s)
         key = ("kept", next(self._kept_keys))  # no session id is a tuple
         self._sessions[key] = self._sessions.pop(session_id)
         self.truncate(key, len(ids))  # the blocks past it go
@@ -562,68 +435,30 @@ class TorchLlamaEngine(Engine):
         self._ensure_capacity(s, len(ids))
         kv = s.kv
         del s.ids[keep:]
-        _, donor, shared = self._donor(s, ids, keep)
+        donor = self._donor(s, ids, keep)
         if donor is None:
             return kv, keep
-        kv[:, :, :, keep:shared] = donor.kv[:, :, :, keep:shared]
+        shared = donor.num_tokens
+        kv[:, :, :, keep:shared] = donor.holder.kv[:, :, :, keep:shared]
         s.ids.extend(ids[keep:shared])
         self.num_shared_tokens += shared - keep
         return kv, shared
 
-    def _donor(self, s, ids: list[int], keep: int, limit: int | None = None) -> tuple[object, object | None, int]:
-        """The key and session of the listed session or kept prefix (other than ``s``) whose KV holds the longest
-        prefix of ``ids``, at most ``limit`` tokens (default: short of the last token, which a prefill computes
-        for its logits), and that prefix's length, when it is longer than ``keep``; else ``(None, None,
-        keep)``. Candidates are those listed at the deepest listing point of ``ids`` that has any; listings
-        whose session has gone are dropped on the way; a kept prefix found becomes the most recently copied."""
-        limit = len(ids) - 1 if limit is None else limit
-        if not self.share_prefixes or limit <= keep or limit < SHARED_MIN_TOKENS:
-            return None, None, keep
-        for h in reversed(_prefix_hashes(ids, limit)):
-            listed = self._donors.get(h)
-            if not listed:
-                continue
-            best_key, best, best_length, compared = None, None, keep, 0
-            for key, other in reversed(list(listed.items())):
-                if self._sessions.get(key) is not other:
-                    del listed[key]
-                    continue
-                if other is s:
-                    continue
-                length = min(common_prefix_length(other.ids, ids), limit)
-                if length > best_length:
-                    best_key, best, best_length = key, other, length
-                compared += 1
-                if best_length == limit or compared == SHARE_CANDIDATES:
-                    break
-            if not listed:
-                del self._donors[h]
-            if compared:  # the deepest point with another session listed: no shallower one holds more
-                if best_key in self._kept:
-                    self._kept[best_key] = self._kept.pop(best_key)
-                return best_key, best, best_length
-        return None, None, keep
+    def _donor(self, s, ids: list[int], keep: int, limit: int | None = None) -> Donor | None:
+        """The session or kept prefix other than ``s`` whose KV holds the longest prefix of ``ids`` longer than
+        ``keep``, of at most ``limit`` tokens (default: short of the last token, which a prefill computes for its
+        logits); None with sharing off or none found. A kept prefix found becomes the most recently copied."""
+        if not self.share_prefixes:
+            return None
+        donor = self._prefixes.longest(s, ids, keep, len(ids) - 1 if limit is None else limit)
+        if donor is not None and donor.key in self._kept:
+            self._kept[donor.key] = self._kept.pop(donor.key)
+        return donor
 
     def _list(self, key, s) -> None:
-        """List the session (or kept prefix) as a donor under the hashes of its prefixes, as its KV holds them now."""
-        if not self.share_prefixes:
-            return
-        hashes = _prefix_hashes(s.ids, len(s.ids))
-        same = common_prefix_length(s.listed, hashes)
-        self._unlist(key, s, same)
-        for h in hashes[same:]:
-            self._donors.setdefault(h, {})[key] = s
-        s.listed = hashes
-
-    def _unlist(self, key, s, keep: int = 0) -> None:
-        """Take the session off its listings past the first ``keep``."""
-        for h in s.listed[keep:]:
-            listed = self._donors.get(h)
-            if listed is not None and listed.get(key) is s:
-                del listed[key]
-                if not listed:
-                    del self._donors[h]
-        del s.listed[keep:]
+        """List the session (or kept prefix) as a donor, as its KV holds it now."""
+        if self.share_prefixes:
+            self._prefixes.list(key, s)
 
     def _still_reserved(self, s: _Session, kv: torch.Tensor) -> bool:
         """Whether ``kv`` (from ``_take``) is still the session's KV: nothing truncated or regrew it since."""

@@ -221,7 +221,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
     def release(self, session_id: str) -> None:
         s = self._sessions.pop(session_id, None)
         if s is not None:
-            self._unlist(session_id, s)
+            self._prefixes.unlist(session_id, s)
             self._let_go(s.pages)
             s.pages.clear()
             s.epoch += 1
@@ -241,7 +241,8 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         pages it will write are its own (:meth:`_own`). All or nothing."""
         P = self.page_tokens
         while True:
-            _, donor, shared = self._donor(s, ids, keep)
+            found = self._donor(s, ids, keep)
+            donor, shared = (found.holder, found.num_tokens) if found is not None else (None, keep)
             whole = shared // P if donor is not None else 0  # the donor's pages below this are referenced
             pages = s.pages[:keep // P] + donor.pages[keep // P:whole] + s.pages[whole:] if whole > keep // P \
                 else s.pages  # its block table once the donor's pages are in
