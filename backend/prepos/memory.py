@@ -80,7 +80,7 @@ class KvLedger:
     def over_budget(self) -> bool:
         return self.used_bytes > self.budget_bytes
 
-    def victims(self, sessions: Iterable[Session], *, protect: Session, older_than: float | None,
+    def victims(self, sessions: Iterable[Session], *, protect: Session | None, older_than: float | None,
                 now_s: float) -> list[Session]:
         """Idle sessions holding KV, in eviction order; ``older_than`` keeps more recently active ones out."""
         candidates = [

@@ -139,10 +139,22 @@ class Residency:
         session.has_kv, session.evicted = True, False
         self._record(session)
         self._record_kept()  # the engine may have dropped some to make room
+        self._free_idle(protect=session, older_than=session.last_active_s if background else None)
+        if background and self.kv.over_budget:
+            self.evict(session)
+
+    def fit(self) -> None:
+        """Over the budget, free idle sessions' state in the order of the module docstring until under it, or
+        until only sessions being served hold KV. For when a request ends: while every session holding KV was
+        being served, the budget could not be kept, and nothing else would bring it back under until the next
+        session's KV changes."""
+        self._record_kept()
+        self._free_idle(protect=None, older_than=None)
+
+    def _free_idle(self, *, protect: Session | None, older_than: float | None) -> None:
         if not self.kv.over_budget:
             return
-        older_than = session.last_active_s if background else None
-        victims = self.kv.victims(self.store, protect=session, older_than=older_than, now_s=self._clock())
+        victims = self.kv.victims(self.store, protect=protect, older_than=older_than, now_s=self._clock())
         for victim in victims:
             if not self.kv.over_budget:
                 return
@@ -152,8 +164,6 @@ class Residency:
             if not self.kv.over_budget:
                 return
             self.evict(victim)
-        if background and self.kv.over_budget:
-            self.evict(session)
 
     def _record_kept(self) -> None:
         """Record the kept prefixes' bytes; over the budget, drop them, least recently copied first."""

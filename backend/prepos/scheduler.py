@@ -493,6 +493,7 @@ class Scheduler:
             finally:
                 session.serving = session.ending = False
                 session.last_active_s = self._clock()
+                self._residency.fit()
         if self.store.get(session.session_id) is session and session.token_log and not session.positioned_valid():
             self._idle[session.session_id] = session
             self._went_idle = True

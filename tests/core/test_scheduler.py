@@ -25,7 +25,7 @@ class Harness:
     def __init__(self, tmp_path, *, threshold=2.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True,
                  background_delay_ms=0.0, context_overflow="reject", max_log_tokens=0, journal=None, speculative_delta="",
                  gate_kw=None, max_sessions=100, idle_timeout_s=600.0, max_decode_batch=32, max_prefill_batch=16,
-                 max_prefill_batch_tokens=512, stream_interval=1, eviction_policy="lru", **engine_kw):
+                 max_prefill_batch_tokens=512, stream_interval=1, eviction_policy="lru", preposition=True, **engine_kw):
         gate_kw = gate_kw or {}
         self.clock = FakeClock()
         self.engine = FakeEngine(clock=self.clock, **engine_kw)
@@ -34,7 +34,8 @@ class Harness:
         self.metrics = Metrics()
         self.sched = Scheduler(
             engine=self.engine, tokenizer=self.tok, framing=self.framing,
-            config=SchedulerConfig(chunk_tokens=chunk_tokens, retain_kv=retain_kv, background_delay_ms=background_delay_ms,
+            config=SchedulerConfig(preposition=preposition, chunk_tokens=chunk_tokens, retain_kv=retain_kv,
+                                   background_delay_ms=background_delay_ms,
                                    context_overflow=context_overflow, session_idle_timeout_s=idle_timeout_s,
                                    max_decode_batch=max_decode_batch, max_prefill_batch=max_prefill_batch,
                                    max_prefill_batch_tokens=max_prefill_batch_tokens, stream_interval=stream_interval),
@@ -102,6 +103,27 @@ def open_session(h, sid="s1", text="You are a tool router.", role="system"):
     sink = h.serve(h.request(sid, text, start=True, max_tokens=0, role=role))
     assert sink.chunks[-1].finish_reason == "appended"
     return sink
+
+
+def choice_reference(h, prompt, choices) -> str:
+    """The greedy constrained answer to ``prompt`` among ``choices``: the trie walked over full prefills."""
+    seq = list(prompt)
+    candidates = [h.tok.encode(c) for c in choices]
+    out = []
+    while True:
+        live = [c for c in candidates if c[:len(out)] == out]
+        allowed = sorted({c[len(out)] for c in live if len(c) > len(out)} | ({IM_END} if out in live and len(live) > 1 else set()))
+        if not allowed:
+            break
+        logits = hashed_logits(seq, h.engine.info.vocab_size)
+        token = allowed[int(np.argmax(logits[allowed]))] if len(allowed) > 1 else allowed[0]
+        if token == IM_END:
+            break
+        out.append(token)
+        seq.append(token)
+        if out in live and not any(len(c) > len(out) and c[:len(out)] == out for c in live):
+            break
+    return h.tok.decode(out)
 
 
 def expected(h, sid, text, max_tokens=8, role="user"):
@@ -294,24 +316,7 @@ def test_choices_answer_matches_constrained_reference(h):
     open_session(h)
     prompt = h.prompt("s1", "answer")
     sink = h.serve(h.request("s1", "answer", choices=choices))
-    # reference: walk the trie greedily over full prefills
-    seq = list(prompt)
-    candidates = [h.tok.encode(c) for c in choices]
-    out = []
-    while True:
-        live = [c for c in candidates if c[:len(out)] == out]
-        allowed = sorted({c[len(out)] for c in live if len(c) > len(out)} | ({IM_END} if out in live and len(live) > 1 else set()))
-        if not allowed:
-            break
-        logits = hashed_logits(seq, h.engine.info.vocab_size)
-        token = allowed[int(np.argmax(logits[allowed]))] if len(allowed) > 1 else allowed[0]
-        if token == IM_END:
-            break
-        out.append(token)
-        seq.append(token)
-        if out in live and not any(len(c) > len(out) and c[:len(out)] == out for c in live):
-            break
-    assert sink.text == h.tok.decode(out) and sink.text in choices
+    assert sink.text == choice_reference(h, prompt, choices) and sink.text in choices
 
 
 @pytest.mark.parametrize("choice", ["get_weather", "y"])

@@ -174,6 +174,29 @@ def test_five_hundred_sessions_under_a_small_budget_all_answer_like_a_stateless_
     assert h.metrics.sink.get("prepos_requests_total", path="prepaid") > 0  # pre-positioned sessions were served
 
 
+def test_the_budget_passed_while_every_session_was_served_is_kept_again_once_one_is_idle(tmp_path):
+    # room for 250 tokens of KV; two sessions of about 150 each, their questions served together
+    h = Harness(tmp_path, kv_budget=100 * 250, preposition=False)
+    ledger = h.sched._residency.kv
+    open_session(h, sid="a", text="a" * 120)
+    open_session(h, sid="b", text="b" * 120)  # appended only: without pre-positioning, prefilled by the question
+    first, second = h.submit(h.request("a", "one?", max_tokens=3)), h.submit(h.request("b", "two?", max_tokens=3))
+    over = False
+    for _ in range(1000):
+        if first.done and second.done:
+            break
+        h.sched.run_once()
+        serving = [s for s in h.sched.store if s.serving]
+        if ledger.used_bytes > ledger.budget_bytes:
+            over = True  # only while both are served: neither may be evicted then
+            assert all(s.serving or not s.has_kv for s in h.sched.store), [s.session_id for s in serving]
+    assert first.error is None and second.error is None and over
+    # both answered: one gave its KV back, without waiting for another request to make it
+    assert ledger.used_bytes <= ledger.budget_bytes
+    assert len([s for s in h.sched.store if s.has_kv]) == 1
+    assert h.metrics.sink.get("prepos_kv_evictions_total", what="kv") == 1
+
+
 def test_idle_sessions_time_out_even_while_the_loop_is_always_busy(tmp_path):
     h = Harness(tmp_path, idle_timeout_s=5.0)
     open_session(h, sid="abandoned")

@@ -1,0 +1,180 @@
+"""Random interleavings of many sessions' requests on the fake engine, every answer checked against a reference.
+
+Each run draws a few hundred actions from a seeded generator: sessions opened (ids reused after they end, some
+with the same system turn, so that their prefixes are shared), questions (free or over ``choices``), appends,
+ends, a few steps of the engine loop at a time (so that requests of different sessions overlap, batch together
+and cut pre-positioning short), idle time, and now and then the loop run until it has nothing left to do. A session has at most one request in flight, so its expected
+answer is known when it is sent: the greedy answer of a stateless prefill of its log, as the test's own model of
+that log holds it. Checked as it goes: every answer, every log (against the model), the KV budget (passed only
+while the sessions being served hold more than it); at the end, no
+request left unanswered and no KV left behind.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fakes import IM_END, CollectSink
+from test_scheduler import Harness, choice_reference
+
+SYSTEMS = ("You route tool calls.", "You answer yes or no.", "sys")
+WORDS = ("get", "weather", "in", "Paris", "now", "alarm", "7am", "list", "files", "ok", "")
+CHOICES = (("yes", "no"), ("yes", "no", "yesterday"), ("get_weather", "get_time", "set_alarm"))
+MAX_LOG = 1500  # a session past this many tokens is ended (the fake engine's context is 4096)
+
+CONFIGS = {
+    # the defaults: room for every session's KV
+    "roomy": dict(),
+    # a KV budget for a few sessions (evictions, rebuilds, speculative state dropped), prefill in layer steps
+    # (a request waits a layer, not a prefill), small chunks, shared prefixes
+    "tight": dict(kv_budget=100 * 900, num_layers=3, chunk_tokens=8, share_prefixes=True),
+    # one session per decode and prefill step, room made and dropped between
+    "unbatched": dict(max_decode_batch=1, max_prefill_batch=1, kv_budget=100 * 1500, share_prefixes=True),
+}
+
+
+class Run:
+    def __init__(self, tmp_path, seed: int, config: dict):
+        self.h = Harness(tmp_path, max_sessions=64, **config)
+        self.rng = random.Random(seed)
+        self.model: dict[str, list[int]] = {}  # open session -> its token log, as this test expects it
+        self.in_flight: dict[str, tuple[CollectSink, dict]] = {}  # session -> its request's sink and expectation
+        self.closed: list[str] = []
+        self.next_id = 0
+        self.answered = 0
+        self.paths: set[str] = set()
+
+    # ---- actions ---------------------------------------------------------------------------
+
+    def idle_session(self) -> str | None:
+        idle = [sid for sid in self.model if sid not in self.in_flight]
+        return self.rng.choice(idle) if idle else None
+
+    def send(self, sid: str, text: str, expect: dict, **kw) -> None:
+        sink = self.h.submit(self.h.request(sid, text, **kw))
+        self.in_flight[sid] = (sink, expect)
+
+    def start(self) -> None:
+        if self.closed and self.rng.random() < 0.5:
+            sid = self.closed.pop(self.rng.randrange(len(self.closed)))  # an id used before
+        else:
+            sid, self.next_id = f"s{self.next_id}", self.next_id + 1
+        text = self.rng.choice(SYSTEMS)
+        turn = [*self.h.framing.entry_ids["system"], *self.h.tok.encode(text), *self.h.framing.close_ids]
+        self.model[sid] = []
+        self.send(sid, text, {"log": turn, "append": True}, start=True, max_tokens=0, role="system")
+
+    def ask(self, sid: str) -> None:
+        text = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(0, 3))).strip()
+        role = self.rng.choice(("user", "user", "tool"))
+        log = self.model[sid]
+        prompt = [*log, *self.h.framing.opening_ids(not log, role), *self.h.framing.entry_ids[role],
+                  *self.h.tok.encode(text), *self.h.framing.cue_ids]
+        if self.rng.random() < 0.25:
+            choices = self.rng.choice(CHOICES)
+            answer = choice_reference(self.h, prompt, choices)
+            ids = self.h.tok.encode(answer)
+            expect = {"text": answer, "log": prompt[len(log):] + ids + list(self.h.framing.answer_terminator_ids)}
+            self.send(sid, text, expect, role=role, choices=choices, max_tokens=8)
+            return
+        max_tokens = self.rng.randint(1, 6)
+        reference = self.h.reference(prompt, max_tokens)
+        ids = [t for t in reference if t != IM_END]
+        expect = {"ids": ids, "log": prompt[len(log):] + ids + list(self.h.framing.answer_terminator_ids)}
+        self.send(sid, text, expect, role=role, max_tokens=max_tokens)
+
+    def append(self, sid: str) -> None:
+        text = self.rng.choice([w for w in WORDS if w]) + " " + self.rng.choice(WORDS)
+        role = self.rng.choice(("user", "tool", "system"))
+        log = self.model[sid]
+        turn = [*self.h.framing.opening_ids(not log, role), *self.h.framing.entry_ids[role],
+                *self.h.tok.encode(text.strip()), *self.h.framing.close_ids]
+        self.send(sid, text.strip(), {"log": turn, "append": True}, role=role, max_tokens=0)
+
+    def end(self, sid: str) -> None:
+        self.send(sid, None, {"log": [], "append": True, "end": True}, end=True, max_tokens=0)
+
+    def step(self) -> None:
+        r = self.rng.random()
+        sid = self.idle_session()
+        if r < 0.06 or not self.model:
+            if len(self.model) < 12:
+                self.start()
+        elif r < 0.30 and sid is not None:
+            self.ask(sid)
+        elif r < 0.38 and sid is not None:
+            self.append(sid)
+        elif r < 0.41 and sid is not None:
+            self.end(sid)
+        elif r < 0.85:
+            for _ in range(self.rng.randint(1, 6)):
+                self.h.sched.run_once()
+        elif r < 0.93:
+            self.h.clock.t += self.rng.choice((0.01, 0.5, 3.0))
+            self.h.sched.run_once()
+        else:
+            self.h.idle()  # everything answered and every session positioned
+        self.check()
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    def check(self) -> None:
+        for sid, (sink, expect) in list(self.in_flight.items()):
+            if not sink.done:
+                continue
+            del self.in_flight[sid]
+            assert sink.error is None, (sid, sink.error)
+            if expect.get("append"):
+                assert sink.chunks[-1].finish_reason == ("closed" if expect.get("end") else "appended"), sid
+            elif "ids" in expect:
+                assert sink.ids == expect["ids"], (sid, sink.path)
+            else:
+                assert sink.text == expect["text"], (sid, sink.path)
+            if not expect.get("append"):
+                self.answered += 1
+                self.paths.add(sink.path)
+            if expect.get("end"):
+                del self.model[sid]
+                self.closed.append(sid)
+                assert self.h.sched.store.get(sid) is None
+                continue
+            self.model[sid] = self.model[sid] + expect["log"]
+            if len(self.model[sid]) > MAX_LOG and sid not in self.in_flight:
+                self.end(sid)
+        for sid, log in self.model.items():
+            if sid not in self.in_flight:
+                assert self.h.log(sid) == log, sid
+        # Over the budget only while the sessions being served hold more than it: nothing else is left to free
+        ledger = self.h.sched._residency.kv
+        if ledger.used_bytes > ledger.budget_bytes:
+            assert self.h.engine.kept_prefix_bytes() == 0
+            for session in self.h.sched.store:
+                assert not session.has_kv or session.serving or session.pending, session.session_id
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", range(4))
+def test_random_interleavings_answer_like_a_stateless_prefill(tmp_path, seed, config):
+    run = Run(tmp_path, seed, CONFIGS[config])
+    for _ in range(400):
+        run.step()
+    for sid in list(run.model):  # finish what is in flight, then end every session
+        for _ in range(10_000):
+            if sid not in run.in_flight:
+                break
+            run.h.sched.run_once()
+            run.check()
+        if sid in run.model:  # not ended already, for its length
+            run.end(sid)
+    run.h.idle()
+    run.check()
+    assert not run.in_flight and not run.model
+    assert run.answered >= 40 and {"prefix", "prepaid", "exact"} <= run.paths, (run.answered, run.paths)
+    if CONFIGS[config].get("kv_budget"):
+        assert run.h.metrics.sink.get("prepos_kv_evictions_total", what="kv") > 0
+        assert "rebuild" in run.paths
+    engine = run.h.engine
+    assert set(engine.kv) == set(engine.kept)  # every session's KV released; only kept openings stay
+    assert run.h.sched._residency.kv.used_bytes == engine.kept_prefix_bytes()
