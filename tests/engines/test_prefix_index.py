@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prepos.engines.prefix_index import SHARE_CANDIDATES, SHARED_MIN_TOKENS, PrefixIndex, prefix_hashes
+from prepos.engines.prefix_index import SHARE_CANDIDATES, SHARED_MIN_TOKENS, PrefixIndex, listing_points, prefix_hashes
 
 
 @dataclass
@@ -29,6 +29,8 @@ def test_listing_points():
     assert len(prefix_hashes(BASE, 16)) == 1  # 16
     assert len(prefix_hashes(BASE, 200)) == 4  # 16, 64, 128, 192
     assert prefix_hashes(BASE, 130)[:2] == prefix_hashes(BASE + [1, 2], 64)  # chained: a prefix's hashes lead
+    long = list(range(5000))
+    assert all(listing_points(n) == len(prefix_hashes(long, n)) for n in range(0, 5000, 7))
 
 
 def test_the_longest_prefix_wins_and_no_holder_is_its_own_donor():

@@ -38,6 +38,12 @@ def prefix_hashes(ids: Sequence[int], n: int) -> list[int]:
     return hashes
 
 
+def listing_points(n: int) -> int:
+    """How many listing points lie within the first ``n`` tokens: ``len(prefix_hashes(ids, n))``, without hashing."""
+    n = min(n, SHARE_LISTED_TOKENS)
+    return 0 if n < SHARED_MIN_TOKENS else 1 + n // SHARE_STRIDE
+
+
 class Holder(Protocol):
     """What the index reads and keeps of an engine's per-session state."""
 

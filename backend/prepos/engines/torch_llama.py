@@ -30,7 +30,7 @@ from prepos.engines.base import (Engine, EngineInfo, KVCapacityError, check_deco
 from prepos.engines import cpu_kernels as kernels_lib
 from prepos.engines.host_arena import huge_page_bytes, thp_mode
 from prepos.engines.llama_weights import DTYPES, pack_weights, read_config, rope_tables
-from prepos.engines.prefix_index import SHARED_MIN_TOKENS, Donor, PrefixIndex
+from prepos.engines.prefix_index import SHARED_MIN_TOKENS, Donor, PrefixIndex, listing_points
 
 log = logging.getLogger(__name__)
 
@@ -349,8 +349,11 @@ class TorchLlamaEngine(Engine):
         keep = common_prefix_length(s.ids, ids)
         if keep == len(ids):
             keep -= 1  # everything cached: recompute the last token for its logits
-        # The ids shrink before the first yield, so a generator closed part-way leaves a consistent prefix.
+        # The ids shrink before the first yield, so a generator closed part-way leaves a consistent prefix, and so
+        # do its listings: it is not a donor of tokens it no longer holds (until the end relists it).
+        held = keep
         kv, keep = self._take(s, ids, keep)
+        self._prefixes.unlist(session_id, s, listing_points(held))
         new = ids[keep:]
         logits = yield from self._prefill_forward(kv, keep, torch.tensor(new, device=self.device))
         if self._sessions.get(session_id) is s:
