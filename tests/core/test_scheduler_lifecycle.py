@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from fakes import IM_END, hashed_logits
@@ -43,6 +44,28 @@ def test_a_cancelled_request_stops_engine_work_and_leaves_the_log_unchanged(tmp_
     open_session(h, sid="twin")
     want = h.serve(h.request("twin", "short one", max_tokens=3)).ids
     assert h.serve(h.request("s1", "short one", max_tokens=3)).ids == want
+
+
+@pytest.mark.parametrize("text, threshold, path", [("", None, "exact"), ("a question", 0.0, "gated")])
+def test_a_request_stopped_mid_answer_leaves_no_positioned_state_that_its_tokens_overwrote(tmp_path, text, threshold,
+                                                                                          path):
+    h = Harness(tmp_path, logits_fn=endless_logits)
+    open_session(h)
+    h.idle()  # positioned: the KV holds log + entry + cue
+    log_before = h.log("s1")
+    sink = h.submit(h.request("s1", text, max_tokens=5, gate_threshold=threshold))
+    while len(sink.chunks) < 2:  # its first token, and a second decoded onto the KV
+        h.sched.run_once()
+    assert sink.path == path
+    sink.client_gone = True
+    run_until(h, sink)
+    assert sink.error.status is Status.CANCELLED and h.log("s1") == log_before
+    # the next question is answered as a stateless prefill of the unchanged log, not from a KV that holds the
+    # stopped answer's tokens past the positioned state
+    seq, want = h.prompt("s1", ""), []
+    for _ in range(4):
+        want.append(int(np.argmax(endless_logits(seq + want, h.engine.info.vocab_size))))
+    assert h.serve(h.request("s1", "", max_tokens=4)).ids == want
 
 
 def test_a_request_past_its_deadline_stops_with_a_deadline_error(tmp_path):

@@ -17,6 +17,7 @@ import random
 import pytest
 
 from fakes import IM_END, CollectSink
+from prepos.protocol import Status
 from test_scheduler import Harness, choice_reference
 
 SYSTEMS = ("You route tool calls.", "You answer yes or no.", "sys")
@@ -43,7 +44,7 @@ class Run:
         self.in_flight: dict[str, tuple[CollectSink, dict]] = {}  # session -> its request's sink and expectation
         self.closed: list[str] = []
         self.next_id = 0
-        self.answered = 0
+        self.answered = self.stopped = 0
         self.paths: set[str] = set()
 
     # ---- actions ---------------------------------------------------------------------------
@@ -53,8 +54,17 @@ class Run:
         return self.rng.choice(idle) if idle else None
 
     def send(self, sid: str, text: str, expect: dict, **kw) -> None:
+        if not kw.get("start") and not kw.get("end") and self.rng.random() < 0.12:
+            kw["deadline_s"] = self.h.clock() + self.rng.choice((0.001, 0.01, 0.05, 0.3))
+            expect["may_stop"] = True  # by its deadline, unless it is answered first
         sink = self.h.submit(self.h.request(sid, text, **kw))
         self.in_flight[sid] = (sink, expect)
+
+    def cancel(self) -> None:
+        stoppable = [sid for sid, (_, expect) in self.in_flight.items() if not expect.get("append")]
+        if stoppable:
+            sink, expect = self.in_flight[self.rng.choice(stoppable)]
+            sink.client_gone, expect["may_stop"] = True, True
 
     def start(self) -> None:
         if self.closed and self.rng.random() < 0.5:
@@ -83,6 +93,12 @@ class Run:
         reference = self.h.reference(prompt, max_tokens)
         ids = [t for t in reference if t != IM_END]
         expect = {"ids": ids, "log": prompt[len(log):] + ids + list(self.h.framing.answer_terminator_ids)}
+        if self.rng.random() < 0.3:  # the gate always fires: answered from the distribution positioned without it
+            speculative = [*prompt[:len(prompt) - len(self.h.framing.cue_ids) - len(self.h.tok.encode(text))],
+                           *self.h.framing.cue_ids]
+            expect.update(prompt_part=prompt[len(log):], gated_first=self.h.reference(speculative, 1)[0])
+            self.send(sid, text, expect, role=role, max_tokens=max_tokens, gate_threshold=0.0)
+            return
         self.send(sid, text, expect, role=role, max_tokens=max_tokens)
 
     def append(self, sid: str) -> None:
@@ -108,6 +124,8 @@ class Run:
             self.append(sid)
         elif r < 0.41 and sid is not None:
             self.end(sid)
+        elif r < 0.43:
+            self.cancel()
         elif r < 0.85:
             for _ in range(self.rng.randint(1, 6)):
                 self.h.sched.run_once()
@@ -125,11 +143,24 @@ class Run:
             if not sink.done:
                 continue
             del self.in_flight[sid]
-            assert sink.error is None, (sid, sink.error)
+            if sink.error is not None:  # stopped: its turn was not accepted
+                assert expect.get("may_stop") and sink.error.status in (Status.CANCELLED, Status.DEADLINE_EXCEEDED), (
+                    sid, sink.error)
+                if sink.chunks and sink.path == "gated":
+                    assert sink.ids[:1] == [expect["gated_first"]][:len(sink.ids)], sid
+                else:
+                    assert sink.ids == expect.get("ids", sink.ids)[:len(sink.ids)], sid  # what it streamed was right
+                self.stopped += 1
+                continue
+            if sink.path == "gated":
+                assert expect.get("gated_first") is not None, sid
+                assert (sink.ids or [IM_END])[0] == expect["gated_first"], sid
+                expect["ids"] = sink.ids
+                expect["log"] = expect["prompt_part"] + sink.ids + list(self.h.framing.answer_terminator_ids)
             if expect.get("append"):
                 assert sink.chunks[-1].finish_reason == ("closed" if expect.get("end") else "appended"), sid
             elif "ids" in expect:
-                assert sink.ids == expect["ids"], (sid, sink.path)
+                assert sink.ids == expect["ids"], (sid, sink.path, sink.chunks[-1].finish_reason, expect.get("may_stop"), sink.client_gone)
             else:
                 assert sink.text == expect["text"], (sid, sink.path)
             if not expect.get("append"):
@@ -154,10 +185,8 @@ class Run:
                 assert not session.has_kv or session.serving or session.pending, session.session_id
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("seed", range(4))
-def test_random_interleavings_answer_like_a_stateless_prefill(tmp_path, seed, config):
-    run = Run(tmp_path, seed, CONFIGS[config])
+def _run(tmp_path, seed: int, config: dict) -> Run:
+    run = Run(tmp_path, seed, config)
     for _ in range(400):
         run.step()
     for sid in list(run.model):  # finish what is in flight, then end every session
@@ -171,10 +200,22 @@ def test_random_interleavings_answer_like_a_stateless_prefill(tmp_path, seed, co
     run.h.idle()
     run.check()
     assert not run.in_flight and not run.model
-    assert run.answered >= 40 and {"prefix", "prepaid", "exact"} <= run.paths, (run.answered, run.paths)
-    if CONFIGS[config].get("kv_budget"):
-        assert run.h.metrics.sink.get("prepos_kv_evictions_total", what="kv") > 0
-        assert "rebuild" in run.paths
     engine = run.h.engine
     assert set(engine.kv) == set(engine.kept)  # every session's KV released; only kept openings stay
     assert run.h.sched._residency.kv.used_bytes == engine.kept_prefix_bytes()
+    return run
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_random_interleavings_answer_like_a_stateless_prefill(tmp_path, config):
+    paths, answered, stopped, evictions = set(), 0, 0, 0
+    for seed in range(4):
+        run = _run(tmp_path, seed, CONFIGS[config])
+        paths |= run.paths
+        answered, stopped = answered + run.answered, stopped + run.stopped
+        evictions += run.h.metrics.sink.get("prepos_kv_evictions_total", what="kv")
+    # what the runs went through, together
+    assert answered >= 160 and stopped > 0
+    assert {"prefix", "prepaid", "exact", "gated"} <= paths, paths
+    if CONFIGS[config].get("kv_budget"):
+        assert evictions > 0 and "rebuild" in paths

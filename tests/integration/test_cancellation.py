@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 from prepos_client import Client, PreposError, PreposTimeout
 
 from .conftest import start_server
-from .test_server import eventually
+from .test_server import eventually, wait_positioned
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +102,22 @@ def test_a_call_the_client_timed_out_is_stopped_by_the_server_and_changes_nothin
         eventually(lambda: server.metric("prepos_requests_abandoned_total", reason="deadline") > abandoned)
         again = session.ask("Say hello.", max_tokens=8)
         assert again.token_ids == twin.ask("Say hello.", max_tokens=8).token_ids  # the timed-out turn is not in the log
+
+
+def test_an_exact_answer_stopped_mid_stream_leaves_the_next_answer_right(server):
+    """An answer from the positioned state writes its tokens into the KV past that state; stopped before its
+    turn is accepted, it must not leave the state behind for the next request to decode on top of them."""
+    abandoned = server.metric("prepos_requests_abandoned_total", reason="deadline")
+    with Client(server.grpc_url) as client, client.session() as session, client.session() as twin:
+        for s in (session, twin):
+            completed = server.metric("prepos_prepositionings_total", result="completed")
+            s.append(SYSTEM, role="system")
+            wait_positioned(server, completed)
+        with pytest.raises(PreposTimeout):
+            session.ask("", max_tokens=400, timeout_s=0.3)  # exact: the positioned state's own answer
+        eventually(lambda: server.metric("prepos_requests_abandoned_total", reason="deadline") > abandoned)
+        again, want = session.ask("", max_tokens=12), twin.ask("", max_tokens=12)
+        assert want.path == "exact" and again.token_ids == want.token_ids
 
 
 def test_a_timed_out_call_that_carried_end_closes_the_session_on_both_sides(server):
