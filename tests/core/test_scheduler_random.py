@@ -5,7 +5,8 @@ with the same system turn, so that their prefixes are shared), questions (free o
 ends, a few steps of the engine loop at a time (so that requests of different sessions overlap, batch together
 and cut pre-positioning short), idle time, and now and then the loop run until it has nothing left to do. A session has at most one request in flight, so its expected
 answer is known when it is sent: the greedy answer of a stateless prefill of its log, as the test's own model of
-that log holds it. Checked as it goes: every answer, every log (against the model), the KV budget (passed only
+that log holds it. With journals, the server is also restarted now and then, and each session's journal must
+hold exactly its acknowledged turns. Checked as it goes: every answer, every log (against the model), the KV budget (passed only
 while the sessions being served hold more than it); at the end, no
 request left unanswered and no KV left behind.
 """
@@ -17,6 +18,7 @@ import random
 import pytest
 
 from fakes import IM_END, CollectSink
+from prepos.journal import SessionJournal
 from prepos.protocol import Status
 from test_scheduler import Harness, choice_reference
 
@@ -33,13 +35,20 @@ CONFIGS = {
     "tight": dict(kv_budget=100 * 900, num_layers=3, chunk_tokens=8, share_prefixes=True),
     # one session per decode and prefill step, room made and dropped between
     "unbatched": dict(max_decode_batch=1, max_prefill_batch=1, kv_budget=100 * 1500, share_prefixes=True),
+    # session journals, and the server restarted now and then: what was in flight is lost, every session reopens
+    # from its journal (START with resume) with the turns acknowledged before
+    "restarts": dict(journaled=True, kv_budget=100 * 1500),
 }
 
 
 class Run:
     def __init__(self, tmp_path, seed: int, config: dict):
-        self.h = Harness(tmp_path, max_sessions=64, **config)
+        self.tmp_path, self.config = tmp_path, dict(config)
+        self.journal_dir = tmp_path / f"journal-{seed}" if self.config.pop("journaled", False) else None
+        self.h = self.server()
         self.rng = random.Random(seed)
+        self.resume: set[str] = set()  # sessions the restarted server does not hold yet
+        self.restarts = 0
         self.model: dict[str, list[int]] = {}  # open session -> its token log, as this test expects it
         self.in_flight: dict[str, tuple[CollectSink, dict]] = {}  # session -> its request's sink and expectation
         self.closed: list[str] = []
@@ -47,14 +56,34 @@ class Run:
         self.answered = self.stopped = 0
         self.paths: set[str] = set()
 
+    def server(self) -> Harness:
+        journal = SessionJournal(self.journal_dir, fsync=False) if self.journal_dir else None
+        return Harness(self.tmp_path, max_sessions=64, journal=journal, **self.config)
+
     # ---- actions ---------------------------------------------------------------------------
+
+    def restart(self) -> None:
+        """The server goes away between two engine steps and a new one starts on the same journals."""
+        if any(expect.get("append") for _, expect in self.in_flight.values()):
+            return  # a START or END in flight: whether it took effect is the client's to find out
+        journal = self.h.sched._residency._journal
+        for sid, log in self.model.items():  # what was acknowledged, exactly
+            assert journal.recover(sid).token_log == log, sid
+        self.in_flight.clear()  # their turns were not accepted: the models stand
+        self.h = self.server()
+        self.resume = set(self.model)
+        self.restarts += 1
 
     def idle_session(self) -> str | None:
         idle = [sid for sid in self.model if sid not in self.in_flight]
         return self.rng.choice(idle) if idle else None
 
     def send(self, sid: str, text: str, expect: dict, **kw) -> None:
-        if not kw.get("start") and not kw.get("end") and self.rng.random() < 0.12:
+        if sid in self.resume:
+            self.resume.discard(sid)
+            kw.update(start=True, resume=True)
+            expect["resumed"] = True
+        elif not kw.get("start") and not kw.get("end") and self.rng.random() < 0.12:
             kw["deadline_s"] = self.h.clock() + self.rng.choice((0.001, 0.01, 0.05, 0.3))
             expect["may_stop"] = True  # by its deadline, unless it is answered first
         sink = self.h.submit(self.h.request(sid, text, **kw))
@@ -126,6 +155,8 @@ class Run:
             self.end(sid)
         elif r < 0.43:
             self.cancel()
+        elif r < 0.45 and self.journal_dir:
+            self.restart()
         elif r < 0.85:
             for _ in range(self.rng.randint(1, 6)):
                 self.h.sched.run_once()
@@ -166,6 +197,7 @@ class Run:
             if not expect.get("append"):
                 self.answered += 1
                 self.paths.add(sink.path)
+                assert sink.path == "rebuild" or not expect.get("resumed"), (sid, sink.path)
             if expect.get("end"):
                 del self.model[sid]
                 self.closed.append(sid)
@@ -175,7 +207,7 @@ class Run:
             if len(self.model[sid]) > MAX_LOG and sid not in self.in_flight:
                 self.end(sid)
         for sid, log in self.model.items():
-            if sid not in self.in_flight:
+            if sid not in self.in_flight and sid not in self.resume:
                 assert self.h.log(sid) == log, sid
         # Over the budget only while the sessions being served hold more than it: nothing else is left to free
         ledger = self.h.sched._residency.kv
@@ -203,19 +235,24 @@ def _run(tmp_path, seed: int, config: dict) -> Run:
     engine = run.h.engine
     assert set(engine.kv) == set(engine.kept)  # every session's KV released; only kept openings stay
     assert run.h.sched._residency.kv.used_bytes == engine.kept_prefix_bytes()
+    if run.journal_dir:
+        assert SessionJournal(run.journal_dir).session_ids() == []  # every END deleted its journal
     return run
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_random_interleavings_answer_like_a_stateless_prefill(tmp_path, config):
-    paths, answered, stopped, evictions = set(), 0, 0, 0
+    paths, answered, stopped, evictions, restarts = set(), 0, 0, 0, 0
     for seed in range(4):
         run = _run(tmp_path, seed, CONFIGS[config])
         paths |= run.paths
         answered, stopped = answered + run.answered, stopped + run.stopped
         evictions += run.h.metrics.sink.get("prepos_kv_evictions_total", what="kv")
+        restarts += run.restarts
     # what the runs went through, together
     assert answered >= 160 and stopped > 0
     assert {"prefix", "prepaid", "exact", "gated"} <= paths, paths
     if CONFIGS[config].get("kv_budget"):
         assert evictions > 0 and "rebuild" in paths
+    if CONFIGS[config].get("journaled"):
+        assert restarts >= 4
