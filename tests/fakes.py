@@ -70,6 +70,25 @@ def write_engine_dir(path: Path) -> Path:
     return path
 
 
+def write_tiny_llama(path, *, tie: bool, max_context: int = 256):
+    """A tiny random Llama checkpoint (2 layers, vocabulary 512) at ``path``; returns the transformers model. Its
+    weights are widened past the default initialization's, whose near-uniform logits would let mismatches hide
+    in noise (and greedy choices sit on near-ties)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_context,
+                         tie_word_embeddings=tie)
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
 def hashed_logits(seq: Sequence[int], vocab: int) -> np.ndarray:
     """Pseudo-random logits determined by the last 8 tokens and the length; ends answers now and then."""
     digest = hashlib.blake2b(np.asarray(seq[-8:], dtype=np.int64).tobytes() + len(seq).to_bytes(4, "little")).digest()

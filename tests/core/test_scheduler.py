@@ -25,10 +25,14 @@ class Harness:
     def __init__(self, tmp_path, *, threshold=2.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True,
                  background_delay_ms=0.0, context_overflow="reject", max_log_tokens=0, journal=None, speculative_delta="",
                  gate_kw=None, max_sessions=100, idle_timeout_s=600.0, max_decode_batch=32, max_prefill_batch=16,
-                 max_prefill_batch_tokens=512, stream_interval=1, eviction_policy="lru", preposition=True, **engine_kw):
+                 max_prefill_batch_tokens=512, stream_interval=1, eviction_policy="lru", preposition=True, engine=None,
+                 reference_logits=None, **engine_kw):
+        """``engine``: a real one instead of the fake, with ``reference_logits(sequence)`` its stateless logits
+        (a NumPy row) for :meth:`reference`."""
         gate_kw = gate_kw or {}
         self.clock = FakeClock()
-        self.engine = FakeEngine(clock=self.clock, **engine_kw)
+        self.engine = engine if engine is not None else FakeEngine(clock=self.clock, **engine_kw)
+        self.logits_of = reference_logits or (lambda seq: hashed_logits(seq, self.engine.info.vocab_size))
         self.tok = char_tokenizer(tmp_path)
         self.framing = chatml_framing(self.tok)
         self.metrics = Metrics()
@@ -77,7 +81,7 @@ class Harness:
         """Stateless greedy decoding from a full prefill of ``sequence``."""
         seq, out = list(sequence), []
         while len(out) < max_tokens:
-            token = int(np.argmax(hashed_logits(seq, self.engine.info.vocab_size)))
+            token = int(np.argmax(self.logits_of(seq)))
             out.append(token)
             seq.append(token)
             if token == IM_END:
@@ -115,7 +119,7 @@ def choice_reference(h, prompt, choices) -> str:
         allowed = sorted({c[len(out)] for c in live if len(c) > len(out)} | ({IM_END} if out in live and len(live) > 1 else set()))
         if not allowed:
             break
-        logits = hashed_logits(seq, h.engine.info.vocab_size)
+        logits = h.logits_of(seq)
         token = allowed[int(np.argmax(logits[allowed]))] if len(allowed) > 1 else allowed[0]
         if token == IM_END:
             break

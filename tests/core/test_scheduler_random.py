@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from fakes import IM_END, CollectSink
+from fakes import IM_END, CollectSink, write_tiny_llama
 from prepos.journal import SessionJournal
 from prepos.protocol import Status
 from test_scheduler import Harness, choice_reference
@@ -38,6 +38,9 @@ CONFIGS = {
     # session journals, and the server restarted now and then: what was in flight is lost, every session reopens
     # from its journal (START with resume) with the turns acknowledged before
     "restarts": dict(journaled=True, kv_budget=100 * 1500),
+    # the torch engine itself (a tiny random Llama, 512 bytes of KV per token) under a budget for a few sessions,
+    # with shared prefixes and kept openings, against its own stateless prefill
+    "torch": dict(torch_engine=True, kv_budget=512 * 900, chunk_tokens=8),
 }
 
 
@@ -58,7 +61,16 @@ class Run:
 
     def server(self) -> Harness:
         journal = SessionJournal(self.journal_dir, fsync=False) if self.journal_dir else None
-        return Harness(self.tmp_path, max_sessions=64, journal=journal, **self.config)
+        config = dict(self.config)
+        if config.pop("torch_engine", False):
+            config.update(_torch_engines(self.tmp_path))
+        return Harness(self.tmp_path, max_sessions=64, journal=journal, **config)
+
+    def run_once(self) -> None:
+        """One step of the engine loop; the fake engine moves the clock as it computes, a real one by 5 ms."""
+        if self.config.get("torch_engine"):
+            self.h.clock.t += 0.005
+        self.h.sched.run_once()
 
     # ---- actions ---------------------------------------------------------------------------
 
@@ -122,10 +134,14 @@ class Run:
         reference = self.h.reference(prompt, max_tokens)
         ids = [t for t in reference if t != IM_END]
         expect = {"ids": ids, "log": prompt[len(log):] + ids + list(self.h.framing.answer_terminator_ids)}
-        if self.rng.random() < 0.3:  # the gate always fires: answered from the distribution positioned without it
+        if self.rng.random() < 0.3:  # the gate always fires: the first token from the distribution positioned
+            # without the delta, the rest after it
             speculative = [*prompt[:len(prompt) - len(self.h.framing.cue_ids) - len(self.h.tok.encode(text))],
                            *self.h.framing.cue_ids]
-            expect.update(prompt_part=prompt[len(log):], gated_first=self.h.reference(speculative, 1)[0])
+            first = self.h.reference(speculative, 1)[0]
+            rest = self.h.reference(prompt + [first], max_tokens - 1) if first != IM_END and max_tokens > 1 else []
+            expect.update(prompt_part=prompt[len(log):], gated_first=first,
+                          gated_ids=[t for t in [first, *rest] if t != IM_END])
             self.send(sid, text, expect, role=role, max_tokens=max_tokens, gate_threshold=0.0)
             return
         self.send(sid, text, expect, role=role, max_tokens=max_tokens)
@@ -159,10 +175,10 @@ class Run:
             self.restart()
         elif r < 0.85:
             for _ in range(self.rng.randint(1, 6)):
-                self.h.sched.run_once()
+                self.run_once()
         elif r < 0.93:
             self.h.clock.t += self.rng.choice((0.01, 0.5, 3.0))
-            self.h.sched.run_once()
+            self.run_once()
         else:
             self.h.idle()  # everything answered and every session positioned
         self.check()
@@ -186,6 +202,7 @@ class Run:
             if sink.path == "gated":
                 assert expect.get("gated_first") is not None, sid
                 assert (sink.ids or [IM_END])[0] == expect["gated_first"], sid
+                assert sink.ids == expect["gated_ids"], (sid, "gated continuation")
                 expect["ids"] = sink.ids
                 expect["log"] = expect["prompt_part"] + sink.ids + list(self.h.framing.answer_terminator_ids)
             if expect.get("append"):
@@ -217,6 +234,23 @@ class Run:
                 assert not session.has_kv or session.serving or session.pending, session.session_id
 
 
+def _torch_engines(tmp_path) -> dict:
+    """The engine served, and the reference: a second engine prefilling each sequence whole in a fresh session."""
+    from prepos.engines.torch_llama import TorchLlamaEngine
+
+    path = tmp_path / "tiny-llama"
+    if not path.exists():
+        write_tiny_llama(path, tie=True, max_context=4096)
+    engine = TorchLlamaEngine(str(path), kv_block_tokens=16, kept_prefixes=2)
+    stateless = TorchLlamaEngine(str(path), share_prefixes=False)
+
+    def reference_logits(seq):
+        stateless.release("reference")
+        return stateless.prefill("reference", list(seq)).numpy()
+
+    return dict(engine=engine, reference_logits=reference_logits)
+
+
 def _run(tmp_path, seed: int, config: dict) -> Run:
     run = Run(tmp_path, seed, config)
     for _ in range(400):
@@ -225,7 +259,7 @@ def _run(tmp_path, seed: int, config: dict) -> Run:
         for _ in range(10_000):
             if sid not in run.in_flight:
                 break
-            run.h.sched.run_once()
+            run.run_once()
             run.check()
         if sid in run.model:  # not ended already, for its length
             run.end(sid)
@@ -233,7 +267,10 @@ def _run(tmp_path, seed: int, config: dict) -> Run:
     run.check()
     assert not run.in_flight and not run.model
     engine = run.h.engine
-    assert set(engine.kv) == set(engine.kept)  # every session's KV released; only kept openings stay
+    if config.get("torch_engine"):  # every session's KV released; only kept openings stay
+        assert all(isinstance(key, tuple) for key in engine._sessions) and engine.num_shared_tokens > 0
+    else:
+        assert set(engine.kv) == set(engine.kept)
     assert run.h.sched._residency.kv.used_bytes == engine.kept_prefix_bytes()
     if run.journal_dir:
         assert SessionJournal(run.journal_dir).session_ids() == []  # every END deleted its journal
