@@ -425,6 +425,10 @@ class Scheduler:
         """Prefill the full path of an audited gated answer in the session's own KV (a prefix of its new log)
         and compare its first decided token with the gated one."""
         session = audit.session
+        if session.positioned is not None:  # positioned first: the audit rewrites the KV that state lives in
+            session.positioned = None
+            self._metrics.prepositioning_ended("invalidated")
+            self._idle[session.session_id] = session  # positioned again after the audit
         num_cached = common_prefix_length(self._engine.cached_token_ids(session.session_id), audit.prompt_ids)
         logits = yield from self._engine.prefill_steps(session.session_id, list(audit.prompt_ids))
         self._metrics.prefilled("background", max(1, len(audit.prompt_ids) - num_cached))

@@ -6,7 +6,7 @@ import numpy as np
 
 from fakes import IM_END
 from prepos.gate_watch import min_audits
-from test_scheduler import Harness, open_session
+from test_scheduler import Harness, expected, open_session
 
 WATCH = {"watch_fraction": 1.0, "epsilon": 0.05, "confidence": 0.95}
 
@@ -70,3 +70,27 @@ def test_no_watch_no_audits(tmp_path):
     h.idle()
     assert h.metrics.sink.get("prepos_gate_audits_total", result="agreed") == 0
     assert h.metrics.sink.get("prepos_gate_audits_total", result="disagreed") == 0
+
+
+def test_an_audit_after_the_session_was_positioned_again_leaves_its_next_answer_right(tmp_path):
+    """The audit prefills the full path in the session's own KV. When the session was positioned again first (it
+    went idle while another session's long pre-positioning ran, and the idle policy took it first), the audit
+    rewrites the KV that positioned state lives in: the state goes, and the session is positioned again after."""
+    h = Harness(tmp_path, threshold=0.0, gate_kw={"watch_fraction": 1.0})
+    open_session(h, sid="a")
+    h.idle()
+    open_session(h, sid="b", text="a long system turn " * 20)  # its pre-positioning takes many chunks
+    while h.sched._prep is None:
+        h.sched.run_once()
+    sink = h.serve(h.request("a", "what now?", max_tokens=1))  # while b's pre-positioning is under way
+    assert sink.path == "gated" and h.sched._audits  # its audit waits for the background
+    while h.sched._audits:
+        positioned = h.sched.store.get("a").positioned is not None
+        h.sched.run_once()
+    assert positioned  # the policy positioned a again before its audit started
+    h.idle()
+    assert h.metrics.sink.get("prepos_gate_audits_total", result="agreed") + \
+        h.metrics.sink.get("prepos_gate_audits_total", result="disagreed") == 1
+    want = expected(h, "a", "", max_tokens=4)
+    answer = h.serve(h.request("a", "", max_tokens=4))
+    assert answer.path == "exact" and answer.ids == want

@@ -28,8 +28,8 @@ CHOICES = (("yes", "no"), ("yes", "no", "yesterday"), ("get_weather", "get_time"
 MAX_LOG = 1500  # a session past this many tokens is ended (the fake engine's context is 4096)
 
 CONFIGS = {
-    # the defaults: room for every session's KV
-    "roomy": dict(),
+    # room for every session's KV; every gated answer audited against the full path in the background
+    "roomy": dict(gate_kw={"watch_fraction": 1.0}),
     # a KV budget for a few sessions (evictions, rebuilds, speculative state dropped), prefill in layer steps
     # (a request waits a layer, not a prefill), small chunks, shared prefixes
     "tight": dict(kv_budget=100 * 900, num_layers=3, chunk_tokens=8, share_prefixes=True),
@@ -40,7 +40,7 @@ CONFIGS = {
     "restarts": dict(journaled=True, kv_budget=100 * 1500),
     # the torch engine itself (a tiny random Llama, 512 bytes of KV per token) under a budget for a few sessions,
     # with shared prefixes and kept openings, against its own stateless prefill
-    "torch": dict(torch_engine=True, kv_budget=512 * 900, chunk_tokens=8),
+    "torch": dict(torch_engine=True, kv_budget=512 * 900, chunk_tokens=8, gate_kw={"watch_fraction": 1.0}),
 }
 
 
