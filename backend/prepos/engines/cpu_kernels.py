@@ -100,6 +100,13 @@ class CpuKernels:
         self._scan.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
         self._scan.restype = ctypes.c_int
         self._scan_out = torch.empty(5, dtype=torch.float64)
+        self.self_testing = False  # outputs start as NaN (see _output)
+
+    def _output(self, *shape: int) -> torch.Tensor:
+        """A kernel's output tensor. While self-testing, filled with NaN: the self-test's inputs are the same at
+        every load, so an element a broken kernel never writes could hold a freed tensor's correct value from an
+        earlier load in the process and pass."""
+        return torch.full(shape, math.nan) if self.self_testing else torch.empty(shape)
 
     def scan_greedy(self, logits: torch.Tensor) -> list[float] | None:
         """The greedy scan's numbers of 1-D float32 contiguous CPU ``logits`` (``ValueError`` otherwise):
@@ -130,7 +137,7 @@ class CpuKernels:
 
     def gemv_unchecked(self, w: torch.Tensor, x: torch.Tensor, alpha: float, residual: torch.Tensor | None
                        ) -> torch.Tensor:
-        y = torch.empty(w.shape[0] * BLOCK)
+        y = self._output(w.shape[0] * BLOCK)
         self._gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), None if residual is None else residual.data_ptr(),
                    alpha, w.shape[0], w.shape[1], torch.get_num_threads())
         return y
@@ -154,7 +161,7 @@ class CpuKernels:
 
     def gemm_unchecked(self, w: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
                        residual: torch.Tensor | None) -> torch.Tensor:
-        y = torch.empty(x.shape[0], w.shape[0] * BLOCK)
+        y = self._output(x.shape[0], w.shape[0] * BLOCK)
         self._gemm(w.data_ptr(), x.data_ptr(), y.data_ptr(), None if residual is None else residual.data_ptr(),
                    None if scale is None else scale.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
                    torch.get_num_threads())
@@ -184,7 +191,7 @@ class CpuKernels:
 
     def attend_unchecked(self, q: torch.Tensor, k_ptr: int, v_ptr: int, kv_heads: int, group: int, head_dim: int,
                          n: int, head_stride: int) -> torch.Tensor:
-        out = torch.empty(kv_heads * group * head_dim)
+        out = self._output(kv_heads * group * head_dim)
         chunks = -(-n // ATTENTION_CHUNK)
         work = torch.empty(kv_heads * chunks * group * (head_dim + 2))
         self._attend(q.data_ptr(), k_ptr, v_ptr, out.data_ptr(), work.data_ptr(), kv_heads, group, head_dim, n,
@@ -224,7 +231,7 @@ class CpuKernels:
                                  scratch: torch.Tensor) -> torch.Tensor:
         """As :meth:`prefill_attend`, with ``scratch`` from :func:`prefill_scratch` for at least ``start + n``
         keys (one per prefill serves every layer: the kernel overwrites what it reads)."""
-        out = torch.empty(n, kv_heads * group * head_dim)
+        out = self._output(n, kv_heads * group * head_dim)
         self._prefill_attend(q.data_ptr(), q_stride, k_ptr, v_ptr, out.data_ptr(), scratch.data_ptr(), kv_heads,
                              group, head_dim, n, start, head_stride, head_dim ** -0.5, torch.get_num_threads())
         return out
@@ -410,7 +417,11 @@ def load(cache_dir: str | os.PathLike | None = None) -> CpuKernels | None:
         if lib.prepos_kernels_abi() != _ABI:
             raise RuntimeError(f"{path}: ABI {lib.prepos_kernels_abi()}, expected {_ABI}")
         kernels = CpuKernels(lib, path)
-        _self_test(kernels)
+        kernels.self_testing = True
+        try:
+            _self_test(kernels)
+        finally:
+            kernels.self_testing = False
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU kernels unavailable (%s); the engine uses torch's ops", e)
         return None
