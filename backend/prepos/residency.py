@@ -101,26 +101,30 @@ class Residency:
 
     # --- the token log -------------------------------------------------
 
-    def accept(self, session: Session, turn_ids: Sequence[int], role: str, choices: tuple[str, ...] | None) -> None:
-        """Accept a turn: journal it (durable before it is acknowledged), then append it to the log.
+    def accept(self, session: Session, turn_ids: Sequence[int], role: str, choices: tuple[str, ...] | None,
+               kept: Sequence[Sequence[int]] | None = None) -> None:
+        """Accept a turn: journal it (durable before it is acknowledged), then append it to the log. With
+        ``kept`` (the turns the context overflow policy keeps to make room), the log becomes those turns first,
+        and the journal is replaced by them and the new turn in one write.
 
         Raises ProtocolError (UNAVAILABLE) and changes nothing when the journal cannot be written.
         """
-        if self._journal is not None and turn_ids:
+        if self._journal is not None and (turn_ids or kept is not None):
             from prepos.journal import JournalEntry
 
-            entry = JournalEntry(tuple(turn_ids), role, choices)
-            self._write_journal(lambda: self._journal.append(session.session_id, entry))
+            if kept is None:
+                entry = JournalEntry(tuple(turn_ids), role, choices)
+                self._write_journal(lambda: self._journal.append(session.session_id, entry))
+            else:
+                entries = [JournalEntry(tuple(turn), role, choices) for turn in [*kept, turn_ids] if turn]
+                self._write_journal(lambda: self._journal.replace(session.session_id, entries))
+        if kept is not None:
+            dropped = len(session.turn_starts) - len(kept)
+            session.replace_turns(kept)
+            self._metrics.turns_dropped(dropped)
+            log.info("session %r: dropped its %d oldest turns to fit the context", session.session_id, dropped)
         session.append(turn_ids)
         session.last_role, session.last_choices = role, choices
-
-    def rewrite_journal(self, session: Session) -> None:
-        """Replace the session's journal by its current turns (after turns were dropped from its log)."""
-        if self._journal is not None:
-            from prepos.journal import JournalEntry
-
-            entries = [JournalEntry(tuple(turn), session.last_role, session.last_choices) for turn in session.turns()]
-            self._write_journal(lambda: self._journal.replace(session.session_id, entries))
 
     def _write_journal(self, write: Callable[[], None]) -> None:
         try:

@@ -164,21 +164,14 @@ class RequestServer:
             return False
         return True
 
-    def _make_room(self, session: Session, request: Request, num_new: int, answer_room: int) -> None:
-        dropped = self._turns.make_room(session, request, num_new, answer_room)
-        if dropped:
-            self._metrics.turns_dropped(dropped)
-            log.info("session %r: dropped its %d oldest turns to fit the context", session.session_id, dropped)
-            self._residency.rewrite_journal(session)
-
     def _append(self, session: Session, request: Request, delta_ids: list[int], clock: RequestClock, sink: ResponseSink) -> None:
         path = ServedPath.CLOSE if request.end and not delta_ids else ServedPath.APPEND
         if delta_ids:  # an empty update changes nothing (a bare START or END)
             turn = self._turns.turn_ids(session, request.role, delta_ids, self._framing.close_ids)
-            self._make_room(session, request, len(turn), 0)  # drops turns after the first: the opening stays as is
+            kept = self._turns.fit_turns(session, request, len(turn), 0)  # the opening turn stays as is
             if session.positioned_valid():
                 self._metrics.prepositioning_ended("invalidated")
-            self._residency.accept(session, turn, session.last_role, session.last_choices)
+            self._residency.accept(session, turn, session.last_role, session.last_choices, kept=kept)
         chunk = clock.chunk("", (), path.value, float("nan"), "closed" if path is ServedPath.CLOSE else "appended")
         if request.end:  # closed (journal deleted) before the response acknowledges the END
             self._close_session(session, "END")
@@ -206,8 +199,11 @@ class RequestServer:
         answer_room = self._turns.answer_room(request, trie)
         if delta_ids is None and self._turns.may_overflow(session, request, framing_length, answer_room):
             delta_ids = self._turns.delta_ids(request)
-        if delta_ids is not None:
-            self._make_room(session, request, framing_length + len(delta_ids), answer_room)
+        # The turns the log keeps to make room (None: all of them); dropped when the turn is accepted, so that a
+        # request stopped before then changes nothing. The prompt is built on them.
+        kept = None if delta_ids is None else \
+            self._turns.fit_turns(session, request, framing_length + len(delta_ids), answer_room)
+        base = session.token_log if kept is None else [t for turn in kept for t in turn]
         has_delta = request.has_delta
 
         def turn_ids() -> list[int]:  # opening + entry + delta + cue, tokenizing the delta on first use
@@ -222,14 +218,14 @@ class RequestServer:
             nonlocal audit
             turn = turn_ids()
             if path is ServedPath.GATED and self._watch.sample():
-                audit = [*session.token_log, *turn, *forced]
+                audit = [*base, *turn, *forced]
             self._residency.accept(session, [*turn, *answer, *self._framing.closing_ids(answer)], request.role,
-                                   request.choices)
+                                   request.choices, kept=kept)
 
         rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
 
         # Choose the path that serves the first token.
-        pos = session.positioned if session.positioned_valid() else None
+        pos = session.positioned if session.positioned_valid() and kept is None else None
         if pos is not None and (pos.role != request.role or pos.forced_ids != forced):
             self._metrics.prepositioning_ended("invalidated")
             pos = None
@@ -257,7 +253,7 @@ class RequestServer:
             path = ServedPath.REBUILD if session.evicted else ServedPath.PREFIX
         if path not in (ServedPath.EXACT, ServedPath.GATED):
             self._check_alive(request, sink)
-            prompt = [*session.token_log, *turn_ids()]
+            prompt = [*base, *turn_ids()]
             logits = yield from self._prefill(session, [*prompt, *forced], request, sink, clock)
             kv_len = len(prompt) + len(forced)
             with clock.measure("scan"):
@@ -269,7 +265,7 @@ class RequestServer:
         detok = IncrementalDetokenizer(self._tokenizer, () if trie else request.stop)  # stop never cuts a choice
         # the prompt's length where it is known; else a lower bound, and the bound is taken again once it is
         max_new = self._turns.max_answer_tokens(
-            request, len(prompt) if prompt is not None else len(session.token_log) + framing_length - len(forced))
+            request, len(prompt) if prompt is not None else len(base) + framing_length - len(forced))
         scan = first
         held_text, held_ids = "", []  # streamed in responses of ``stream_interval`` tokens after the first
         while True:
@@ -311,7 +307,7 @@ class RequestServer:
             if done:
                 break
             if prompt is None:
-                prompt = [*session.token_log, *turn_ids()]
+                prompt = [*base, *turn_ids()]
                 max_new = self._turns.max_answer_tokens(request, len(prompt))
             sequence = [*prompt, *answer]
             session.positioned = None  # the KV is written past the positioned state (see _prefill)

@@ -96,23 +96,19 @@ class Session:
         bounds = [*self.turn_starts, len(self.token_log)]
         return [self.token_log[a:b] for a, b in zip(bounds, bounds[1:])]
 
-    def drop_oldest_turns(self, max_log_tokens: int) -> int | None:
-        """Drop the oldest turns after the first (the system turn) until the log holds at most
-        ``max_log_tokens`` tokens; returns how many turns were dropped, or None (changing nothing)
-        when even the first turn alone is longer.
-        """
-        turns = self.turns()
-        kept, total = list(turns), len(self.token_log)
+    def turns_within(self, max_log_tokens: int) -> list[list[int]] | None:
+        """The turns left when the oldest after the first (the system turn) are dropped until the log holds at
+        most ``max_log_tokens`` tokens, or None when even the first turn alone is longer. Changes nothing."""
+        kept, total = self.turns(), len(self.token_log)
         while total > max_log_tokens and len(kept) > 1:
             total -= len(kept.pop(1))
-        if total > max_log_tokens:
-            return None
-        dropped = len(turns) - len(kept)
-        if dropped:
-            self.token_log, self.turn_starts = [], []
-            for turn in kept:
-                self.append(turn)
-        return dropped
+        return kept if total <= max_log_tokens else None
+
+    def replace_turns(self, turns: Sequence[Sequence[int]]) -> None:
+        """The log becomes ``turns`` (what :meth:`turns_within` kept); the cached distribution no longer matches."""
+        self.token_log, self.turn_starts, self.positioned = [], [], None
+        for turn in turns:
+            self.append(turn)
 
     def mark_kv(self, resident: bool) -> None:
         self.has_kv = resident

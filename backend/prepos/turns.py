@@ -83,21 +83,21 @@ class TurnBuilder:
         return len(request.delta_text or "") * 4 + 1 + framing_length + len(session.token_log) + answer_room \
             > self.max_log_tokens
 
-    def make_room(self, session: Session, request: Request, num_new: int, answer_room: int) -> int:
-        """Make sure ``num_new`` more tokens and ``answer_room`` for the answer (:meth:`answer_room`) fit;
-        returns how many turns were dropped.
+    def fit_turns(self, session: Session, request: Request, num_new: int, answer_room: int) -> list[list[int]] | None:
+        """Whether ``num_new`` more tokens and ``answer_room`` for the answer (:meth:`answer_room`) fit the session's
+        log: None when they fit as it is; under ``drop_oldest``, the turns it keeps when its oldest after the first
+        go to make room (the caller drops them when it accepts the turn, so that a request stopped before then
+        changes nothing). Changes nothing.
 
-        ``reject``: raises ProtocolError naming the input when they do not fit.
-        ``drop_oldest``: drops the oldest turns after the first until they fit,
-        or raises when even that cannot make room.
+        Raises ProtocolError naming the input when they do not fit (``reject``), or cannot (``drop_oldest``).
         """
         field = "input_ids" if request.delta_ids is not None else "text_input"
         if len(session.token_log) + num_new + answer_room <= self.max_log_tokens:
-            return 0
+            return None
         if self.overflow == "drop_oldest":
-            dropped = session.drop_oldest_turns(self.max_log_tokens - num_new - answer_room)
-            if dropped is not None:
-                return dropped
+            kept = session.turns_within(self.max_log_tokens - num_new - answer_room)
+            if kept is not None:
+                return kept
         what = "the longest choice" if request.choices else "the answer"
         raise ProtocolError(
             field,

@@ -97,6 +97,31 @@ def test_dropping_turns_rewrites_the_journal(tmp_path):
     assert [list(t) for t in recovered.turns] == h.sched.store.lookup("s1").turns()
 
 
+def test_a_request_stopped_after_making_room_drops_no_turn(tmp_path):
+    """Under drop_oldest the turns that make room go when the turn is accepted: a request stopped before then
+    leaves the log and the journal as they were, and the next request makes room again."""
+    journal_dir = tmp_path / "journal"
+    h = restarted(tmp_path, journal_dir, max_log_tokens=90, context_overflow="drop_oldest")
+    open_session(h, text="sys")
+    for text in ("first question", "second question", "third question"):
+        assert h.serve(h.request("s1", text, max_tokens=4)).error is None
+    log, journal = h.log("s1"), h.sched._residency._journal
+    dropped = h.metrics.sink.get("prepos_turns_dropped_total")
+    sink = h.submit(h.request("s1", "y" * 40, max_tokens=10))  # needs the oldest turns' room
+    while not sink.chunks and not sink.done:
+        h.sched.run_once()
+    assert sink.chunks and not sink.done
+    sink.client_gone = True
+    while not sink.done:
+        h.sched.run_once()
+    assert sink.error.status is Status.CANCELLED
+    assert h.log("s1") == log and journal.recover("s1").token_log == log
+    assert h.metrics.sink.get("prepos_turns_dropped_total") == dropped
+    again = h.serve(h.request("s1", "y" * 40, max_tokens=4))
+    assert again.error is None and h.metrics.sink.get("prepos_turns_dropped_total") > dropped
+    assert journal.recover("s1").token_log == h.log("s1") and len(h.log("s1")) <= 90
+
+
 def test_a_resume_queued_behind_a_closing_request_names_resume(tmp_path):
     h = Harness(tmp_path)
     first = h.submit(h.request("s1", "hi", start=True, role="wizard"))  # rejected START: no session stays

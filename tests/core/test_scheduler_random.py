@@ -41,6 +41,9 @@ CONFIGS = {
     # the torch engine itself (a tiny random Llama, 512 bytes of KV per token) under a budget for a few sessions,
     # with shared prefixes and kept openings, against its own stateless prefill
     "torch": dict(torch_engine=True, kv_budget=512 * 900, chunk_tokens=8, gate_kw={"watch_fraction": 1.0}),
+    # logs of at most 300 tokens, the oldest turns after the first dropped to make room, with restarts: the
+    # journals must follow the drops
+    "overflow": dict(context_overflow="drop_oldest", max_log_tokens=300, journaled=True),
 }
 
 
@@ -52,7 +55,7 @@ class Run:
         self.rng = random.Random(seed)
         self.resume: set[str] = set()  # sessions the restarted server does not hold yet
         self.restarts = 0
-        self.model: dict[str, list[int]] = {}  # open session -> its token log, as this test expects it
+        self.model: dict[str, list[list[int]]] = {}  # open session -> its turns, as this test expects them
         self.in_flight: dict[str, tuple[CollectSink, dict]] = {}  # session -> its request's sink and expectation
         self.closed: list[str] = []
         self.next_id = 0
@@ -65,6 +68,18 @@ class Run:
         if config.pop("torch_engine", False):
             config.update(_torch_engines(self.tmp_path))
         return Harness(self.tmp_path, max_sessions=64, journal=journal, **config)
+
+    def log(self, sid: str) -> list[int]:
+        return [t for turn in self.model[sid] for t in turn]
+
+    def fit(self, sid: str, num_new: int, answer_room: int) -> list[list[int]] | None:
+        """The session's turns once ``num_new`` more tokens and ``answer_room`` for the answer fit its log: under
+        ``drop_oldest``, its oldest turns after the first dropped as needed; None when they cannot fit."""
+        turns, limit = list(self.model[sid]), self.config.get("max_log_tokens") or 10**9
+        while sum(map(len, turns)) + num_new + answer_room > limit and len(turns) > 1 \
+                and self.config.get("context_overflow") == "drop_oldest":
+            del turns[1]
+        return turns if sum(map(len, turns)) + num_new + answer_room <= limit else None
 
     def run_once(self) -> None:
         """One step of the engine loop; the fake engine moves the clock as it computes, a real one by 5 ms."""
@@ -79,8 +94,8 @@ class Run:
         if any(expect.get("append") for _, expect in self.in_flight.values()):
             return  # a START or END in flight: whether it took effect is the client's to find out
         journal = self.h.sched._residency._journal
-        for sid, log in self.model.items():  # what was acknowledged, exactly
-            assert journal.recover(sid).token_log == log, sid
+        for sid in self.model:  # what was acknowledged, exactly
+            assert journal.recover(sid).token_log == self.log(sid), sid
         self.in_flight.clear()  # their turns were not accepted: the models stand
         self.h = self.server()
         self.resume = set(self.model)
@@ -115,47 +130,56 @@ class Run:
         text = self.rng.choice(SYSTEMS)
         turn = [*self.h.framing.entry_ids["system"], *self.h.tok.encode(text), *self.h.framing.close_ids]
         self.model[sid] = []
-        self.send(sid, text, {"log": turn, "append": True}, start=True, max_tokens=0, role="system")
+        self.send(sid, text, {"log": turn, "turns": [], "append": True}, start=True, max_tokens=0, role="system")
 
     def ask(self, sid: str) -> None:
         text = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(0, 3))).strip()
         role = self.rng.choice(("user", "user", "tool"))
-        log = self.model[sid]
-        prompt = [*log, *self.h.framing.opening_ids(not log, role), *self.h.framing.entry_ids[role],
-                  *self.h.tok.encode(text), *self.h.framing.cue_ids]
-        if self.rng.random() < 0.25:
-            choices = self.rng.choice(CHOICES)
-            answer = choice_reference(self.h, prompt, choices)
-            ids = self.h.tok.encode(answer)
-            expect = {"text": answer, "log": prompt[len(log):] + ids + list(self.h.framing.answer_terminator_ids)}
-            self.send(sid, text, expect, role=role, choices=choices, max_tokens=8)
+        closing = list(self.h.framing.answer_terminator_ids)
+        drop = self.config.get("context_overflow") == "drop_oldest"
+        choices = self.rng.choice(CHOICES) if self.rng.random() < 0.25 else None
+        max_tokens = 8 if choices else self.rng.randint(1, 6)
+        # every choice set here diverges at its first token: no leading tokens are forced
+        answer_room = (max(len(self.h.tok.encode(c)) for c in choices) + 1 if choices
+                       else max_tokens if drop else 1) + len(closing)
+        log = self.log(sid)
+        part = [*self.h.framing.opening_ids(not log, role), *self.h.framing.entry_ids[role], *self.h.tok.encode(text),
+                *self.h.framing.cue_ids]
+        turns = self.fit(sid, len(part), answer_room)
+        if turns is None:
+            self.send(sid, text, {"reject": "text_input"}, role=role, choices=choices, max_tokens=max_tokens)
             return
-        max_tokens = self.rng.randint(1, 6)
-        reference = self.h.reference(prompt, max_tokens)
-        ids = [t for t in reference if t != IM_END]
-        expect = {"ids": ids, "log": prompt[len(log):] + ids + list(self.h.framing.answer_terminator_ids)}
+        prompt = [t for turn in turns for t in turn] + part
+        if choices:
+            answer = choice_reference(self.h, prompt, choices)
+            expect = {"text": answer, "turns": turns, "log": part + self.h.tok.encode(answer) + closing}
+            self.send(sid, text, expect, role=role, choices=choices, max_tokens=max_tokens)
+            return
+        ids = [t for t in self.h.reference(prompt, max_tokens) if t != IM_END]
+        expect = {"ids": ids, "turns": turns, "log": part + ids + closing}
         if self.rng.random() < 0.3:  # the gate always fires: the first token from the distribution positioned
             # without the delta, the rest after it
             speculative = [*prompt[:len(prompt) - len(self.h.framing.cue_ids) - len(self.h.tok.encode(text))],
                            *self.h.framing.cue_ids]
             first = self.h.reference(speculative, 1)[0]
             rest = self.h.reference(prompt + [first], max_tokens - 1) if first != IM_END and max_tokens > 1 else []
-            expect.update(prompt_part=prompt[len(log):], gated_first=first,
-                          gated_ids=[t for t in [first, *rest] if t != IM_END])
+            expect.update(prompt_part=part, gated_first=first, gated_ids=[t for t in [first, *rest] if t != IM_END])
             self.send(sid, text, expect, role=role, max_tokens=max_tokens, gate_threshold=0.0)
             return
         self.send(sid, text, expect, role=role, max_tokens=max_tokens)
 
     def append(self, sid: str) -> None:
-        text = self.rng.choice([w for w in WORDS if w]) + " " + self.rng.choice(WORDS)
+        text = (self.rng.choice([w for w in WORDS if w]) + " " + self.rng.choice(WORDS)).strip()
         role = self.rng.choice(("user", "tool", "system"))
-        log = self.model[sid]
+        log = self.log(sid)
         turn = [*self.h.framing.opening_ids(not log, role), *self.h.framing.entry_ids[role],
-                *self.h.tok.encode(text.strip()), *self.h.framing.close_ids]
-        self.send(sid, text.strip(), {"log": turn, "append": True}, role=role, max_tokens=0)
+                *self.h.tok.encode(text), *self.h.framing.close_ids]
+        turns = self.fit(sid, len(turn), 0)
+        expect = {"reject": "text_input"} if turns is None else {"log": turn, "turns": turns, "append": True}
+        self.send(sid, text, expect, role=role, max_tokens=0)
 
     def end(self, sid: str) -> None:
-        self.send(sid, None, {"log": [], "append": True, "end": True}, end=True, max_tokens=0)
+        self.send(sid, None, {"append": True, "end": True}, end=True, max_tokens=0)
 
     def step(self) -> None:
         r = self.rng.random()
@@ -190,6 +214,9 @@ class Run:
             if not sink.done:
                 continue
             del self.in_flight[sid]
+            if expect.get("reject"):  # it cannot fit: an error naming the input, and nothing changes
+                assert sink.error is not None and sink.error.field == expect["reject"], (sid, sink.error)
+                continue
             if sink.error is not None:  # stopped: its turn was not accepted
                 assert expect.get("may_stop") and sink.error.status in (Status.CANCELLED, Status.DEADLINE_EXCEEDED), (
                     sid, sink.error)
@@ -206,6 +233,7 @@ class Run:
                 expect["ids"] = sink.ids
                 expect["log"] = expect["prompt_part"] + sink.ids + list(self.h.framing.answer_terminator_ids)
             if expect.get("append"):
+                assert sink.error is None, (sid, sink.error)
                 assert sink.chunks[-1].finish_reason == ("closed" if expect.get("end") else "appended"), sid
             elif "ids" in expect:
                 assert sink.ids == expect["ids"], (sid, sink.path, sink.chunks[-1].finish_reason, expect.get("may_stop"), sink.client_gone)
@@ -220,12 +248,12 @@ class Run:
                 self.closed.append(sid)
                 assert self.h.sched.store.get(sid) is None
                 continue
-            self.model[sid] = self.model[sid] + expect["log"]
-            if len(self.model[sid]) > MAX_LOG and sid not in self.in_flight:
+            self.model[sid] = [*expect["turns"], expect["log"]]  # its turns made room for, and its own
+            if len(self.log(sid)) > MAX_LOG and sid not in self.in_flight:
                 self.end(sid)
-        for sid, log in self.model.items():
+        for sid in self.model:
             if sid not in self.in_flight and sid not in self.resume:
-                assert self.h.log(sid) == log, sid
+                assert self.h.log(sid) == self.log(sid), sid
         # Over the budget only while the sessions being served hold more than it: nothing else is left to free
         ledger = self.h.sched._residency.kv
         if ledger.used_bytes > ledger.budget_bytes:
