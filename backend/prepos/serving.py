@@ -237,6 +237,7 @@ class RequestServer:
             if request.sampling.greedy and pos.choices == request.choices and pos.greedy_scan is not None:
                 first = pos.greedy_scan  # scanned when it was positioned
             else:
+                drawn = rng.bit_generator.state if rng is not None else None
                 with clock.measure("scan"):
                     first = self._scan_at(pos.logits, trie, forced, request, rng)
             if not has_delta and not pos.delta_ids:  # the request's turn is exactly the positioned one
@@ -249,6 +250,8 @@ class RequestServer:
                     gate_outcome = decision.outcome
                 else:
                     self._metrics.gate_decided(decision.outcome)
+                    if rng is not None:  # the first token comes from the prefill's scan: it takes the first draw,
+                        rng.bit_generator.state = drawn  # as on every other path, so a seed gives one answer
         else:
             path = ServedPath.REBUILD if session.evicted else ServedPath.PREFIX
         if path not in (ServedPath.EXACT, ServedPath.GATED):

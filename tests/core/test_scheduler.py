@@ -315,6 +315,23 @@ def test_choices_follow_shared_tokens_and_answer_from_the_cache(h):
     assert sink.ids == h.tok.encode(sink.text)
 
 
+@pytest.mark.parametrize("text", ["a question", ""], ids=["prepaid", "exact"])
+def test_a_seed_gives_one_sampled_answer_whichever_path_serves_it(tmp_path, text):
+    """Sampling draws one number per token; a positioned session scans its distribution for the gate before the
+    path is known, and that scan's draw must not shift the prepaid answer's draws."""
+    sampling = Sampling(temperature=1.0, seed=1234)
+    answers = {}
+    for positioned in (True, False):
+        h = Harness(tmp_path)
+        open_session(h)
+        if positioned:
+            h.idle()
+        sink = h.serve(h.request("s1", text, max_tokens=6, sampling=sampling))
+        answers[sink.path] = sink.ids
+    assert set(answers) == {"prepaid" if text else "exact", "prefix"}
+    assert len(set(map(tuple, answers.values()))) == 1
+
+
 def test_choices_answer_matches_constrained_reference(h):
     choices = ("yes", "no", "yesterday")  # "yes" is a prefix of "yesterday": the terminator decides
     open_session(h)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from fakes import IM_END, CollectSink, write_tiny_llama
 from prepos.journal import SessionJournal
-from prepos.protocol import Status
+from prepos.protocol import Sampling, Status
+from prepos.scan import scan_numpy
 from test_scheduler import Harness, choice_reference
 
 SYSTEMS = ("You route tool calls.", "You answer yes or no.", "sys")
@@ -44,6 +46,9 @@ CONFIGS = {
     # logs of at most 300 tokens, the oldest turns after the first dropped to make room, with restarts: the
     # journals must follow the drops
     "overflow": dict(context_overflow="drop_oldest", max_log_tokens=300, journaled=True),
+    # pre-positioning with a placeholder where the delta will go, responses of three tokens, next-use eviction
+    "placeholder": dict(speculative_delta="(message)", stream_interval=3, eviction_policy="next_use",
+                        kv_budget=100 * 1200),
 }
 
 
@@ -80,6 +85,18 @@ class Run:
                 and self.config.get("context_overflow") == "drop_oldest":
             del turns[1]
         return turns if sum(map(len, turns)) + num_new + answer_room <= limit else None
+
+    def sampled(self, sequence: list[int], max_tokens: int, sampling: Sampling) -> list[int]:
+        """The seeded sampled answer to a stateless prefill of ``sequence``: one uniform draw per token."""
+        rng, seq, out = np.random.default_rng(sampling.seed), list(sequence), []
+        while len(out) < max_tokens:
+            token = scan_numpy(self.h.logits_of(seq), temperature=sampling.temperature, top_k=sampling.top_k,
+                               top_p=sampling.top_p, uniform=float(rng.random())).token_id
+            out.append(token)
+            seq.append(token)
+            if token == IM_END:
+                break
+        return out
 
     def run_once(self) -> None:
         """One step of the engine loop; the fake engine moves the clock as it computes, a real one by 5 ms."""
@@ -155,12 +172,20 @@ class Run:
             expect = {"text": answer, "turns": turns, "log": part + self.h.tok.encode(answer) + closing}
             self.send(sid, text, expect, role=role, choices=choices, max_tokens=max_tokens)
             return
+        if not self.config.get("torch_engine") and self.rng.random() < 0.15:  # sampled, seeded
+            sampling = Sampling(temperature=self.rng.choice((0.7, 1.0, 1.5)), top_p=self.rng.choice((1.0, 0.9)),
+                                top_k=self.rng.choice((0, 5)), seed=self.rng.randrange(2**32))
+            ids = [t for t in self.sampled(prompt, max_tokens, sampling) if t != IM_END]
+            expect = {"ids": ids, "turns": turns, "log": part + ids + closing}
+            self.send(sid, text, expect, role=role, max_tokens=max_tokens, sampling=sampling)
+            return
         ids = [t for t in self.h.reference(prompt, max_tokens) if t != IM_END]
         expect = {"ids": ids, "turns": turns, "log": part + ids + closing}
         if self.rng.random() < 0.3:  # the gate always fires: the first token from the distribution positioned
-            # without the delta, the rest after it
+            # with the placeholder (none by default) where the delta goes, the rest after the delta
+            placeholder = self.h.tok.encode(self.config.get("speculative_delta", ""))
             speculative = [*prompt[:len(prompt) - len(self.h.framing.cue_ids) - len(self.h.tok.encode(text))],
-                           *self.h.framing.cue_ids]
+                           *placeholder, *self.h.framing.cue_ids]
             first = self.h.reference(speculative, 1)[0]
             rest = self.h.reference(prompt + [first], max_tokens - 1) if first != IM_END and max_tokens > 1 else []
             expect.update(prompt_part=part, gated_first=first, gated_ids=[t for t in [first, *rest] if t != IM_END])
@@ -316,7 +341,9 @@ def test_random_interleavings_answer_like_a_stateless_prefill(tmp_path, config):
         restarts += run.restarts
     # what the runs went through, together
     assert answered >= 160 and stopped > 0
-    assert {"prefix", "prepaid", "exact", "gated"} <= paths, paths
+    # with a placeholder positioned where the delta goes, no turn is exactly the positioned one
+    assert {"prefix", "prepaid", "gated"} | ({"exact"} if "speculative_delta" not in CONFIGS[config] else set()) \
+        <= paths, paths
     if CONFIGS[config].get("kv_budget"):
         assert evictions > 0 and "rebuild" in paths
     if CONFIGS[config].get("journaled"):
