@@ -109,8 +109,9 @@ def open_session(h, sid="s1", text="You are a tool router.", role="system"):
     return sink
 
 
-def choice_reference(h, prompt, choices) -> str:
-    """The greedy constrained answer to ``prompt`` among ``choices``: the trie walked over full prefills."""
+def choice_reference(h, prompt, choices, first=None) -> str:
+    """The greedy constrained answer to ``prompt`` among ``choices``: the trie walked over full prefills (with
+    ``first``, a sequence whose distribution decides the first token instead: a gated answer's)."""
     seq = list(prompt)
     candidates = [h.tok.encode(c) for c in choices]
     out = []
@@ -119,7 +120,7 @@ def choice_reference(h, prompt, choices) -> str:
         allowed = sorted({c[len(out)] for c in live if len(c) > len(out)} | ({IM_END} if out in live and len(live) > 1 else set()))
         if not allowed:
             break
-        logits = h.logits_of(seq)
+        logits = h.logits_of(first if first is not None and not out else seq)
         token = allowed[int(np.argmax(logits[allowed]))] if len(allowed) > 1 else allowed[0]
         if token == IM_END:
             break

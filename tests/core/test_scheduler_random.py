@@ -98,6 +98,13 @@ class Run:
                 break
         return out
 
+    def speculative(self, prompt: list[int], text: str) -> list[int]:
+        """The sequence a session's pre-positioning prefilled for ``prompt``: the placeholder (none by default)
+        where the delta ``text`` goes."""
+        placeholder = self.h.tok.encode(self.config.get("speculative_delta", ""))
+        return [*prompt[:len(prompt) - len(self.h.framing.cue_ids) - len(self.h.tok.encode(text))], *placeholder,
+                *self.h.framing.cue_ids]
+
     def stopped_reference(self, sequence: list[int], max_tokens: int, stop: list[str]) -> tuple[list[int], str]:
         """The greedy answer's tokens, up to the one that completes a stop string, and its text cut before it."""
         seq, ids = list(sequence), []
@@ -184,6 +191,11 @@ class Run:
         if choices:
             answer = choice_reference(self.h, prompt, choices)
             expect = {"text": answer, "turns": turns, "log": part + self.h.tok.encode(answer) + closing}
+            if self.rng.random() < 0.3:  # the gate always fires: the first token from the positioned distribution
+                gated = choice_reference(self.h, prompt, choices, first=self.speculative(prompt, text))
+                expect.update(prompt_part=part, gated_text=gated)
+                self.send(sid, text, expect, role=role, choices=choices, max_tokens=max_tokens, gate_threshold=0.0)
+                return
             self.send(sid, text, expect, role=role, choices=choices, max_tokens=max_tokens)
             return
         if not self.config.get("torch_engine") and self.rng.random() < 0.15:  # sampled, seeded
@@ -203,10 +215,7 @@ class Run:
         expect = {"ids": ids, "turns": turns, "log": part + ids + closing}
         if self.rng.random() < 0.3:  # the gate always fires: the first token from the distribution positioned
             # with the placeholder (none by default) where the delta goes, the rest after the delta
-            placeholder = self.h.tok.encode(self.config.get("speculative_delta", ""))
-            speculative = [*prompt[:len(prompt) - len(self.h.framing.cue_ids) - len(self.h.tok.encode(text))],
-                           *placeholder, *self.h.framing.cue_ids]
-            first = self.h.reference(speculative, 1)[0]
+            first = self.h.reference(self.speculative(prompt, text), 1)[0]
             rest = self.h.reference(prompt + [first], max_tokens - 1) if first != IM_END and max_tokens > 1 else []
             expect.update(prompt_part=part, gated_first=first, gated_ids=[t for t in [first, *rest] if t != IM_END])
             self.send(sid, text, expect, role=role, max_tokens=max_tokens, gate_threshold=0.0)
@@ -265,13 +274,21 @@ class Run:
             if sink.error is not None:  # stopped: its turn was not accepted
                 assert expect.get("may_stop") and sink.error.status in (Status.CANCELLED, Status.DEADLINE_EXCEEDED), (
                     sid, sink.error)
-                if sink.chunks and sink.path == "gated":
+                if sink.chunks and sink.path == "gated" and "gated_text" in expect:
+                    assert sink.ids == self.h.tok.encode(expect["gated_text"])[:len(sink.ids)], sid
+                elif sink.chunks and sink.path == "gated":
                     assert sink.ids[:1] == [expect["gated_first"]][:len(sink.ids)], sid
+                elif "text" in expect and "ids" not in expect:  # a choice
+                    assert sink.ids == self.h.tok.encode(expect["text"])[:len(sink.ids)], sid
                 else:
                     assert sink.ids == expect.get("ids", sink.ids)[:len(sink.ids)], sid  # what it streamed was right
                 self.stopped += 1
                 continue
-            if sink.path == "gated":
+            if sink.path == "gated" and "gated_text" in expect:  # a choice
+                assert sink.text == expect["gated_text"], (sid, "gated choice")
+                expect["text"] = sink.text
+                expect["log"] = expect["prompt_part"] + sink.ids + list(self.h.framing.answer_terminator_ids)
+            elif sink.path == "gated":
                 assert expect.get("gated_first") is not None, sid
                 assert (sink.ids or [IM_END])[0] == expect["gated_first"], sid
                 assert sink.ids == expect["gated_ids"], (sid, "gated continuation")
