@@ -41,6 +41,7 @@ from prepos.config import GateConfig, SchedulerConfig
 from prepos.engines.base import Engine, KVCapacityError, common_prefix_length
 from prepos.gate import Gate
 from prepos.gate_watch import Audit, GateWatch
+from prepos.kv_writes import WriteReportingEngine
 from prepos.metrics import Metrics
 from prepos.policies import IDLE_POLICIES
 from prepos.protocol import ProtocolError, Rejection, Request, ResponseSink, Status
@@ -111,6 +112,7 @@ class Scheduler:
         journal: SessionJournal | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
+        engine = WriteReportingEngine(engine, self._kv_written)  # what every component below gets
         self._engine = engine
         self._framing = framing
         self._config = config
@@ -406,6 +408,14 @@ class Scheduler:
             self._metrics.engine_time("background", self._clock() - began)
         return True
 
+    def _kv_written(self, session_id: str | int) -> None:
+        """An engine call is about to change what the session's KV holds: its positioned state no longer describes
+        the KV (the request that wrote it, stopped before its turn was accepted, or an audit, must not leave it
+        for the next request to decode on)."""
+        session = self.store.get(session_id)
+        if session is not None:
+            session.positioned = None
+
     def _start_prepositioning(self, session: Session) -> None:
         del self._idle[session.session_id]
         self._prep = _Background(session, self._preposition(session), positioning=True)
@@ -425,10 +435,9 @@ class Scheduler:
         """Prefill the full path of an audited gated answer in the session's own KV (a prefix of its new log)
         and compare its first decided token with the gated one."""
         session = audit.session
-        if session.positioned is not None:  # positioned first: the audit rewrites the KV that state lives in
-            session.positioned = None
-            self._metrics.prepositioning_ended("invalidated")
-            self._idle[session.session_id] = session  # positioned again after the audit
+        if session.positioned is not None:  # positioned first: the audit's prefill drops that state (its KV is
+            self._metrics.prepositioning_ended("invalidated")  # rewritten), and it is positioned again after
+            self._idle[session.session_id] = session
         num_cached = common_prefix_length(self._engine.cached_token_ids(session.session_id), audit.prompt_ids)
         logits = yield from self._engine.prefill_steps(session.session_id, list(audit.prompt_ids))
         self._metrics.prefilled("background", max(1, len(audit.prompt_ids) - num_cached))

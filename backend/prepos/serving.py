@@ -313,7 +313,6 @@ class RequestServer:
                 prompt = [*base, *turn_ids()]
                 max_new = self._turns.max_answer_tokens(request, len(prompt))
             sequence = [*prompt, *answer]
-            session.positioned = None  # the KV is written past the positioned state (see _prefill)
             if kv_len == len(sequence) - 1:  # the loop decodes it, with the other sessions' decodes
                 step = DecodeStep(session_id=sid, token_id=sequence[-1], wanted=lambda: self._alive(request, sink))
                 logits = yield from self._engine_step(step, "decode", request, sink, clock)
@@ -336,9 +335,6 @@ class RequestServer:
 
     def _prefill(self, session: Session, token_ids: Sequence[int], request: Request, sink: ResponseSink,
                  clock: RequestClock) -> Generator[PrefillStep, None, torch.Tensor]:
-        # The KV no longer holds the positioned state once written: a request stopped before its turn is accepted
-        # (which would drop the state) must not leave it for the next one to take as the KV's content.
-        session.positioned = None
         # A prefix another session holds (a system prompt they share) is copied now: only the rest is prefilled.
         new = max(1, len(token_ids) - self._engine.share_prefix(session.session_id, token_ids))
         step = PrefillStep(session_id=session.session_id, token_ids=token_ids, new_tokens=new,
