@@ -26,7 +26,7 @@ class Harness:
                  background_delay_ms=0.0, context_overflow="reject", max_log_tokens=0, journal=None, speculative_delta="",
                  gate_kw=None, max_sessions=100, idle_timeout_s=600.0, max_decode_batch=32, max_prefill_batch=16,
                  max_prefill_batch_tokens=512, stream_interval=1, eviction_policy="lru", preposition=True, engine=None,
-                 reference_logits=None, **engine_kw):
+                 reference_logits=None, idle_policy="most_recent", **engine_kw):
         """``engine``: a real one instead of the fake, with ``reference_logits(sequence)`` its stateless logits
         (a NumPy row) for :meth:`reference`."""
         gate_kw = gate_kw or {}
@@ -38,7 +38,8 @@ class Harness:
         self.metrics = Metrics()
         self.sched = Scheduler(
             engine=self.engine, tokenizer=self.tok, framing=self.framing,
-            config=SchedulerConfig(preposition=preposition, chunk_tokens=chunk_tokens, retain_kv=retain_kv,
+            config=SchedulerConfig(preposition=preposition, idle_policy=idle_policy, chunk_tokens=chunk_tokens,
+                                   retain_kv=retain_kv,
                                    background_delay_ms=background_delay_ms,
                                    context_overflow=context_overflow, session_idle_timeout_s=idle_timeout_s,
                                    max_decode_batch=max_decode_batch, max_prefill_batch=max_prefill_batch,
