@@ -143,6 +143,13 @@ FIGURES_ARGS ?=
 figures: $(ENGINE)
 	PYTHONPATH=loadtest $(PY) -m prepos_loadtest.figures --out out/figures $(FIGURES_ARGS)
 
+# Timeout trials: concurrent random sessions with short time limits, each replayed in a calm twin; a call that
+# timed out must not have changed its session (README: Cancellation and deadlines), about 30 s a trial here
+TIMEOUT_ARGS ?=
+.PHONY: timeout-trials
+timeout-trials: $(ENGINE)
+	$(PY) loadtest/timeout_trials.py $(TIMEOUT_ARGS)
+
 # Server death trials: tritonserver killed mid-decode, its backend stubs counted 20 s later
 # (README: A server that dies), 10-35 s a trial here, e.g. make server-death DEATH_ARGS="--trials 18"
 DEATH_ARGS ?=

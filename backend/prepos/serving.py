@@ -290,6 +290,9 @@ class RequestServer:
             if detok.stopped:
                 done, finish = True, "stop"
             if done:
+                # A deadline that passed during the last step: the turn is not accepted either (the client, whose
+                # limit the deadline is, has given up or is about to), so a timed-out call never took effect.
+                self._check_alive(request, sink, cancel_check=False)
                 text += detok.flush()
                 if self._journaled:  # durable before the final response acknowledges the turn
                     if clock.first_token_ms is None and (text or emit):

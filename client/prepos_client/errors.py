@@ -50,10 +50,12 @@ class PreposUnavailable(PreposError):
 class PreposTimeout(PreposError, TimeoutError):
     """A call did not complete within its timeout.
 
-    The timeout went with the request (Triton's request timeout), so the
-    server stops it at the same deadline and its turn is not accepted; only a
-    last response already on its way when the time ran out can have taken
-    effect. The session stays usable, and its next request is served after
+    The timeout went with the request (Triton's request timeout, less a margin
+    for the answer's way back: a tenth of it, at most 50 ms), so the server
+    stops it at its deadline, accepts no turn past it, and its error is what
+    the call raises (field ``timeout``); if the client's own limit runs out
+    first, nothing was accepted either, unless a final response sent before the
+    server's deadline took longer than the margin to arrive. The session stays usable, and its next request is served after
     this one. If the request that timed out was the one to open the session
     (START), the next call first waits, within its own time limit, for the
     server's answer to it: the deadline error (the session was not opened;
@@ -84,8 +86,7 @@ def from_triton(error: InferenceServerException) -> PreposError:
         return PreposUnavailable(message, status=status)
     if status == "StatusCode.DEADLINE_EXCEEDED":
         return PreposTimeout(message, status=status)
-    return PreposError(
-        _REQUEST_ID_PREFIX.sub("", message, count=1),
-        field=parse_field(message),
-        status=status,
-    )
+    message, field = _REQUEST_ID_PREFIX.sub("", message, count=1), parse_field(message)
+    if field == "timeout" and "deadline" in message:  # the server stopped the call at its time limit
+        return PreposTimeout(message, field=field, status=status)
+    return PreposError(message, field=field, status=status)

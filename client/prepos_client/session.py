@@ -89,6 +89,9 @@ def check_session_id(session_id: str | int) -> str | int:
     return int(session_id)
 
 
+_ENDED_ANYWAY = "the request carried END, so the session is closed"  # Triton ends the sequence whatever happens
+
+
 @dataclass
 class _Inflight:
     request_id: str
@@ -106,12 +109,21 @@ def _next_delivery(deliveries: queue.SimpleQueue, deadline: float):
     return deliveries.get(timeout=max(0.0, deadline - time.perf_counter()))
 
 
+SERVER_DEADLINE_MARGIN = 0.1
+"""The server's deadline for a call comes this share of its time limit (at most ``SERVER_DEADLINE_MARGIN_S``)
+before the client's: the server accepts no turn past its deadline, and a final response it sends by then has that
+long to travel back before the client gives up, so a call that raised PreposTimeout did not change the session."""
+SERVER_DEADLINE_MARGIN_S = 0.05
+
+
 def server_timeout_us(timeout_s: float) -> int | None:
-    """Triton's request timeout (microseconds) for a call limited to ``timeout_s``; None (no limit) for an
-    infinite or non-positive one."""
+    """Triton's request timeout (microseconds) for a call limited to ``timeout_s``: the limit less the margin for
+    the final response's way back (:data:`SERVER_DEADLINE_MARGIN`); None (no limit) for an infinite or
+    non-positive one."""
     if not math.isfinite(timeout_s) or timeout_s <= 0:
         return None
-    return max(1, int(timeout_s * 1e6))
+    margin = min(timeout_s * SERVER_DEADLINE_MARGIN, SERVER_DEADLINE_MARGIN_S)
+    return max(1, int((timeout_s - margin) * 1e6))
 
 
 class Session:
@@ -390,15 +402,17 @@ class Session:
                     # Triton ends the sequence at an END request whatever becomes of the request: the session is
                     # over on the server, and a later request without START would be refused.
                     self._release()
-                    ended = "; the request carried END, so the session is closed (whether its turn was accepted " \
-                            "is unknown)"
+                    ended = f"; {_ENDED_ANYWAY} (whether its turn was accepted is unknown)"
                 raise PreposTimeout(
                     f"session {self.session_id}: no complete response to request "
                     f"{inflight.request_id} within {timeout_s:g} s{ended}"
                 ) from None
             if delivery.error is not None:
                 self._settle(inflight, delivery.error)
-                raise delivery.error
+                error = delivery.error
+                if isinstance(error, PreposTimeout) and inflight.closes_session:  # the server stopped it at its deadline
+                    raise PreposTimeout(f"{error.message}; {_ENDED_ANYWAY}", field=error.field, status=error.status)
+                raise error
             chunk = parse_chunk(
                 delivery.result,
                 elapsed_ms=(delivery.received_at - inflight.sent_at) * 1e3,

@@ -48,6 +48,14 @@ def test_a_deadline_is_a_timeout():
     assert isinstance(error, TimeoutError)
 
 
+def test_the_servers_deadline_error_is_a_timeout_and_other_timeout_errors_are_not():
+    message = "[request id: 3] timeout: the request's deadline passed before it finished; its turn was not accepted"
+    error = from_triton(InferenceServerException(msg=message))
+    assert isinstance(error, PreposTimeout) and error.field == "timeout" and error.message.startswith("timeout:")
+    bad = from_triton(InferenceServerException(msg="timeout: must be >= 0 microseconds (0: none), got -1"))
+    assert type(bad) is PreposError and bad.field == "timeout"
+
+
 def test_other_stream_errors_keep_their_status():
     error = from_triton(InferenceServerException(msg="Locally cancelled", status="StatusCode.CANCELLED"))
     assert type(error) is PreposError

@@ -410,10 +410,11 @@ def test_after_a_lost_stream_an_opened_session_resumes_with_start(fake_triton):
     assert not fake_triton[0].requests[-1].sequence_start and "resume" not in fake_triton[0].requests[-1].inputs
 
 
-def test_the_servers_request_timeout_is_the_calls_time_limit():
+def test_the_servers_request_timeout_is_the_calls_time_limit_less_the_way_back():
     from prepos_client.session import server_timeout_us
 
-    assert server_timeout_us(60.0) == 60_000_000 and server_timeout_us(0.05) == 50_000
+    # a tenth of the limit, at most 50 ms, for the final response to reach the client before it gives up
+    assert server_timeout_us(60.0) == 59_950_000 and server_timeout_us(0.05) == 45_000
     assert server_timeout_us(1e-9) == 1  # never 0, which Triton reads as no timeout
     for unlimited in (float("inf"), 0.0, -1.0, float("nan")):
         assert server_timeout_us(unlimited) is None

@@ -35,9 +35,10 @@ def test_session_id_header_and_sequence_parameters(server):
         "sequence_start": True,
         "sequence_end": False,
         "triton_enable_empty_final_response": True,
-        "timeout": 60_000_000,  # the client's default call limit, 60 s, as Triton's request timeout in microseconds
+        # the client's default call limit, 60 s, less 50 ms for the way back, as Triton's request timeout in µs
+        "timeout": 59_950_000,
     }
-    assert parameters(second)["sequence_start"] is False and parameters(second)["timeout"] == 2_500_000
+    assert parameters(second)["sequence_start"] is False and parameters(second)["timeout"] == 2_450_000
     assert parameters(end)["sequence_end"] is True
     assert len({first.id, second.id, end.id}) == 3
     assert all(request.model_name == "prepos" for request in server.servicer.requests)

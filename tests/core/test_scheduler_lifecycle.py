@@ -68,6 +68,25 @@ def test_a_request_stopped_mid_answer_leaves_no_positioned_state_that_its_tokens
     assert h.serve(h.request("s1", "", max_tokens=4)).ids == want
 
 
+@pytest.mark.parametrize("journaled", [False, True])
+def test_an_answer_whose_deadline_passed_during_its_last_step_is_not_accepted(tmp_path, journaled):
+    """A one-token answer whose prefill ran past the deadline: its token is out, but the client gave up at the
+    deadline, so the turn is not accepted (a call that timed out never took effect)."""
+    from prepos.journal import SessionJournal
+
+    journal = SessionJournal(tmp_path / "journal", fsync=False) if journaled else None
+    h = Harness(tmp_path, token_time_s=0.001, step_time_s=0.005, preposition=False, journal=journal)
+    open_session(h, text="a long system turn " * 5)  # about 100 tokens to prefill with the question
+    log_before = h.log("s1")
+    request = dataclasses.replace(h.request("s1", "yes or no?", max_tokens=1), deadline_s=h.clock() + 0.05)
+    sink = run_until(h, h.submit(request))
+    assert h.engine.calls and h.engine.calls[-1][2] > 50  # one prefill, longer than the deadline allowed
+    assert sink.error is not None and sink.error.status is Status.DEADLINE_EXCEEDED
+    assert h.log("s1") == log_before
+    if journaled:
+        assert journal.recover("s1").token_log == log_before
+
+
 def test_a_request_past_its_deadline_stops_with_a_deadline_error(tmp_path):
     h = Harness(tmp_path, token_time_s=0.001, step_time_s=0.005, logits_fn=endless_logits)
     open_session(h)

@@ -14,6 +14,7 @@ import pool_bench
 import residency_bench
 import share_bench
 import server_death_trials
+import timeout_trials
 from prepos_loadtest.soak import main as soak_main
 
 ENGINE = "engines/smollm2-135m-instruct"
@@ -81,3 +82,11 @@ def test_server_death_trials_refuse_bad_counts_before_starting_a_server(argv, ca
         server_death_trials.main(argv)
     assert exited.value.code == 2
     assert "--trials and --sessions must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--trials", "0"], ["--sessions", "0"], ["--actions", "-2"]])
+def test_timeout_trials_refuse_bad_counts_before_starting_a_server(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        timeout_trials.main(argv)
+    assert exited.value.code == 2
+    assert "--trials, --sessions and --actions must be at least 1" in capsys.readouterr().err
