@@ -349,8 +349,9 @@ class Session:
 
     def _send(self, inputs: list[InferInput], *, end: bool, timeout_s: float, deadline: float) -> _Inflight:
         """Queue a request on the session's stream. Its time limit goes with it as Triton's request timeout: the
-        server stops the request at the same deadline, so one the client gave up on does not take effect. An
-        opening request that timed out is settled first, within the same time limit (see the class docstring)."""
+        server stops the request a little before the client gives up (:func:`server_timeout_us`), so one the
+        client gave up on does not take effect. An opening request that timed out is settled first, within the
+        same time limit (see the class docstring)."""
         if self._closed:
             raise PreposError(f"session {self.session_id} is closed")
         settled = self._settle_opening(timeout_s, deadline)
