@@ -152,8 +152,9 @@ class Residency:
         until only sessions being served hold KV. For when a request ends: while every session holding KV was
         being served, the budget could not be kept, and nothing else would bring it back under until the next
         session's KV changes."""
-        self._record_kept()
-        self._free_idle(protect=None, older_than=None)
+        if self.kv.over_budget:  # the kept prefixes' bytes, recorded when they last changed, make it cheap to ask
+            self._record_kept()
+            self._free_idle(protect=None, older_than=None)
 
     def _free_idle(self, *, protect: Session | None, older_than: float | None) -> None:
         if not self.kv.over_budget:
