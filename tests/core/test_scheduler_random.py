@@ -15,6 +15,7 @@ no request left unanswered and no KV or journal left behind.
 
 from __future__ import annotations
 
+import os
 import random
 from collections import deque
 
@@ -30,7 +31,7 @@ from test_scheduler import Harness, choice_reference
 SYSTEMS = ("You route tool calls.", "You answer yes or no.", "sys")
 WORDS = ("get", "weather", "in", "Paris", "now", "alarm", "7am", "list", "files", "ok", "")
 CHOICES = (("yes", "no"), ("yes", "no", "yesterday"), ("get_weather", "get_time", "set_alarm"))
-SEEDS = 4  # runs per configuration
+SEEDS = int(os.environ.get("PREPOS_RANDOM_SEEDS", "4"))  # runs per configuration (more: a longer hunt)
 MAX_LOG = 1500  # a session past this many tokens is ended (the fake engine's context is 4096)
 
 CONFIGS = {
