@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("backend", "client", "loadtest"):
     sys.path.insert(0, str(ROOT / sub))
 
-from prepos.launcher import ServerOptions, TritonServer, interrupt_on_sigterm  # noqa: E402
+from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client, PreposError  # noqa: E402
-from prepos_loadtest.repository import free_loopback_ports  # noqa: E402
+from prepos_loadtest.repository import trial_server  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 
@@ -48,11 +48,8 @@ def decode_until(url: str, index: int, stop: threading.Event) -> None:
 
 def trial(run_dir: Path, num_sessions: int, decode_s: float, wait_s: float) -> int:
     """One kill mid-decode; the number of stubs that outlived the server by ``wait_s``."""
-    http, grpc, metrics = free_loopback_ports(3)
-    options = ServerOptions(http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=run_dir,
-                            journal_dir="off")
     stop = threading.Event()
-    with TritonServer(options, env={"PREPOS_ENGINE_DIR": str(ENGINE_DIR)}) as server:
+    with trial_server(run_dir, ENGINE_DIR) as server:
         threads = [threading.Thread(target=decode_until, args=(server.grpc_url, i, stop))
                    for i in range(num_sessions)]
         try:

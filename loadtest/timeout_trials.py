@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("backend", "client", "loadtest"):
     sys.path.insert(0, str(ROOT / sub))
 
-from prepos.launcher import ServerOptions, TritonServer, interrupt_on_sigterm  # noqa: E402
+from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client, PreposTimeout  # noqa: E402
-from prepos_loadtest.repository import free_loopback_ports  # noqa: E402
+from prepos_loadtest.repository import trial_server  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 WORDS = "get weather in Paris now alarm 7am list files ok tell me a story about cats".split()
@@ -81,10 +81,7 @@ def replay(url: str, turns: list) -> int:
 
 def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int) -> tuple[int, int, int]:
     """One trial on a fresh server: (calls that timed out, requests stopped at their deadline, answers differing)."""
-    http, grpc, metrics = free_loopback_ports(3)
-    options = ServerOptions(http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=run_dir,
-                            journal_dir="off")
-    with TritonServer(options, env={"PREPOS_ENGINE_DIR": str(ENGINE_DIR)}) as server:
+    with trial_server(run_dir, ENGINE_DIR) as server:
         results = [{} for _ in range(num_sessions)]
         threads = [threading.Thread(target=run_session, args=(server.grpc_url, 1000 * number + i, num_actions, out))
                    for i, out in enumerate(results)]
@@ -102,7 +99,8 @@ def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int) -> tu
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=5, help="servers started, one after another (default %(default)s)")
+    parser.add_argument("--trials", type=int, default=5,
+                        help="servers started, one after another (default %(default)s)")
     parser.add_argument("--sessions", type=int, default=4, help="sessions at once (default %(default)s)")
     parser.add_argument("--actions", type=int, default=14, help="random actions per session (default %(default)s)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "timeout_trials", help="run folders")

@@ -435,8 +435,10 @@ class Scheduler:
         """Prefill the full path of an audited gated answer in the session's own KV (a prefix of its new log)
         and compare its first decided token with the gated one."""
         session = audit.session
-        if session.positioned is not None:  # positioned first: the audit's prefill drops that state (its KV is
-            self._metrics.prepositioning_ended("invalidated")  # rewritten), and it is positioned again after
+        # Positioned again first: the audit's prefill rewrites the KV, which drops that state; it is positioned
+        # again after the audit.
+        if session.positioned is not None:
+            self._metrics.prepositioning_ended("invalidated")
             self._idle[session.session_id] = session
         num_cached = common_prefix_length(self._engine.cached_token_ids(session.session_id), audit.prompt_ids)
         logits = yield from self._engine.prefill_steps(session.session_id, list(audit.prompt_ids))

@@ -55,8 +55,8 @@ class PreposTimeout(PreposError, TimeoutError):
     stops it at its deadline, accepts no turn past it, and its error is what
     the call raises (field ``timeout``); if the client's own limit runs out
     first, nothing was accepted either, unless a final response sent before the
-    server's deadline took longer than the margin to arrive. The session stays usable, and its next request is served after
-    this one. If the request that timed out was the one to open the session
+    server's deadline took longer than the margin to arrive. The session stays
+    usable, and its next request is served after this one. If the request that timed out was the one to open the session
     (START), the next call first waits, within its own time limit, for the
     server's answer to it: the deadline error (the session was not opened;
     the next request carries START again) or a late final response (it was).

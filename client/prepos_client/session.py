@@ -411,7 +411,7 @@ class Session:
             if delivery.error is not None:
                 self._settle(inflight, delivery.error)
                 error = delivery.error
-                if isinstance(error, PreposTimeout) and inflight.closes_session:  # the server stopped it at its deadline
+                if isinstance(error, PreposTimeout) and inflight.closes_session:  # stopped at the server's deadline
                     raise PreposTimeout(f"{error.message}; {_ENDED_ANYWAY}", field=error.field, status=error.status)
                 raise error
             chunk = parse_chunk(

@@ -1,5 +1,5 @@
 """Servers for measurements: model repositories of prepos variants side by side, the server of one, its engine
-folder and output folder checked, free loopback ports, and the tables written at the end."""
+folder and output folder checked, free loopback ports, a trial's server, and the tables written at the end."""
 
 from __future__ import annotations
 
@@ -44,6 +44,14 @@ def variant_server(run_dir: Path, folder: str, variants: Mapping[str, Mapping[st
     options = ServerOptions(model_repositories=(repo,), grpc_port=grpc_port, http_port=grpc_port + 1,
                             metrics_port=grpc_port + 2, run_dir=run_dir)
     return TritonServer(options, env={"PREPOS_ENGINE_DIR": str(engine_dir.resolve())})
+
+
+def trial_server(run_dir: Path, engine_dir: Path) -> TritonServer:
+    """A server, not started yet, of the project's own repository on free loopback ports, with no session journals
+    (a trial starts from nothing), on the engine in ``engine_dir``."""
+    http, grpc, metrics = free_loopback_ports(3)
+    options = ServerOptions(http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=run_dir, journal_dir="off")
+    return TritonServer(options, env={"PREPOS_ENGINE_DIR": str(engine_dir)})
 
 
 def machine() -> str:

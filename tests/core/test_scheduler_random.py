@@ -280,8 +280,8 @@ class Run:
             answer = choice_reference(self.h, prompt, choices)
             expect = {"text": answer, "turns": turns, "log": part + self.h.tok.encode(answer) + closing}
             if gated:  # the first token from the positioned distribution, the rest after the delta
-                expect.update(prompt_part=part,
-                              gated_text=choice_reference(self.h, prompt, choices, first=self.speculative(prompt, text)))
+                gated_text = choice_reference(self.h, prompt, choices, first=self.speculative(prompt, text))
+                expect.update(prompt_part=part, gated_text=gated_text)
             return expect
         if "sampling" in kw:
             ids = [t for t in self.sampled(prompt, max_tokens, kw["sampling"]) if t != IM_END]
