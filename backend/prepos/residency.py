@@ -8,8 +8,10 @@ least valuable state goes first:
    later sessions to copy), least recently copied first;
 1. speculative state (the positioned distribution and the KV of its
    speculative tokens) of idle sessions, least recently active first;
-2. the whole KV of idle sessions, in the eviction policy's order; the session
-   is rebuilt from its log on its next request (path ``rebuild``);
+2. the whole KV of idle sessions, in the eviction policy's order (those whose
+   KV other sessions all hold by reference, which would free nothing, after
+   the rest); the session is rebuilt from its log on its next request (path
+   ``rebuild``);
 3. for background work, finally, the KV it was building.
 
 With a journal, every accepted turn is written before it is acknowledged, a
@@ -165,7 +167,17 @@ class Residency:
                 return
             if victim.positioned is not None:
                 self._drop_speculative(victim)
+        # A session whose KV other sessions hold too (shared by reference) frees nothing when it goes: it waits
+        # until those that do free bytes have gone, and by then it may hold its pages alone.
+        frees_nothing = []
         for victim in victims:
+            if not self.kv.over_budget:
+                return
+            if self._engine.kv_release_bytes(victim.session_id) == 0:
+                frees_nothing.append(victim)
+            else:
+                self.evict(victim)
+        for victim in frees_nothing:
             if not self.kv.over_budget:
                 return
             self.evict(victim)

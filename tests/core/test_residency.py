@@ -53,9 +53,16 @@ def test_speculative_state_goes_before_an_idle_sessions_kv(budget, a_state, num_
 class SharingEngine(FakeEngine):
     """The fake engine, its sessions' KV shared by reference where their tokens agree (as whole tokens here)."""
 
+    def _held(self, exclude=None):
+        return {tuple(ids[:n]) for sid, ids in self.kv.items() if sid != exclude for n in range(1, len(ids) + 1)}
+
     def kv_total_bytes(self):
-        held = {tuple(ids[:n]) for ids in self.kv.values() for n in range(1, len(ids) + 1)}
-        return len(held) * self.info.kv_bytes_per_token
+        return len(self._held()) * self.info.kv_bytes_per_token
+
+    def kv_release_bytes(self, session_id):
+        ids = self.kv.get(session_id, [])
+        others = self._held(exclude=session_id)
+        return sum(tuple(ids[:n]) not in others for n in range(1, len(ids) + 1)) * self.info.kv_bytes_per_token
 
 
 def test_the_budget_counts_kv_shared_by_reference_once_and_eviction_goes_on_until_bytes_are_freed():
@@ -81,3 +88,46 @@ def test_the_budget_counts_kv_shared_by_reference_once_and_eviction_goes_on_unti
     res.note_kv(d)  # 2800 bytes: evicting a frees its own 100, b its 100, and then the budget holds
     assert [s.state for s in sessions] == [SessionState.EVICTED, SessionState.EVICTED, SessionState.RESIDENT]
     assert res.kv.used_bytes == 2600
+
+
+@pytest.mark.parametrize("policy", ["lru", "next_use"])
+def test_a_session_whose_kv_others_all_hold_goes_after_those_that_free_bytes(policy):
+    clock, metrics = FakeClock(), Metrics()
+    engine = SharingEngine(clock=clock)  # 100 KV bytes per token
+    res = Residency(engine=engine, metrics=metrics, max_sessions=10, kv_budget_bytes=2500, eviction_policy=policy,
+                    journal=None, clock=clock)
+    opening = list(range(3, 23))  # 20 tokens
+    logs = {"a": opening, "b": [*opening, 30, 31], "c": [*opening, 40, 41]}  # a holds only what b and c hold too
+    sessions = {}
+    for n, (sid, log) in enumerate(logs.items()):
+        session = sessions[sid] = res.open(sid)
+        session.append(log)
+        session.last_active_s = float(n)  # a is the least recently active
+        engine.prefill(sid, log)
+        res.note_kv(session)
+    assert res.kv.used_bytes == 2400
+    assert engine.kv_release_bytes("a") == 0 and engine.kv_release_bytes("b") == 200
+    d = res.open("d")
+    d.append(list(range(100, 103)))
+    d.last_active_s = 3.0
+    engine.prefill("d", d.token_log)
+    res.note_kv(d)  # 2700 bytes: evicting a would free nothing, b frees its own 200
+    assert [sessions[sid].state for sid in "abc"] == [SessionState.RESIDENT, SessionState.EVICTED,
+                                                      SessionState.RESIDENT]
+    assert res.kv.used_bytes == 2500
+    assert metrics.sink.get("prepos_kv_evictions_total", what="kv") == 1
+
+    e = res.open("e")
+    e.append(list(range(200, 203)))
+    e.last_active_s = 4.0
+    engine.prefill("e", e.token_log)
+    res.kv.budget_bytes = 2400
+    res.note_kv(e)  # 2800 bytes: c frees 200 (a then holds the opening alone), d 300, and the budget holds
+    assert [s.state for s in (sessions["a"], sessions["c"], d)] == [SessionState.RESIDENT, SessionState.EVICTED,
+                                                                    SessionState.EVICTED]
+    assert res.kv.used_bytes == 2300
+
+    res.kv.budget_bytes = 500  # a goes last, and now frees the opening
+    res.fit()
+    assert sessions["a"].state is SessionState.EVICTED and e.state is SessionState.RESIDENT
+    assert res.kv.used_bytes == 300

@@ -157,6 +157,7 @@ def test_a_shared_prefix_is_shared_by_reference_and_written_only_into_own_pages(
     assert len(engine._free) == free - 6  # 5 pages of a's and b's own fifth
     assert engine.kv_total_bytes() == 6 * PAGE * engine.info.kv_bytes_per_token
     assert engine.kv_bytes("a") == engine.kv_bytes("b") == 5 * PAGE * engine.info.kv_bytes_per_token
+    assert engine.kv_release_bytes("a") == engine.kv_release_bytes("b") == PAGE * engine.info.kv_bytes_per_token
     engine.truncate("a", 2)  # a keeps 2 rows of page 0, which b holds too
     assert len(engine._free) == free - 6 + 1  # a's fifth page: pages 1-3 stay, b holds them
     engine.prefill("a", [*prompt[:2], *[7] * 20])  # a diverges inside page 0: it writes into a copy
@@ -166,7 +167,10 @@ def test_a_shared_prefix_is_shared_by_reference_and_written_only_into_own_pages(
     assert engine.share_prefix("c", prompt + [5]) == 18  # from b, the one holder left
     assert engine._sessions["c"].pages[:4] == b.pages[:4]
     assert _close(engine.prefill("c", prompt + [5]).cpu(), _hf_logits(model, prompt + [5])[-1])
+    frees, held = engine.kv_release_bytes("b"), engine.kv_total_bytes()
+    assert 0 < frees < engine.kv_bytes("b")  # c holds b's first four pages too
     engine.release("b")
+    assert held - engine.kv_total_bytes() == frees
     assert _close(engine.decode("c", 6).cpu(), _hf_logits(model, [*prompt, 5, 6])[-1])
     for sid in ("a", "c"):
         engine.release(sid)

@@ -159,6 +159,11 @@ class Engine(abc.ABC):
     def kv_bytes(self, session_id: str) -> int:
         """Bytes of KV memory the session holds now (allocated capacity, not just used)."""
 
+    def kv_release_bytes(self, session_id: str) -> int:
+        """Bytes of KV memory :meth:`release` would free now: :meth:`kv_bytes`, less what other sessions or kept
+        prefixes also hold by reference (an engine that shares KV that way overrides this)."""
+        return self.kv_bytes(session_id)
+
     def reserve(self, session_id: str, num_tokens: int) -> None:
         """Let the session's KV hold ``num_tokens`` tokens (at most ``info.max_context``) without growing. An engine
         whose KV grows by copying it elsewhere grows it now: the scheduler does so in a session's idle window, so

@@ -230,6 +230,10 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         s = self._sessions.get(session_id)
         return 0 if s is None else len(s.pages) * self._page_bytes
 
+    def kv_release_bytes(self, session_id: str) -> int:
+        s = self._sessions.get(session_id)
+        return 0 if s is None else sum(self._holders[page] == 1 for page in s.pages) * self._page_bytes
+
     def kv_total_bytes(self) -> int:
         return (self.num_pages - 1 - len(self._free)) * self._page_bytes
 
