@@ -71,7 +71,9 @@ class ServerOptions:
     """How long to wait for every model to load."""
     log_verbose: int = 0
     exit_timeout_s: int = 10
-    """On stop, how long Triton waits for in-flight requests (open sessions are kept in their journals)."""
+    """On stop, how long Triton waits for in-flight requests. It counts every open session as one, so while any is
+    open a stop takes this long (their requests are still served meanwhile, new sessions refused); the sessions
+    are kept in their journals."""
     journal_dir: str = ""
     """Session journal directory for ``prepos serve`` (empty: ``<run_dir>/journal``; ``off``: none), unless
     PREPOS_JOURNAL_DIR is set."""
@@ -252,6 +254,10 @@ def server_command(options: ServerOptions, backend_dir: Path, access_token: str 
     return command
 
 
+STOP_GRACE_S = 5.0
+"""How long past its exit timeout :meth:`TritonServer.stop` waits for tritonserver before killing it."""
+
+
 class TritonServer:
     """A running tritonserver process; a context manager that stops it on exit."""
 
@@ -384,13 +390,21 @@ class TritonServer:
         except psutil.NoSuchProcess:
             return []
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM, then wait (Triton drains in-flight requests), then SIGKILL if it hangs. Backend stub
-        processes still alive afterwards are killed too, also when tritonserver had already exited (killed or
-        crashed): a stub can hang rather than follow a server that died under it, holding the model and its KV."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM, then wait (Triton drains in-flight requests), then SIGKILL if it has not exited within
+        ``timeout_s`` (default: its exit timeout and :data:`STOP_GRACE_S` more). Backend stub processes still alive
+        afterwards are killed too, also when tritonserver had already exited (killed or crashed): a stub can hang
+        rather than follow a server that died under it, holding the model and its KV.
+
+        Triton counts every open session (a live sequence) as an in-flight request, so with any session open it
+        waits its whole exit timeout; and while a client still holds a stream to it, Triton 2.51 then does not
+        finish exiting (it hangs after "Exit timeout expired"). Open sessions are in their journals either way."""
         if self.process is None:
             return
         import psutil
+
+        if timeout_s is None:
+            timeout_s = self.options.exit_timeout_s + STOP_GRACE_S
 
         stubs = {stub.pid: stub for stub in self._stubs}
         if self.process.poll() is None:
@@ -399,7 +413,9 @@ class TritonServer:
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                log.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
+                log.warning("tritonserver had not exited %.0f s after SIGTERM (its exit timeout is %d s: Triton waits "
+                            "for open sessions, and hangs past it while a client holds a stream); killing it, open "
+                            "sessions stay in their journals", timeout_s, self.options.exit_timeout_s)
                 self.process.kill()
                 self.process.wait()
         self._stubs = []
@@ -494,12 +510,18 @@ def serve(options: ServerOptions) -> int:
                   + (f"  access   token required: gRPC header {GRPC_ACCESS_TOKEN_HEADER}, HTTP header {ACCESS_TOKEN_HEADER}\n"
                      if server.access_token else "")
                   + "Press Ctrl-C to stop.", flush=True)
-            while server.process.poll() is None:
-                time.sleep(0.5)
+            try:
+                while server.process.poll() is None:
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                print(f"stopping prepos: Triton serves the open sessions' requests in flight and waits up to "
+                      f"{options.exit_timeout_s} s (--exit-timeout-s) for open sessions to end; they are kept in "
+                      "their journals ...", flush=True)
+                raise
             print(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
             return 1
     except KeyboardInterrupt:
-        print("stopping prepos ...", flush=True)
+        print("prepos stopped", flush=True)
         return 0
     except RuntimeError as err:
         print(f"prepos failed to start: {err}", file=sys.stderr)
