@@ -150,6 +150,14 @@ TIMEOUT_ARGS ?=
 timeout-trials: $(ENGINE)
 	$(PY) loadtest/timeout_trials.py $(TIMEOUT_ARGS)
 
+# Session trials: sessions driven every way the protocol allows (pipelined, over the HTTP bridge, resumed, ended
+# and reopened, time-limited), a restart on the journals halfway, then every answer replayed in a calm twin
+# (README: Tests), about 1-2 min a trial here, e.g. make session-trials SESSION_TRIAL_ARGS="--trials 10"
+SESSION_TRIAL_ARGS ?=
+.PHONY: session-trials
+session-trials: $(ENGINE)
+	$(PY) loadtest/session_trials.py $(SESSION_TRIAL_ARGS)
+
 # Server death trials: tritonserver killed mid-decode, its backend stubs counted 20 s later
 # (README: A server that dies), 10-35 s a trial here, e.g. make server-death DEATH_ARGS="--trials 18"
 DEATH_ARGS ?=

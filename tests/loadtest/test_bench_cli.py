@@ -14,6 +14,7 @@ import pool_bench
 import residency_bench
 import share_bench
 import server_death_trials
+import session_trials
 import timeout_trials
 from prepos_loadtest.soak import main as soak_main
 
@@ -84,9 +85,10 @@ def test_server_death_trials_refuse_bad_counts_before_starting_a_server(argv, ca
     assert "--trials and --sessions must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("trials", [timeout_trials, session_trials])
 @pytest.mark.parametrize("argv", [["--trials", "0"], ["--sessions", "0"], ["--actions", "-2"]])
-def test_timeout_trials_refuse_bad_counts_before_starting_a_server(argv, capsys):
+def test_session_and_timeout_trials_refuse_bad_counts_before_starting_a_server(trials, argv, capsys):
     with pytest.raises(SystemExit) as exited:
-        timeout_trials.main(argv)
+        trials.main(argv)
     assert exited.value.code == 2
     assert "--trials, --sessions and --actions must be at least 1" in capsys.readouterr().err
