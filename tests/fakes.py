@@ -113,7 +113,7 @@ class FakeEngine(Engine):
     def __init__(self, vocab: int = len(VOCAB), max_context: int = 4096, clock: FakeClock | None = None,
                  token_time_s: float = 0.001, step_time_s: float = 0.005,
                  logits_fn: Callable[[Sequence[int], int], np.ndarray] = hashed_logits, num_layers: int = 0,
-                 share_prefixes: bool = False):
+                 share_prefixes: bool = False, by_reference: bool = False):
         self.info = EngineInfo("fake", vocab, max_context, kv_bytes_per_token=100, weight_bytes=1000, device="cpu")
         self.clock = clock or FakeClock()
         self.token_time_s, self.step_time_s = token_time_s, step_time_s
@@ -128,6 +128,9 @@ class FakeEngine(Engine):
         self.num_shared_tokens = 0
         self.kept: list[tuple[str, int]] = []  # kept prefixes' keys in kv, least recently kept first
         self.room: dict = {}  # session -> tokens its KV has room for (reserve), counted in kv_bytes
+        # KV held by reference, as the paged engine's pages (here whole tokens): a prefix several sessions or kept
+        # prefixes hold counts once in kv_total_bytes, and releasing one frees only what no other holds; no room
+        self.by_reference = by_reference
 
     def _compute(self, session_id, seq: list[int], num_new: int) -> torch.Tensor:
         self.clock.t += self.step_time_s + self.token_time_s * num_new / 2
@@ -217,13 +220,30 @@ class FakeEngine(Engine):
 
     def reserve_steps(self, session_id, num_tokens):
         yield  # a step, as the torch engine's copy of a layer
-        if session_id in self.kv:
+        if session_id in self.kv and not self.by_reference:
             self.room[session_id] = max(self.room.get(session_id, 0), min(num_tokens, self.info.max_context))
 
     def kv_bytes(self, session_id):
         if session_id not in self.kv:
             return 0
         return 100 * max(len(self.kv[session_id]), self.room.get(session_id, 0))
+
+    def kv_total_bytes(self):
+        if not self.by_reference:
+            return None
+        total, previous = 0, ()
+        for seq in sorted({tuple(ids) for ids in self.kv.values()}):  # the distinct prefixes of them all
+            total += len(seq) - common_prefix_length(previous, seq)
+            previous = seq
+        return 100 * total
+
+    def kv_release_bytes(self, session_id):
+        if not self.by_reference or session_id not in self.kv:
+            return self.kv_bytes(session_id)
+        ids = self.kv[session_id]
+        held = max((common_prefix_length(ids, other) for key, other in self.kv.items() if key != session_id),
+                   default=0)
+        return 100 * (len(ids) - held)
 
 
 class CollectSink:

@@ -50,24 +50,9 @@ def test_speculative_state_goes_before_an_idle_sessions_kv(budget, a_state, num_
     assert b.state is SessionState.RESIDENT
 
 
-class SharingEngine(FakeEngine):
-    """The fake engine, its sessions' KV shared by reference where their tokens agree (as whole tokens here)."""
-
-    def _held(self, exclude=None):
-        return {tuple(ids[:n]) for sid, ids in self.kv.items() if sid != exclude for n in range(1, len(ids) + 1)}
-
-    def kv_total_bytes(self):
-        return len(self._held()) * self.info.kv_bytes_per_token
-
-    def kv_release_bytes(self, session_id):
-        ids = self.kv.get(session_id, [])
-        others = self._held(exclude=session_id)
-        return sum(tuple(ids[:n]) not in others for n in range(1, len(ids) + 1)) * self.info.kv_bytes_per_token
-
-
 def test_the_budget_counts_kv_shared_by_reference_once_and_eviction_goes_on_until_bytes_are_freed():
     clock, metrics = FakeClock(), Metrics()
-    engine = SharingEngine(clock=clock)  # 100 KV bytes per token
+    engine = FakeEngine(clock=clock, by_reference=True)  # 100 KV bytes per token
     res = Residency(engine=engine, metrics=metrics, max_sessions=10, kv_budget_bytes=2600, eviction_policy="lru",
                     journal=None, clock=clock)
     opening = list(range(3, 23))  # 20 tokens
@@ -93,7 +78,7 @@ def test_the_budget_counts_kv_shared_by_reference_once_and_eviction_goes_on_unti
 @pytest.mark.parametrize("policy", ["lru", "next_use"])
 def test_a_session_whose_kv_others_all_hold_goes_after_those_that_free_bytes(policy):
     clock, metrics = FakeClock(), Metrics()
-    engine = SharingEngine(clock=clock)  # 100 KV bytes per token
+    engine = FakeEngine(clock=clock, by_reference=True)  # 100 KV bytes per token
     res = Residency(engine=engine, metrics=metrics, max_sessions=10, kv_budget_bytes=2500, eviction_policy=policy,
                     journal=None, clock=clock)
     opening = list(range(3, 23))  # 20 tokens
