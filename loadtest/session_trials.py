@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("backend", "client", "loadtest"):
     sys.path.insert(0, str(ROOT / sub))
 
-from prepos.launcher import ServerOptions, TritonServer, interrupt_on_sigterm  # noqa: E402
+from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Answer, Client, PreposError, PreposTimeout  # noqa: E402
-from prepos_loadtest.repository import free_loopback_ports  # noqa: E402
+from prepos_loadtest.repository import trial_server  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 WORDS = "get weather in Paris now alarm 7am list files ok tell me a story about cats the. yes no".split()
@@ -276,10 +276,7 @@ def replay(client: Client, turns: list) -> int:
 
 def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int) -> collections.Counter:
     """One trial on a fresh server, restarted halfway: the requests of each kind, errors, answers that differed."""
-    http, grpc, metrics = free_loopback_ports(3)
-    options = ServerOptions(http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=run_dir, exit_timeout_s=2)
-    server = TritonServer(options, env={"PREPOS_ENGINE_DIR": str(ENGINE_DIR),
-                                        "PREPOS_JOURNAL_DIR": str(run_dir / "journal")})
+    server = trial_server(run_dir, ENGINE_DIR, journal_dir=run_dir / "journal", exit_timeout_s=2)
     runs = [SessionRun(server, 1000 * number + i, num_actions) for i in range(num_sessions)]
     counts: collections.Counter = collections.Counter()
     with server:

@@ -46,12 +46,16 @@ def variant_server(run_dir: Path, folder: str, variants: Mapping[str, Mapping[st
     return TritonServer(options, env={"PREPOS_ENGINE_DIR": str(engine_dir.resolve())})
 
 
-def trial_server(run_dir: Path, engine_dir: Path) -> TritonServer:
-    """A server, not started yet, of the project's own repository on free loopback ports, with no session journals
-    (a trial starts from nothing), on the engine in ``engine_dir``."""
+def trial_server(run_dir: Path, engine_dir: Path, journal_dir: Path | None = None,
+                 exit_timeout_s: int = 10) -> TritonServer:
+    """A server, not started yet, of the project's own repository on free loopback ports, on the engine in
+    ``engine_dir``, with session journals in ``journal_dir`` (None: none, whatever the environment says; a trial
+    starts from nothing)."""
     http, grpc, metrics = free_loopback_ports(3)
-    options = ServerOptions(http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=run_dir, journal_dir="off")
-    return TritonServer(options, env={"PREPOS_ENGINE_DIR": str(engine_dir)})
+    options = ServerOptions(http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=run_dir,
+                            exit_timeout_s=exit_timeout_s)
+    return TritonServer(options, env={"PREPOS_ENGINE_DIR": str(engine_dir),
+                                      "PREPOS_JOURNAL_DIR": str(journal_dir) if journal_dir else ""})
 
 
 def machine() -> str:
