@@ -245,16 +245,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=4, help="sessions at once (default %(default)s)")
     parser.add_argument("--actions", type=int, default=16,
                         help="random actions per session, half before the restart (default %(default)s)")
+    parser.add_argument("--kv-budget-mb", type=float, default=0,
+                        help="the server's KV budget (memory.kv_budget_bytes) in MB, small to make it evict and "
+                             "rebuild sessions (default: the server's own)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "session_trials", help="run folders")
     args = parser.parse_args(argv)
     if min(args.trials, args.sessions, args.actions) < 1:
         parser.error("--trials, --sessions and --actions must be at least 1")
+    if not args.kv_budget_mb >= 0:
+        parser.error(f"--kv-budget-mb: expected MB >= 0, got {args.kv_budget_mb}")
     if not (ENGINE_DIR / "prepos_engine.json").is_file():
         parser.error(f"no engine in {ENGINE_DIR} (make engine builds it)")
     interrupt_on_sigterm()  # a SIGTERM stops the running trial's server on the way out
     totals: collections.Counter = collections.Counter()
     for number in range(args.trials):
-        counts = trial(args.out / f"trial-{number}", number, args.sessions, args.actions)
+        counts = trial(args.out / f"trial-{number}", number, args.sessions, args.actions,
+                       kv_budget_bytes=int(args.kv_budget_mb * 1e6))
         totals.update(counts)
         print(f"trial {number + 1}: " + ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())), flush=True)
     print("in all: " + ", ".join(f"{n} {kind}" for kind, n in sorted(totals.items())))
@@ -274,9 +280,13 @@ def replay(client: Client, turns: list) -> int:
     return differed
 
 
-def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int) -> collections.Counter:
-    """One trial on a fresh server, restarted halfway: the requests of each kind, errors, answers that differed."""
+def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int,
+          kv_budget_bytes: int = 0) -> collections.Counter:
+    """One trial on a fresh server, restarted halfway: the requests of each kind, errors, answers that differed,
+    and sessions evicted (with ``kv_budget_bytes``, 0 for the server's default)."""
     server = trial_server(run_dir, ENGINE_DIR, journal_dir=run_dir / "journal", exit_timeout_s=2)
+    if kv_budget_bytes:
+        server.env["PREPOS_MEMORY_KV_BUDGET_BYTES"] = str(kv_budget_bytes)
     runs = [SessionRun(server, 1000 * number + i, num_actions) for i in range(num_sessions)]
     counts: collections.Counter = collections.Counter()
     with server:
@@ -299,6 +309,8 @@ def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int) -> co
                 thread.start()
             for thread in threads:
                 thread.join()
+            time.sleep(1.0)  # the engine loop publishes its counters when idle
+            counts["evicted"] += int(server.metric("prepos_kv_evictions_total", what="kv"))
         for run in runs:
             if not run.errors:
                 run.session.close()

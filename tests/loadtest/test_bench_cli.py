@@ -92,3 +92,11 @@ def test_session_and_timeout_trials_refuse_bad_counts_before_starting_a_server(t
         trials.main(argv)
     assert exited.value.code == 2
     assert "--trials, --sessions and --actions must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_session_trials_refuse_a_bad_kv_budget_before_starting_a_server(value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        session_trials.main(["--kv-budget-mb", value])
+    assert exited.value.code == 2
+    assert "--kv-budget-mb" in capsys.readouterr().err
