@@ -38,6 +38,7 @@ for sub in ("backend", "client", "loadtest"):
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Answer, Client, PreposError, PreposTimeout  # noqa: E402
 from prepos_loadtest.repository import trial_server  # noqa: E402
+from prepos_loadtest.twins import differing_answers  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 WORDS = "get weather in Paris now alarm 7am list files ok tell me a story about cats the. yes no".split()
@@ -93,10 +94,9 @@ class SessionRun:
     """One session thread's state: its client session, the logical sessions it went through (each a list of
     acknowledged turns, ("append" | "ask", keyword arguments, answer ids)), and its counts."""
 
-    def __init__(self, server: TritonServer, seed: int, num_actions: int):
+    def __init__(self, server: TritonServer, seed: int):
         self.server = server
         self.rng = random.Random(seed)
-        self.num_actions = num_actions
         self.session_id = f"trial-{seed}"
         self.logs: list[list] = []
         self.counts: collections.Counter = collections.Counter()
@@ -267,19 +267,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if totals["errors"] or totals["differed"] else 0
 
 
-def replay(client: Client, turns: list) -> int:
-    """The number of answers a calm twin session gives differently."""
-    differed = 0
-    twin = client.session()
-    for kind, kw, answer in turns:
-        if kind == "append":
-            twin.append(**kw)
-        elif tuple(twin.ask(**kw).token_ids) != answer:
-            differed += 1
-    twin.close()
-    return differed
-
-
 def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int,
           kv_budget_bytes: int = 0) -> collections.Counter:
     """One trial on a fresh server, restarted halfway: the requests of each kind, errors, answers that differed,
@@ -287,7 +274,7 @@ def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int,
     server = trial_server(run_dir, ENGINE_DIR, journal_dir=run_dir / "journal", exit_timeout_s=2)
     if kv_budget_bytes:
         server.env["PREPOS_MEMORY_KV_BUDGET_BYTES"] = str(kv_budget_bytes)
-    runs = [SessionRun(server, 1000 * number + i, num_actions) for i in range(num_sessions)]
+    runs = [SessionRun(server, 1000 * number + i) for i in range(num_sessions)]
     counts: collections.Counter = collections.Counter()
     with server:
         clients = [Client(server.grpc_url) for _ in runs]
@@ -321,7 +308,7 @@ def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int,
         with Client(server.grpc_url) as client:
             for run in runs:
                 for turns in run.logs:
-                    counts["differed"] += replay(client, turns)
+                    counts["differed"] += differing_answers(client, turns)
                     counts["replayed"] += sum(kind == "ask" for kind, _, _ in turns)
         for client in clients:
             client.close()

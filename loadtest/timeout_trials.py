@@ -26,6 +26,7 @@ for sub in ("backend", "client", "loadtest"):
 from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client, PreposTimeout  # noqa: E402
 from prepos_loadtest.repository import trial_server  # noqa: E402
+from prepos_loadtest.twins import differing_answers  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 WORDS = "get weather in Paris now alarm 7am list files ok tell me a story about cats".split()
@@ -65,20 +66,6 @@ def run_session(url: str, seed: int, num_actions: int, out: dict) -> None:
     out.update(turns=turns, timeouts=timeouts)
 
 
-def replay(url: str, turns: list) -> int:
-    """The number of answers a calm twin session gives differently."""
-    differed = 0
-    with Client(url) as client, client.session() as twin:
-        for kind, kw, answer in turns:
-            kw = dict(kw)
-            text = kw.pop("text")
-            if kind == "append":
-                twin.append(text, **kw)
-            elif tuple(twin.ask(text, **kw).token_ids) != answer:
-                differed += 1
-    return differed
-
-
 def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int) -> tuple[int, int, int]:
     """One trial on a fresh server: (calls that timed out, requests stopped at their deadline, answers differing)."""
     with trial_server(run_dir, ENGINE_DIR) as server:
@@ -91,7 +78,8 @@ def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int) -> tu
             thread.join()
         if any("turns" not in out for out in results):
             raise RuntimeError("a session failed; see the output above")
-        differed = sum(replay(server.grpc_url, out["turns"]) for out in results)
+        with Client(server.grpc_url) as client:
+            differed = sum(differing_answers(client, out["turns"]) for out in results)
         time.sleep(1.0)  # the engine loop publishes its counters when idle
         stopped = int(server.metric("prepos_requests_abandoned_total", reason="deadline"))
     return sum(out["timeouts"] for out in results), stopped, differed

@@ -1,0 +1,21 @@
+"""Calm twins: a session's acknowledged turns replayed, in order and without time limits, in a fresh session, whose
+greedy or seeded answers must be the same (the trial drivers' check that nothing they did changed a session)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prepos_client import Client
+
+
+def differing_answers(client: Client, turns: Sequence[tuple]) -> int:
+    """Replay ``turns`` (("append" | "ask", keyword arguments of Session.append / Session.ask, the answer's token
+    ids or None)) in a new session on ``client``; the number of answers that came out differently."""
+    differed = 0
+    with client.session() as twin:
+        for kind, kw, answer in turns:
+            if kind == "append":
+                twin.append(**kw)
+            elif tuple(twin.ask(**kw).token_ids) != tuple(answer):
+                differed += 1
+    return differed
