@@ -101,7 +101,8 @@ class Run:
             forget(session_id)
             self.noted[session_id] = ()
 
-        ledger.record, ledger.forget = recording, forgetting
+        if self.config.get("by_reference"):  # only there does the ledger read a live total (see unsettled)
+            ledger.record, ledger.forget = recording, forgetting
         return h
 
     def log(self, sid: str) -> list[int]:
