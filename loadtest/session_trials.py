@@ -142,11 +142,22 @@ class SessionRun:
         kw = random_question(self.rng)
         try:
             answer = self.session.ask(**kw, timeout_s=self.rng.choice(LIMITS_S))
-        except PreposTimeout:
-            self.counts["timed out"] += 1  # not accepted: nothing to replay
+        except PreposTimeout as error:
+            self.record_timed_out(kw, error)
             return
         self.record("ask", kw, answer.token_ids)
         self.bridge_ok = True
+
+    def record_timed_out(self, kw: dict, error: PreposTimeout) -> None:
+        """A question whose call timed out: settled, then replayed in the twin (answer unknown) if it was accepted
+        after all, left out if not."""
+        self.session.settle()
+        self.counts["timed out"] += 1
+        if error.accepted is None:
+            raise PreposError(f"the outcome of a call that timed out is unknown after settling: {error}")
+        if error.accepted:
+            self.counts["accepted late"] += 1
+            self.record("ask", kw, None)
 
     def do_pipelined(self) -> None:
         """Two to four requests sent before the first is answered: questions, maybe a bad one among them (refused,
@@ -160,13 +171,14 @@ class SessionRun:
         streams = [self.session.generate(**kw, **({"timeout_s": limit} if limit and not i else {}),
                                          end=end and i == len(plan) - 1)
                    for i, (_, kw) in enumerate(plan)]
+        timed_out = None
         for i, ((kind, kw), stream) in enumerate(zip(plan, streams)):
             try:
                 answer = Answer.from_chunks(list(stream))
-            except PreposTimeout:
+            except PreposTimeout as error:
                 if limit is None or i:
                     raise
-                self.counts["timed out"] += 1
+                timed_out = error
                 continue
             except PreposError as err:
                 if kind != "bad":
@@ -175,7 +187,12 @@ class SessionRun:
                 continue
             if kind == "bad":
                 raise PreposError(f"a bad request ({kw}) was answered: {answer.text!r}")
+            if timed_out is not None:  # served after it, so its outcome came first
+                self.record_timed_out(plan[0][1], timed_out)
+                timed_out = None
             self.record("ask", kw, answer.token_ids)
+        if timed_out is not None:  # nothing answered after it: every later request was refused
+            self.record_timed_out(plan[0][1], timed_out)
         self.bridge_ok = True
         if end:
             self.counts["ended"] += 1
@@ -309,7 +326,7 @@ def trial(run_dir: Path, number: int, num_sessions: int, num_actions: int,
             for run in runs:
                 for turns in run.logs:
                     counts["differed"] += differing_answers(client, turns)
-                    counts["replayed"] += sum(kind == "ask" for kind, _, _ in turns)
+                    counts["replayed"] += sum(kind == "ask" and ids is not None for kind, _, ids in turns)
         for client in clients:
             client.close()
     counts.setdefault("errors", 0)

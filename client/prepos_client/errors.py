@@ -53,14 +53,28 @@ class PreposTimeout(PreposError, TimeoutError):
     The timeout went with the request (Triton's request timeout, less a margin
     for the answer's way back: a tenth of it, at most 50 ms), so the server
     stops it at its deadline, accepts no turn past it, and its error is what
-    the call raises (field ``timeout``); if the client's own limit runs out
-    first, nothing was accepted either, unless a final response sent before the
-    server's deadline took longer than the margin to arrive. The session stays
-    usable, and its next request is served after this one. If the request that timed out was the one to open the session
-    (START), the next call first waits, within its own time limit, for the
-    server's answer to it: the deadline error (the session was not opened;
-    the next request carries START again) or a late final response (it was).
+    the call raises (field ``timeout``). If the client's own limit runs out
+    first, the outcome is not known yet: nothing was accepted unless a final
+    response sent before the server's deadline took longer than the margin to
+    arrive. The session stays usable; its next call (or `Session.settle`)
+    first waits, within its own time limit, for the server's answer to the
+    request that timed out, and records it in ``accepted``. If that request
+    was the one to open the session (START), the answer also tells whether
+    the session is open: after the deadline error the next request carries
+    START again.
+
+    Attributes:
+        accepted: whether the request's turn was accepted: False when the
+            server stopped it (or it was never sent), True when its final
+            response came after the client gave up, None while that is not
+            known (or cannot be: the stream ended, or the request carried END
+            and the session was closed with it).
     """
+
+    def __init__(self, message: str, *, field: str | None = None, status: str | None = None,
+                 accepted: bool | None = None):
+        super().__init__(message, field=field, status=status)
+        self.accepted = accepted
 
 
 def parse_field(message: str) -> str | None:
@@ -88,5 +102,5 @@ def from_triton(error: InferenceServerException) -> PreposError:
         return PreposTimeout(message, status=status)
     message, field = _REQUEST_ID_PREFIX.sub("", message, count=1), parse_field(message)
     if field == "timeout" and "deadline" in message:  # the server stopped the call at its time limit
-        return PreposTimeout(message, field=field, status=status)
+        return PreposTimeout(message, field=field, status=status, accepted=False)
     return PreposError(message, field=field, status=status)

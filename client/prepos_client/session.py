@@ -100,6 +100,7 @@ class _Inflight:
     deadline: float  # perf_counter time after which the caller stops waiting
     opens_session: bool
     closes_session: bool
+    timed_out: PreposTimeout | None = None  # what the caller got when its own time limit ran out first
 
 
 def _next_delivery(deliveries: queue.SimpleQueue, deadline: float):
@@ -141,16 +142,19 @@ class Session:
     usable. A Session is meant for one thread at a time. Close or detach it
     when done; one still open when the interpreter exits is closed then.
 
-    When the request that was to open the session times out, the client
-    cannot know yet whether it opened it: the server stops it at the same
-    deadline and answers with a timeout error (not opened), unless its last
-    response was already on its way (opened). The next call (`close`
-    included) first waits, within its own time limit, for that answer: after
-    the error it sends START again, after a final response it does not.
-    Sending before the answer would put a second START next to one the
-    server is still finishing, which it refuses as already open. If no answer
-    comes within the call's time limit, the call raises `PreposTimeout` and
-    sends nothing.
+    When a call's own time limit runs out before the server's answer comes,
+    the client cannot know yet whether the request's turn was accepted: the
+    server stops it at its deadline, just before, and answers with a timeout
+    error (not accepted), unless its last response was already on its way
+    (accepted). The next call (`close` included), or `settle`, first waits,
+    within its own time limit, for that answer and records it in the
+    `PreposTimeout`'s ``accepted``, so a caller can tell whether to send the
+    turn again. For the request that was to open the session, the answer also
+    tells whether it opened it: after the error the next request carries
+    START again, after a final response it does not (sending before the
+    answer would put a second START next to one the server is still
+    finishing, which it refuses as already open). If no answer comes within
+    the call's time limit, the call raises `PreposTimeout` and sends nothing.
     """
 
     def __init__(
@@ -170,7 +174,7 @@ class Session:
         self._headers = {**(headers or {}), SESSION_HEADER: str(self.session_id)}
         self._needs_start = True
         self._resume = resume  # until a request has opened the session, START goes with `resume`
-        self._unsettled_opening: _Inflight | None = None  # an opening request timed out; its outcome is to come
+        self._unsettled: list[_Inflight] = []  # requests the caller gave up on, whose outcome is still to come
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
@@ -310,7 +314,7 @@ class Session:
             return None
         try:
             timeout_s, deadline = self._time_limit(timeout_s)
-            self._settle_opening(timeout_s, deadline)
+            self._settle_timed_out(timeout_s, deadline)
             if self._closed:
                 return None  # the timed-out request carried END and was accepted after all
             if self._num_requests == 0 and self._needs_start and not self._resume:
@@ -319,6 +323,20 @@ class Session:
             return Update.from_chunks(list(self._receive(inflight, timeout_s)))
         finally:
             self._release()
+
+    def settle(self, *, timeout_s: float | None = None) -> None:
+        """Wait for the server's answer to every request of this session whose call raised `PreposTimeout` on
+        the client's own time limit, and record it in that error's ``accepted`` (True: the turn is in the
+        session's log; False: it is not; None: the stream ended first). Every call does this first; `settle`
+        lets a caller learn it before deciding whether to send the turn again. Sends nothing.
+
+        Raises:
+            PreposTimeout: an answer did not come within the time limit (the rest stay to be settled).
+        """
+        if self._closed:
+            return
+        timeout_s, deadline = self._time_limit(timeout_s)
+        self._settle_timed_out(timeout_s, deadline)
 
     def detach(self) -> None:
         """Release the connection and leave the session open on the server. Idempotent.
@@ -350,16 +368,16 @@ class Session:
     def _send(self, inputs: list[InferInput], *, end: bool, timeout_s: float, deadline: float) -> _Inflight:
         """Queue a request on the session's stream. Its time limit goes with it as Triton's request timeout: the
         server stops the request a little before the client gives up (:func:`server_timeout_us`), so one the
-        client gave up on does not take effect. An opening request that timed out is settled first, within the
+        client gave up on does not take effect. A request that timed out on the client is settled first, within the
         same time limit (see the class docstring)."""
         if self._closed:
             raise PreposError(f"session {self.session_id} is closed")
-        settled = self._settle_opening(timeout_s, deadline)
+        settled = self._settle_timed_out(timeout_s, deadline)
         if self._closed:  # the timed-out request carried END and was accepted after all
             raise PreposError(f"session {self.session_id} is closed")
         if settled and time.perf_counter() >= deadline:
             raise PreposTimeout(f"session {self.session_id}: no time left within {timeout_s:g} s after waiting for "
-                                "the outcome of the request that was to open it; nothing was sent")
+                                "the outcome of a request that timed out; nothing was sent", accepted=False)
         router = self._ensure_stream()
         self._num_requests += 1
         request_id = str(self._num_requests)
@@ -394,20 +412,23 @@ class Session:
             try:
                 delivery = _next_delivery(inflight.deliveries, inflight.deadline)
             except queue.Empty:
-                ended = ""
-                if inflight.opens_session:
+                if inflight.opens_session or not inflight.closes_session:
                     # Its outcome (the server's deadline error, or a final response already on its way) is still
-                    # to come and tells whether the session was opened: the next call waits for it.
-                    self._unsettled_opening = inflight
-                elif inflight.closes_session:
+                    # to come; the next call waits for it, which also tells whether an opening opened the session.
+                    self._unsettled.append(inflight)
+                    self._unsettled.sort(key=lambda unsettled: unsettled.sent_at)  # settled in the order sent
+                    outcome = "; whether its turn was accepted is not known yet: the session's next call (or "
+                    outcome += "settle()) waits for the server's answer and records it in this error's .accepted"
+                else:
                     # Triton ends the sequence at an END request whatever becomes of the request: the session is
                     # over on the server, and a later request without START would be refused.
                     self._release()
-                    ended = f"; {_ENDED_ANYWAY} (whether its turn was accepted is unknown)"
-                raise PreposTimeout(
+                    outcome = f"; {_ENDED_ANYWAY} (whether its turn was accepted is unknown)"
+                inflight.timed_out = PreposTimeout(
                     f"session {self.session_id}: no complete response to request "
-                    f"{inflight.request_id} within {timeout_s:g} s{ended}"
-                ) from None
+                    f"{inflight.request_id} within {timeout_s:g} s{outcome}"
+                )
+                raise inflight.timed_out from None
             if delivery.error is not None:
                 self._settle(inflight, delivery.error)
                 error = delivery.error
@@ -439,26 +460,52 @@ class Session:
         if inflight.closes_session:
             self._release()
 
-    def _settle_opening(self, timeout_s: float, deadline: float) -> bool:
-        """Wait until ``deadline`` for the outcome of the opening request that timed out, if there is one, and
-        settle it. Returns whether there was one; raises PreposTimeout (leaving it unsettled) if none came."""
-        inflight = self._unsettled_opening
-        if inflight is None:
-            return False
+    def _settle_timed_out(self, timeout_s: float, deadline: float) -> bool:
+        """Wait until ``deadline`` for the outcome of each request the caller gave up on, in the order sent, and
+        settle it. Returns whether there was one; raises PreposTimeout (leaving the rest unsettled) if an outcome
+        did not come."""
+        settled = False
+        while self._unsettled and not self._closed:
+            inflight = self._unsettled[0]
+            while True:
+                try:
+                    delivery = _next_delivery(inflight.deliveries, deadline)
+                except queue.Empty:
+                    opening = ", which was to open the session," if inflight.opens_session else ""
+                    raise PreposTimeout(
+                        f"session {self.session_id}: request {inflight.request_id}{opening} timed out and the "
+                        f"server has not reported its outcome within {timeout_s:g} s; nothing was sent",
+                        accepted=False,
+                    ) from None
+                # Chunks before the last one decide nothing: only the final response accepts the turn.
+                if delivery.error is not None or is_final_response(delivery.result):
+                    break
+            self._unsettled.pop(0)
+            settled = True
+            self._settle(inflight, delivery.error)
+            self._record_late_outcome(inflight, delivery.error)
+        return settled
+
+    def _record_delivered_outcome(self, inflight: _Inflight) -> None:
+        """Record the outcome of a request the caller gave up on if it has already arrived (the session is being
+        released: a request that ends it is answered after every earlier one)."""
         while True:
             try:
-                delivery = _next_delivery(inflight.deliveries, deadline)
+                delivery = inflight.deliveries.get_nowait()
             except queue.Empty:
-                raise PreposTimeout(
-                    f"session {self.session_id}: request {inflight.request_id}, which was to open the session, "
-                    f"timed out and the server has not reported its outcome within {timeout_s:g} s; nothing was sent"
-                ) from None
-            # Chunks before the last one decide nothing: only the final response accepts the turn.
+                return
             if delivery.error is not None or is_final_response(delivery.result):
-                break
-        self._unsettled_opening = None
-        self._settle(inflight, delivery.error)
-        return True
+                self._record_late_outcome(inflight, delivery.error)
+                return
+
+    def _record_late_outcome(self, inflight: _Inflight, error: PreposError | None) -> None:
+        if error is None:
+            inflight.timed_out.accepted = True
+            logger.warning("session %s: request %s timed out on the client but was accepted after all; its turn is "
+                           "in the session's log", self.session_id, inflight.request_id)
+        elif error.status is None:  # the model answered with an error: the request changed nothing
+            inflight.timed_out.accepted = False
+        # An error with a gRPC status ended the stream: what became of the request cannot be known.
 
     def _ensure_stream(self) -> ResponseRouter:
         if self._router is not None and self._router.failure is None:
@@ -488,7 +535,9 @@ class Session:
 
     def _release(self) -> None:
         self._closed = True
-        self._unsettled_opening = None
+        for inflight in self._unsettled:
+            self._record_delivered_outcome(inflight)
+        self._unsettled = []
         _streaming_sessions.discard(self)
         try:
             self._stop_stream()

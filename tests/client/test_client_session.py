@@ -218,14 +218,74 @@ def test_detach_leaves_the_session_open(fake_triton):
     assert fake_triton[0].closed
 
 
-def test_a_call_times_out_and_the_session_stays_usable(fake_triton):
-    session = open_session(timeout_s=0.05)
+def open_with_rules(fake_triton, **kwargs) -> tuple[Session, SessionRules]:
+    session = open_session(session_id="s", timeout_s=0.05, **kwargs)
+    rules = fake_triton[0].responder = SessionRules()
     session.append("context")
-    fake_triton[0].responder = lambda request: []
-    with pytest.raises(PreposTimeout, match="within 0.05 s"):
-        session.ask("slow")
+    return session, rules
+
+
+def test_a_call_times_out_and_the_session_stays_usable(fake_triton):
+    session, rules = open_with_rules(fake_triton)
+    with pytest.raises(PreposTimeout, match="within 0.05 s; whether its turn was accepted is not known yet") as info:
+        session.ask("SLOW")
+    assert info.value.accepted is None
+    rules.finish_held(fake_triton[0], accepted=False)  # the server stopped it at its deadline
+    assert session.ask("fast").text == "fast"
+    assert info.value.accepted is False  # settled before the next request went out
+    assert [request.sequence_start for request in fake_triton[0].requests] == [True, False, False]
+
+
+def test_a_timed_out_turn_accepted_late_is_reported_before_the_caller_sends_it_again(fake_triton, caplog):
+    session, rules = open_with_rules(fake_triton)
+    with pytest.raises(PreposTimeout) as info:
+        session.ask("SLOW")
+    threading.Timer(0.1, rules.finish_held, args=(fake_triton[0],), kwargs={"accepted": True}).start()
+    session.settle(timeout_s=5.0)
+    assert info.value.accepted is True
+    assert "request 2 timed out on the client but was accepted after all" in caplog.text
+    assert len(fake_triton[0].requests) == 2  # settle sent nothing
+    assert session.ask("next").text == "next"
+    assert [request.sequence_start for request in fake_triton[0].requests] == [True, False, False]
+
+
+def test_settle_raises_when_no_outcome_comes_and_settles_later(fake_triton):
+    session, rules = open_with_rules(fake_triton)
+    with pytest.raises(PreposTimeout) as info:
+        session.ask("SLOW")
+    with pytest.raises(PreposTimeout, match="request 2 timed out and the server has not reported its outcome") as wait:
+        session.settle()
+    assert wait.value.accepted is False and info.value.accepted is None
+    rules.finish_held(fake_triton[0], accepted=False)
+    session.settle()
+    assert info.value.accepted is False
+    session.settle()  # nothing left to wait for
+    assert len(fake_triton[0].requests) == 2
+
+
+def test_requests_timed_out_in_a_pipeline_are_settled_in_the_order_sent(fake_triton):
+    session, rules = open_with_rules(fake_triton)
+    first, second = session.generate("SLOW"), session.generate("SLOW")
+    with pytest.raises(PreposTimeout) as second_error:
+        list(second)
+    with pytest.raises(PreposTimeout) as first_error:
+        list(first)
+    rules.finish_held(fake_triton[0], accepted=True)
+    rules.finish_held(fake_triton[0], accepted=False)
+    assert session.append("more").finish_reason == "appended"
+    assert (first_error.value.accepted, second_error.value.accepted) == (True, False)
+
+
+def test_a_stream_lost_before_the_outcome_leaves_it_unknown_and_resumes(fake_triton):
+    session, rules = open_with_rules(fake_triton)
+    with pytest.raises(PreposTimeout) as info:
+        session.ask("SLOW")
+    fake_triton[0].callback(result=None, error=unavailable())  # the stream ends: the request's fate is unknown
+    fake_triton[0].callback = None
     fake_triton[0].responder = echo_responder
-    assert session.ask("fast").text == "fast"  # sent at once: the server serves it after the one that timed out
+    assert session.ask("again").text == "again"
+    assert info.value.accepted is None
+    assert fake_triton[0].requests[-1].inputs.get("resume") == [True]
 
 
 def session_with_a_timed_out_opening(fake_triton, **kwargs) -> tuple[Session, SessionRules]:
@@ -418,3 +478,15 @@ def test_the_servers_request_timeout_is_the_calls_time_limit_less_the_way_back()
     assert server_timeout_us(1e-9) == 1  # never 0, which Triton reads as no timeout
     for unlimited in (float("inf"), 0.0, -1.0, float("nan")):
         assert server_timeout_us(unlimited) is None
+
+
+def test_a_timed_out_request_answered_before_the_end_that_closed_the_session_has_its_outcome(fake_triton):
+    session, rules = open_with_rules(fake_triton)
+    first = session.generate("SLOW")
+    last = session.generate("bye", end=True)
+    with pytest.raises(PreposTimeout) as info:
+        list(first)
+    rules.finish_held(fake_triton[0], accepted=True)  # the server answers in order: the timed-out one first
+    list(last)
+    assert session.closed and info.value.accepted is True
+    session.settle()  # a closed session has nothing to wait for

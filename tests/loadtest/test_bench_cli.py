@@ -94,6 +94,14 @@ def test_session_and_timeout_trials_refuse_bad_counts_before_starting_a_server(t
     assert "--trials, --sessions and --actions must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_timeout_trials_refuse_a_bad_margin_before_starting_a_server(value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        timeout_trials.main([f"--margin-ms={value}"])
+    assert exited.value.code == 2
+    assert "--margin-ms must be a finite number of milliseconds" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["-1", "nan"])
 def test_session_trials_refuse_a_bad_kv_budget_before_starting_a_server(value, capsys):
     with pytest.raises(SystemExit) as exited:
