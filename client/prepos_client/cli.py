@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .client import DEFAULT_MODEL, DEFAULT_URL, Client
-from .errors import PreposError, PreposUnavailable
+from .errors import PreposError, PreposTimeout, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .session import Session, check_timeout
 
@@ -162,7 +162,10 @@ def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -
     session = client.session(args.session_id, resume=args.resume)
     try:
         yield session
-    except BaseException:
+    except BaseException as error:
+        if isinstance(error, PreposTimeout) and error.accepted is None:
+            with contextlib.suppress(PreposError):
+                session.settle()  # learn whether the server took the turn after all, for the error message
         if keep_open:
             session.detach()
         else:
@@ -202,12 +205,15 @@ def update_status(update: Update) -> str:
 def stream_answer(chunks: Iterator[Chunk]) -> Answer:
     """Print the answer's text to stdout as it arrives; return the collected Answer."""
     received = []
-    for chunk in chunks:
-        received.append(chunk)
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    try:
+        for chunk in chunks:
+            received.append(chunk)
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    finally:
+        if received or sys.exc_info()[0] is None:  # an answer cut short still ends its line before the error
+            sys.stdout.write("\n")
+            sys.stdout.flush()
     return Answer.from_chunks(received)
 
 
@@ -377,6 +383,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What the outcome of a call that ran out of the client's time limit adds to its message once settled (the
+# server's own deadline error, field `timeout`, says it already).
+_TIMEOUT_OUTCOMES = {
+    True: " [settled: the server accepted it after all; its turn is in the session's log]",
+    False: " [settled: the server stopped it; its turn was not accepted]",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `prepos` command line; return its exit code."""
     parser = build_parser()
@@ -398,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
         url = getattr(args, "url", "the configured address")
         print(f"prepos: cannot reach prepos at {url}: is `make serve` running? ({error})", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except PreposTimeout as error:
+        outcome = _TIMEOUT_OUTCOMES.get(error.accepted, "") if error.field != "timeout" else ""
+        print(f"prepos: error: {error}{outcome}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
     except PreposError as error:
         print(f"prepos: error: {error}", file=sys.stderr)
         return EXIT_SERVER_ERROR

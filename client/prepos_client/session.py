@@ -417,8 +417,7 @@ class Session:
                     # to come; the next call waits for it, which also tells whether an opening opened the session.
                     self._unsettled.append(inflight)
                     self._unsettled.sort(key=lambda unsettled: unsettled.sent_at)  # settled in the order sent
-                    outcome = "; whether its turn was accepted is not known yet: the session's next call (or "
-                    outcome += "settle()) waits for the server's answer and records it in this error's .accepted"
+                    outcome = "; whether its turn was accepted is not known yet (settle() finds out)"
                 else:
                     # Triton ends the sequence at an END request whatever becomes of the request: the session is
                     # over on the server, and a later request without START would be refused.

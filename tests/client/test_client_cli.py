@@ -6,9 +6,10 @@ import io
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
-from client_fakes import echo_responder
+from client_fakes import SessionRules, echo_responder, make_result
 from prepos_client import cli
 from tritonclient.utils import InferenceServerException
 
@@ -114,6 +115,33 @@ def test_a_server_error_exits_1_naming_the_field(fake_triton, capsys):
     code = cli.main(["ask", "hi", "--max-tokens", "-1"])
     assert code == cli.EXIT_SERVER_ERROR
     assert "max_tokens: must be >= 0, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("accepted, outcome", [
+    (True, "[settled: the server accepted it after all; its turn is in the session's log]"),
+    (False, "[settled: the server stopped it; its turn was not accepted]"),
+])
+def test_a_call_out_of_time_says_what_the_server_did_with_it(fake_triton, capsys, accepted, outcome):
+    rules = fake_triton.responder = SessionRules()
+    # The server's answer to the held request comes after the client gave up, while the command settles it.
+    threading.Timer(0.4, lambda: rules.finish_held(fake_triton[0], accepted=accepted)).start()
+    code = cli.main(["ask", "SLOW", "--session-id", "s1", "--keep-open", "--timeout", "0.2"])
+    assert code == cli.EXIT_SERVER_ERROR
+    error = capsys.readouterr().err
+    assert "no complete response to request 1 within 0.2 s" in error and error.rstrip().endswith(outcome)
+    assert len(fake_triton[0].requests) == 1  # settling sent nothing
+
+
+def test_an_answer_cut_short_ends_its_line_before_the_error(fake_triton, capsys):
+    def cut_short(request):
+        return [make_result(request.request_id, text="The story", ids=[7], final=False),
+                InferenceServerException(msg="timeout: the request's deadline passed before it finished")]
+
+    fake_triton.responder = cut_short
+    assert cli.main(["ask", "tell me a story"]) == cli.EXIT_SERVER_ERROR
+    captured = capsys.readouterr()
+    assert captured.out == "The story\n"
+    assert captured.err.startswith("prepos: error: timeout: the request's deadline passed")
 
 
 def test_a_bad_session_id_exits_2(capsys):
