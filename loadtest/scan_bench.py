@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from prepos import scan as prepos_scan
 from prepos.scan import scan_numpy, scan_torch
 from prepos.scan_cpu import CpuKernelScan, CpuKernelUnavailable
 from prepos.scan_onnxruntime import OnnxRuntimeScan
@@ -69,6 +70,8 @@ def _implementations(threads: int, temperature: float) -> dict[str, tuple[str, C
         f"torch ({threads} thread{'s' if threads > 1 else ''})": ("cpu", scan_torch),
         "onnxruntime (1 thread)": ("cpu", OnnxRuntimeScan(num_threads=1)),
     }
+    if temperature != 0.0:  # the torch scan as it sampled before it looked among the most likely tokens first
+        impls["torch, whole vocabulary sorted"] = ("cpu", _sorting_everything(scan_torch))
     if temperature == 0.0:
         try:
             impls["cpu-kernel"] = ("cpu", CpuKernelScan())
@@ -92,6 +95,17 @@ def _implementations(threads: int, temperature: float) -> dict[str, tuple[str, C
         except (ImportError, TensorRTUnavailable, RuntimeError) as exc:
             log.warning("tensorrt left out: %s", exc)
     return impls
+
+
+def _sorting_everything(scan: Callable) -> Callable:
+    def sort_all(logits, **kwargs):
+        saved, prepos_scan.SAMPLING_HEADS = prepos_scan.SAMPLING_HEADS, ()
+        try:
+            return scan(logits, **kwargs)
+        finally:
+            prepos_scan.SAMPLING_HEADS = saved
+
+    return sort_all
 
 
 def time_scan(scan: Callable, pool: list, kwargs: dict, repeats: int) -> list[float]:

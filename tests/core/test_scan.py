@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prepos.scan import SCANS, get_scan, scan_numpy, scan_torch
+from prepos.scan import SAMPLING_HEADS, SCANS, get_scan, sample_index, scan_numpy, scan_torch
 
 
 def _assert_same(a, b, tol=1e-5):
@@ -117,3 +117,63 @@ def test_small_choice_sets_take_the_host_path_and_agree_with_reference(values, s
     assert got.p_max == pytest.approx(want.p_max, abs=1e-9)
     assert got.margin == pytest.approx(want.margin, abs=1e-9)
     assert got.entropy == pytest.approx(want.entropy, abs=1e-9)
+
+
+@st.composite
+def sampling_case(draw):
+    """Probabilities over up to 3,000 tokens: peaked or flat, with runs of exactly equal values (coarse logits)
+    and zeros (-inf logits), a top-k/top-p cut and a draw."""
+    vocab = draw(st.integers(2, 3000))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    logits = rng.normal(0, draw(st.sampled_from([0.3, 2.0, 8.0])), vocab)
+    if draw(st.booleans()):
+        logits = np.round(logits * draw(st.sampled_from([1.0, 4.0])))  # many exact ties
+    if draw(st.booleans()):
+        logits[rng.choice(vocab, size=vocab // 2, replace=False)] = -np.inf
+        logits[rng.integers(vocab)] = 0.0
+    q = torch.softmax(torch.tensor(logits, dtype=torch.float32) / draw(st.sampled_from([0.5, 1.0, 2.0])), 0)
+    top_k = draw(st.sampled_from([0, 1, 3, 50, 700]))
+    top_p = draw(st.sampled_from([1.0, 0.99, 0.9, 0.5]))
+    uniform = draw(st.sampled_from([0.0, 0.5, 0.999999]) | st.floats(0.0, 0.999999))
+    heads = draw(st.sampled_from([(1,), (4, 32), (16,), (64, 512)]))
+    return q, top_k, top_p, uniform, heads
+
+
+@settings(max_examples=400, deadline=None)
+@given(sampling_case())
+def test_sampling_from_the_head_picks_what_sorting_everything_picks(case):
+    """The draw found among the most likely tokens (topk, ties in id order) is the one the full sort finds: the
+    same token, to the bit, wherever the cut and the draw fall, ties across the head's end included. (The full
+    sort's agreement with the reference is test_torch_scan_agrees_with_reference's.)"""
+    q, top_k, top_p, uniform, heads = case
+    want = sample_index(q, top_k, top_p, uniform, heads=())  # the whole vocabulary sorted
+    assert int(sample_index(q, top_k, top_p, uniform, heads=heads)) == int(want)
+
+
+def test_ties_across_the_heads_end_keep_the_lowest_ids_first():
+    # 10 tokens of equal top probability, the head holds 4 of them: the draw must walk them in id order
+    q = torch.zeros(1000)
+    tied = torch.tensor([900, 7, 512, 3, 999, 40, 41, 600, 8, 100])
+    q[tied] = 0.1
+    for i, uniform in enumerate(np.arange(10) / 10 + 0.05):
+        got = int(sample_index(q, 0, 1.0, float(uniform), heads=(4,)))
+        assert got == sorted(tied.tolist())[i]
+
+
+def test_a_peaked_distribution_is_sampled_without_sorting_the_vocabulary(monkeypatch):
+    logits = torch.randn(49152) * 4
+    sizes = []
+    real_sort = torch.sort
+
+    def recording_sort(values, *args, **kwargs):
+        sizes.append(values.numel())
+        return real_sort(values, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", recording_sort)
+    for uniform in (0.0, 0.3, 0.9):
+        scan_torch(logits, temperature=0.7, top_p=0.9, uniform=uniform)
+        scan_torch(logits, temperature=1.0, top_k=40, uniform=uniform)
+    assert sizes and max(sizes) <= SAMPLING_HEADS[-1]
+    sizes.clear()
+    scan_torch(torch.zeros(49152), temperature=1.0, uniform=0.9)  # flat: the draw lies past every head
+    assert max(sizes) == 49152
