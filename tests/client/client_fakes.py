@@ -182,36 +182,42 @@ def unavailable() -> InferenceServerException:
 
 
 class SessionRules:
-    """A responder that keeps sessions like the server: START opens one (refused while it is open), a request
-    without START needs an open session, END closes it. A request whose text is "SLOW" gets no response until
-    `finish_held` answers it, as the server does when its deadline passes (an error, and a START it carried
-    opens nothing) or when its final response was already on its way (accepted)."""
+    """A responder that keeps sessions like the server: START opens one (refused while it is open, unless it
+    carries `resume`, which continues it), a request without START needs an open session, END closes it. A
+    request whose text starts with "SLOW" gets no response until `finish_held` answers it, as the server does
+    when its deadline passes (an error, and a START it carried opens nothing) or when its final response was
+    already on its way (accepted). `accepted` lists the texts of the turns taken, in order."""
 
     def __init__(self, answer: Callable[[SentRequest], list] = echo_responder):
         self.answer = answer
         self.open_ids: set = set()
         self.held: list[SentRequest] = []
+        self.accepted: list[str] = []
 
     def __call__(self, request: SentRequest) -> list:
         if request.sequence_start:
-            if request.sequence_id in self.open_ids:
+            resume = request.inputs.get("resume")
+            if request.sequence_id in self.open_ids and not (resume is not None and resume[0]):
                 return [InferenceServerException(msg=f"START: session {request.sequence_id!r} is already open")]
             self.open_ids.add(request.sequence_id)
         elif request.sequence_id not in self.open_ids:
             return [InferenceServerException(
                 msg=f"START: session {request.sequence_id!r} is not open; send START with its first request")]
         text = request.inputs.get("text_input")
-        if text is not None and text[0] == b"SLOW":
+        if text is not None and text[0].startswith(b"SLOW"):
             self.held.append(request)
             return []
         if request.sequence_end:
             self.open_ids.discard(request.sequence_id)
+        if text is not None:
+            self.accepted.append(text[0].decode())
         return self.answer(request)
 
     def finish_held(self, fake: FakeTriton, *, accepted: bool) -> None:
         """Answer the oldest held request through `fake`'s stream."""
         request = self.held.pop(0)
         if accepted:
+            self.accepted.append(request.inputs["text_input"][0].decode())
             if request.sequence_end:
                 self.open_ids.discard(request.sequence_id)
             result = make_result(request.request_id, text="late", ids=[7], path="prefix", finish_reason="length",
