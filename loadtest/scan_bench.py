@@ -8,8 +8,10 @@ scan reads a different logits vector from a pool larger than that cache: the
 timings are cold-cache reads, like the bound.
 
 Implementations: ``numpy`` (reference), ``torch`` (CPU), ``cpu-kernel`` (the
-compiled CPU kernel of ``prepos.scan_cpu``, one thread; greedy scans only, so it
-sits out ``--temperature``), ``onnxruntime`` (the standard ONNX form, one thread
+compiled CPU kernel of ``prepos.scan_cpu``, one thread; with ``--temperature`` the
+kernel gives the features and torch draws the token), ``torch, whole vocabulary
+sorted`` (with ``--temperature``: the torch scan sampling as it did before it
+looked among the most likely tokens first), ``onnxruntime`` (the standard ONNX form, one thread
 as served; more with ``--threads``), and where CUDA is
 present ``torch-cuda`` (the torch scan on the GPU), ``triton-kernel`` (the OpenAI
 Triton kernel of ``prepos.scan_triton``) and ``tensorrt`` (the plugin engine from
@@ -72,11 +74,10 @@ def _implementations(threads: int, temperature: float) -> dict[str, tuple[str, C
     }
     if temperature != 0.0:  # the torch scan as it sampled before it looked among the most likely tokens first
         impls["torch, whole vocabulary sorted"] = ("cpu", _sorting_everything(scan_torch))
-    if temperature == 0.0:
-        try:
-            impls["cpu-kernel"] = ("cpu", CpuKernelScan())
-        except CpuKernelUnavailable as exc:
-            log.warning("cpu-kernel left out: %s", exc)
+    try:
+        impls["cpu-kernel"] = ("cpu", CpuKernelScan())
+    except CpuKernelUnavailable as exc:
+        log.warning("cpu-kernel left out: %s", exc)
     if threads > 1:
         impls[f"onnxruntime ({threads} threads)"] = ("cpu", OnnxRuntimeScan(num_threads=threads))
     if torch.cuda.is_available():

@@ -7,9 +7,11 @@ four tight loops on the calling thread (bits checked, max, runner-up, the sums `
 ``p_max = 1 / S``, ``margin = (1 - exp(second - m)) / S``, ``entropy = log S - T / S``, in float32
 with the sums returned as doubles.
 
-It takes greedy scans of the whole vocabulary of float32 CPU logits, the decode loop's case. Everything
-else (sampling, a ``choices`` subset, other dtypes or devices), and logits the kernel refuses (NaN, +inf,
-all -inf), goes to :func:`prepos.scan.scan_torch`, which gives the same contract and names the problem.
+It takes scans of the whole vocabulary of float32 CPU logits, the decode loop's case: greedy ones whole; for
+sampled ones the kernel gives the features and the maximum, and :func:`prepos.scan.sample_index` draws the
+token from the same tempered distribution :func:`prepos.scan.scan_torch` builds (the same token). Everything
+else (a ``choices`` subset, other dtypes or devices), and logits the kernel refuses (NaN, +inf, all -inf),
+goes to :func:`prepos.scan.scan_torch`, which gives the same contract and names the problem.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from prepos.scan import ScanResult, scan_torch
+from prepos.scan import ScanResult, sample_index, scan_torch
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -52,8 +54,9 @@ class CpuKernelScan:
         uniform: float | None = None,
     ) -> ScanResult:
         stats = None
-        if (temperature == 0.0 and allowed_ids is None and isinstance(logits, torch.Tensor) and logits.dim() == 1
-                and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.is_contiguous()):
+        if (allowed_ids is None and isinstance(logits, torch.Tensor) and logits.dim() == 1
+                and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.is_contiguous()
+                and (temperature == 0.0 or uniform is not None)):
             with self._lock:
                 stats = self._kernels.scan_greedy(logits)
         if stats is None:
@@ -61,6 +64,8 @@ class CpuKernelScan:
                               uniform=uniform)
         position, top, second, s, t = stats
         n = logits.numel()
+        if temperature != 0.0:  # the tempered distribution scan_torch samples from: the same token
+            position = sample_index(torch.softmax((logits - top) / temperature, 0), top_k, top_p, uniform)
         p_max = 1.0 / s
         return ScanResult(
             token_id=int(position),

@@ -1,5 +1,5 @@
-"""The greedy scan on the compiled CPU kernel agrees with the NumPy reference, and everything it does not take
-goes to torch's scan."""
+"""The scan on the compiled CPU kernel agrees with the NumPy reference (greedy) and with torch's scan (sampled:
+the same token), and everything it does not take goes to torch's scan."""
 
 from __future__ import annotations
 
@@ -67,8 +67,23 @@ def test_the_kernel_serves_the_greedy_whole_vocabulary_case(scan, monkeypatch):
     assert got.token_id == 20 and got.margin == 0.0 and not calls
 
 
+@settings(max_examples=200, deadline=None)
+@given(logits_case(), st.sampled_from([0.3, 0.8, 1.0, 2.0]), st.sampled_from([0, 1, 40, 1000]),
+       st.sampled_from([1.0, 0.95, 0.5]), st.floats(0.0, 0.999999))
+def test_sampled_scan_draws_torchs_token_with_the_kernels_features(scan, logits, temperature, top_k, top_p, uniform):
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform)
+    got, want = scan(torch.from_numpy(logits), **kw), scan_torch(torch.from_numpy(logits), **kw)
+    _same(got, want, 1e-4)
+    greedy = scan(torch.from_numpy(logits))
+    assert (got.p_max, got.margin, got.entropy) == (greedy.p_max, greedy.margin, greedy.entropy)  # the kernel's
+
+
+def test_a_sampled_scan_without_a_draw_gets_torchs_error(scan):
+    with pytest.raises(ValueError, match="uniform"):
+        scan(torch.randn(100), temperature=0.7)
+
+
 @pytest.mark.parametrize("kw", [
-    dict(temperature=0.8, top_k=3, top_p=0.9, uniform=0.61),  # sampling
     dict(allowed_ids=[5, 9, 200, 17]),  # a small choices set
     dict(allowed_ids=list(range(0, 300, 3))),  # a large one
 ])
