@@ -175,6 +175,7 @@ class Session:
         self._needs_start = True
         self._resume = resume  # until a request has opened the session, START goes with `resume`
         self._unsettled: list[_Inflight] = []  # requests the caller gave up on, whose outcome is still to come
+        self._opening_unknown = False  # an opening request's answer was lost with its stream: opened, or not
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
@@ -429,8 +430,7 @@ class Session:
                 )
                 raise inflight.timed_out from None
             if delivery.error is not None:
-                self._settle(inflight, delivery.error)
-                error = delivery.error
+                error = self._settle(inflight, delivery.error) or delivery.error
                 if isinstance(error, PreposTimeout) and inflight.closes_session:  # stopped at the server's deadline
                     raise PreposTimeout(f"{error.message}; {_ENDED_ANYWAY}", field=error.field, status=error.status)
                 raise error
@@ -444,20 +444,31 @@ class Session:
                 self._settle(inflight, None)
                 return
 
-    def _settle(self, inflight: _Inflight, error: PreposError | None) -> None:
-        """Update the session's state for the outcome of a request: its final response (``error`` None) or error."""
-        if error is not None:
+    def _settle(self, inflight: _Inflight, error: PreposError | None) -> PreposError | None:
+        """Update the session's state for the outcome of a request: its final response (``error`` None) or error.
+        Returns the error to raise in place of ``error``, if another."""
+        if error is None:
             if inflight.opens_session:
-                self._needs_start = True
-            if inflight.closes_session and error.status is None:
-                # Triton ends the sequence on END whatever the model
-                # answered: a later request without START would be refused.
+                self._resume = self._opening_unknown = False
+            if inflight.closes_session:
                 self._release()
-            return
+            return None
+        replaced = None
         if inflight.opens_session:
-            self._resume = False
-        if inflight.closes_session:
+            self._needs_start = True
+            if self._opening_unknown and error.field == "START" and "already open" in error.message:
+                # The opening whose answer was lost had opened the session after all: this START changed
+                # nothing, and the next request goes on without one.
+                self._needs_start = False
+                replaced = PreposError(f"{error.message}: the request that was to open it, whose answer was lost "
+                                       "with its stream, had opened it; the next call continues the session",
+                                       field=error.field, status=error.status)
+            self._opening_unknown = error.status is not None  # a lost stream tells nothing of the opening
+        if inflight.closes_session and error.status is None:
+            # Triton ends the sequence on END whatever the model
+            # answered: a later request without START would be refused.
             self._release()
+        return replaced
 
     def _settle_timed_out(self, timeout_s: float, deadline: float) -> bool:
         """Wait until ``deadline`` for the outcome of each request the caller gave up on, in the order sent, and

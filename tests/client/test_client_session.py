@@ -490,3 +490,31 @@ def test_a_timed_out_request_answered_before_the_end_that_closed_the_session_has
     list(last)
     assert session.closed and info.value.accepted is True
     session.settle()  # a closed session has nothing to wait for
+
+
+def test_an_opening_lost_with_its_stream_that_had_opened_the_session_is_continued(fake_triton):
+    session = open_session(session_id="s", timeout_s=0.05)
+    rules = fake_triton[0].responder = SessionRules()
+    with pytest.raises(PreposTimeout) as info:
+        session.ask("SLOW")  # its START is held: the session is open on the server, its answer yet to come
+    fake_triton[0].callback(result=None, error=unavailable())  # the stream is lost, the server stays up
+    fake_triton[0].callback = None
+    rules.held.clear()
+    with pytest.raises(PreposError, match="is already open: the request that was to open it, whose answer was lost"):
+        session.ask("again")  # sent with START again, refused: it changed nothing
+    assert info.value.accepted is None
+    assert session.ask("then").text == "then"
+    assert [request.sequence_start for request in fake_triton[0].requests] == [True, True, False]
+
+
+def test_an_opening_lost_with_a_server_that_had_not_opened_the_session_opens_it_again(fake_triton):
+    session = open_session(session_id="s", timeout_s=0.05)
+    rules = fake_triton[0].responder = SessionRules()
+    with pytest.raises(PreposTimeout):
+        session.ask("SLOW")
+    fake_triton[0].callback(result=None, error=unavailable())  # the server restarted: it holds nothing
+    fake_triton[0].callback = None
+    rules.held.clear()
+    rules.open_ids.clear()
+    assert session.ask("again").text == "again"
+    assert [request.sequence_start for request in fake_triton[0].requests] == [True, True]

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from client_fakes import SessionRules, unavailable
-from prepos_client import Client, PreposTimeout
+from prepos_client import Client, PreposError, PreposTimeout
 
 SEEDS = int(os.environ.get("PREPOS_RANDOM_SEEDS", "4")) * 5  # a longer hunt: PREPOS_RANDOM_SEEDS=100
 
@@ -47,15 +47,20 @@ def test_every_timed_out_call_learns_what_became_of_its_turn(fake_triton, seed):
                     session.append(text, timeout_s=0.02)
                 assert info.value.accepted is False and len(fake_triton[-1].requests) == num_sent
                 continue
-            else:  # the stream is lost (the server restarted, say): what became of the turn cannot be known
-                for request in rules.held:  # a START the server had not finished opened nothing
-                    if request.sequence_start:
-                        rules.open_ids.discard(request.sequence_id)
+            else:  # the stream is lost: what became of the turn cannot be known
+                (held,) = rules.held
                 rules.held.clear()
+                restarted = rng.random() < 0.5  # the server restarted and holds nothing; else it kept going
+                if restarted and held.sequence_start:
+                    rules.open_ids.discard(held.sequence_id)
                 fake_triton[-1].callback(result=None, error=unavailable())
                 fake_triton[-1].callback = None
                 timed_out.append((*pending, None))
                 pending = None
+                if held.sequence_start and not restarted and "resume" not in held.inputs:
+                    # The session is open: the client's plain START is refused (one with resume continues it).
+                    with pytest.raises(PreposError, match="had opened it; the next call continues the session"):
+                        session.ask(text, timeout_s=5.0)
                 continue
         action = rng.random()
         if action < 0.3:
@@ -76,5 +81,6 @@ def test_every_timed_out_call_learns_what_became_of_its_turn(fake_triton, seed):
         timed_out.append((*pending, True))
     for error, text, outcome in timed_out:
         assert error.accepted is outcome, (text, error.accepted, outcome)
-        assert (text in rules.accepted) is bool(outcome)
+        if outcome is not None:
+            assert (text in rules.accepted) is outcome
     session.close()
