@@ -89,6 +89,11 @@ def check_session_id(session_id: str | int) -> str | int:
     return int(session_id)
 
 
+def _says_not_open(error: PreposError) -> bool:
+    """Whether a refusal says the session is not open: Triton's, for a sequence it does not hold, or prepos's."""
+    return "must specify the START flag" in error.message or (error.field == "START" and "is not open" in error.message)
+
+
 _ENDED_ANYWAY = "the request carried END, so the session is closed"  # Triton ends the sequence whatever happens
 
 
@@ -454,6 +459,13 @@ class Session:
                 self._release()
             return None
         replaced = None
+        if not inflight.opens_session and error.status is None and _says_not_open(error):
+            # The server holds no such session any more (its idle timeout, or an END sent by another client):
+            # its log is gone, so every later request would be refused the same way.
+            self._release()
+            return PreposError(f"session {self.session_id} is no longer open on the server (closed by its idle "
+                               f"timeout or by an END from elsewhere); open a new session. The server said: "
+                               f"{error.message}", field=error.field, status=error.status)
         if inflight.opens_session:
             self._needs_start = True
             if self._opening_unknown and error.field == "START" and "already open" in error.message:

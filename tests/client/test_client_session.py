@@ -518,3 +518,21 @@ def test_an_opening_lost_with_a_server_that_had_not_opened_the_session_opens_it_
     rules.open_ids.clear()
     assert session.ask("again").text == "again"
     assert [request.sequence_start for request in fake_triton[0].requests] == [True, True]
+
+
+@pytest.mark.parametrize("refusal", [
+    # Triton's, for a sequence it no longer holds (its idle timeout passed, or another client sent END)
+    "[request id: 3] inference request for sequence s to model 'prepos' must specify the START flag on the first "
+    "request of the sequence",
+    "START: session 's' is not open; send START with its first request",  # prepos's own
+])
+def test_a_session_the_server_no_longer_holds_is_closed_with_a_clear_error(fake_triton, refusal):
+    session = open_session(session_id="s")
+    session.append("context")
+    fake_triton[0].responder = lambda request: [InferenceServerException(msg=refusal)]
+    with pytest.raises(PreposError, match="session s is no longer open on the server .* open a new session"):
+        session.ask("hello")
+    assert session.closed
+    with pytest.raises(PreposError, match="session s is closed"):
+        session.ask("again")
+    assert session.close() is None and len(fake_triton[0].requests) == 2  # nothing more was sent

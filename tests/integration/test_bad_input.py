@@ -213,6 +213,18 @@ def test_an_error_never_ends_another_stream_or_session(server):
         assert send(url, session_id, dict(max_tokens=_i32(0)), end=True)[1] is None
 
 
+def test_a_session_ended_by_another_client_is_closed_for_its_owner_with_a_clear_error(server):
+    with Client(server.grpc_url) as client:
+        owner = client.session("shared-id")
+        owner.append(SYSTEM, role="system")
+        client.session("shared-id", resume=True).close()  # another client continues it and sends END
+        with pytest.raises(PreposError, match="session shared-id is no longer open on the server"):
+            owner.ask(QUESTION, max_tokens=2)
+        assert owner.closed
+        with pytest.raises(PreposError, match="session shared-id is closed"):
+            owner.ask(QUESTION, max_tokens=2)  # refused before anything is sent
+
+
 TOKEN = "integration-token-0123456789abcdef"
 
 
