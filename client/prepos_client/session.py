@@ -141,7 +141,8 @@ class Session:
     reopen it from its journal rather than start a new one. A request that opened the
     session and was rejected leaves it unopened, so the next request carries
     START again. A request that carries END ends the session even when it is
-    rejected or times out (Triton ends the sequence regardless). `close` sends END;
+    rejected or times out (Triton ends the sequence regardless); one refused because the server no longer holds
+    the session (its idle timeout passed, or another client ended it) closes it too. `close` sends END;
     `detach` leaves the session open on the server. Each call waits at most `timeout_s` for its last response and
     raises `PreposTimeout` after that; a failed request leaves the session
     usable. A Session is meant for one thread at a time. Close or detach it
