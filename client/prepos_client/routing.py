@@ -165,7 +165,7 @@ class RoutedClient:
 class RoutedSession:
     """A `Session` that lives on its ring-hash replica and moves when that replica is lost.
 
-    Same calls as `Session` (`append`, `generate`, `ask`, `close`, `detach`).
+    Same calls as `Session` (`append`, `generate`, `ask`, `settle`, `close`, `detach`).
     A call whose replica cannot be reached (`PreposUnavailable`) removes that
     replica from the client's ring, moves the session to its new owner and is
     sent again there (resuming the session if it was opened), once per replica
@@ -223,6 +223,11 @@ class RoutedSession:
         if self._session.closed:
             return None
         return self._call(lambda session: session.close(timeout_s=timeout_s))
+
+    def settle(self, *, timeout_s: float | None = None) -> None:
+        """`Session.settle` on the session's replica: learn what became of the calls that timed out there (a call
+        that timed out on a replica since lost keeps ``accepted`` None)."""
+        self._session.settle(timeout_s=timeout_s)
 
     def detach(self) -> None:
         """Release the connection and leave the session open on its replica."""

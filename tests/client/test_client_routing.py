@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import tritonclient.grpc as grpcclient
-from client_fakes import FakeTriton, echo_responder, unavailable
-from prepos_client import PreposError, PreposUnavailable
+from client_fakes import FakeTriton, SessionRules, echo_responder, unavailable
+from prepos_client import PreposError, PreposTimeout, PreposUnavailable
 from prepos_client.ring import HashRing
 from prepos_client.routing import RoutedClient
 from tritonclient.utils import InferenceServerException
@@ -215,3 +215,16 @@ def test_a_generate_that_never_answered_does_not_count_as_opening_the_session(re
     assert [c.text for c in session.generate("hello")] == ["hello"]
     (first,) = replicas.requests(REPLICAS[1], session_id)
     assert first.sequence_start and "resume" not in first.inputs
+
+
+def test_a_routed_session_settles_a_timed_out_call_on_its_replica(replicas):
+    rules = SessionRules()
+    replicas.respond = lambda url, request: rules(request)
+    session = RoutedClient(REPLICAS, timeout_s=0.05).session("s-0")
+    session.append("system", role="system")
+    with pytest.raises(PreposTimeout) as info:
+        session.ask("SLOW")
+    fake = next(f for f in replicas.created if f.url == session.replica)
+    rules.finish_held(fake, accepted=True)
+    session.settle(timeout_s=2.0)
+    assert info.value.accepted is True and rules.accepted[-1] == "SLOW"
