@@ -177,3 +177,14 @@ def test_a_peaked_distribution_is_sampled_without_sorting_the_vocabulary(monkeyp
     sizes.clear()
     scan_torch(torch.zeros(49152), temperature=1.0, uniform=0.9)  # flat: the draw lies past every head
     assert max(sizes) == 49152
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("kw", [dict(uniform=0.5), dict(top_p=0.9, uniform=0.99), dict(top_k=5, uniform=0.3)])
+def test_a_sampled_scan_of_bad_logits_names_the_problem(bad, kw):
+    logits = torch.randn(5000)
+    logits[1234] = bad  # a vocabulary larger than the first head: the draw is looked for there first
+    with pytest.raises(ValueError, match="no finite logit"):
+        scan_torch(logits, temperature=0.8, **kw)
+    with pytest.raises(ValueError, match="no finite logit"):
+        scan_torch(torch.full((5000,), float("-inf")), temperature=0.8, **kw)
