@@ -346,7 +346,7 @@ def _chat_loop(session: Session, options: dict, interactive: bool) -> None:
             raise
         except PreposError as error:
             sys.stdout.flush()
-            print(f"error: {error}", file=sys.stderr)
+            print(f"error: {error}{settled_outcome(session, error)}", file=sys.stderr)
 
 
 # --- entry point ---------------------------------------------------------------
@@ -391,6 +391,17 @@ _TIMEOUT_OUTCOMES = {
 }
 
 
+def settled_outcome(session: Session | None, error: PreposError) -> str:
+    """What to add to the message of a call that ran out of the client's time limit: what the server did with
+    it, once `session` (if given) has settled it; "" for other errors."""
+    if not isinstance(error, PreposTimeout) or error.field == "timeout":  # the server's own error says it
+        return ""
+    if session is not None and error.accepted is None:
+        with contextlib.suppress(PreposError):
+            session.settle()
+    return _TIMEOUT_OUTCOMES.get(error.accepted, "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `prepos` command line; return its exit code."""
     parser = build_parser()
@@ -413,8 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepos: cannot reach prepos at {url}: is `make serve` running? ({error})", file=sys.stderr)
         return EXIT_UNREACHABLE
     except PreposTimeout as error:
-        outcome = _TIMEOUT_OUTCOMES.get(error.accepted, "") if error.field != "timeout" else ""
-        print(f"prepos: error: {error}{outcome}", file=sys.stderr)
+        print(f"prepos: error: {error}{settled_outcome(None, error)}", file=sys.stderr)
         return EXIT_SERVER_ERROR
     except PreposError as error:
         print(f"prepos: error: {error}", file=sys.stderr)

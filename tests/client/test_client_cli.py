@@ -230,6 +230,17 @@ def test_chat_reports_a_server_error_and_goes_on(fake_triton, stdin, capsys):
     assert fake_triton[0].requests[-1].sequence_end
 
 
+def test_chat_says_what_became_of_a_question_that_ran_out_of_time_and_goes_on(fake_triton, stdin, capsys):
+    rules = fake_triton.responder = SessionRules()
+    threading.Timer(0.4, lambda: rules.finish_held(fake_triton[0], accepted=False)).start()
+    stdin("SLOW\ngood\n")
+    assert cli.main(["chat", "--timeout", "0.2"]) == cli.EXIT_OK
+    captured = capsys.readouterr()
+    assert "no complete response to request 1 within 0.2 s" in captured.err
+    assert "[settled: the server stopped it; its turn was not accepted]" in captured.err
+    assert captured.out.endswith("good\n") and rules.accepted[0] == "good"
+
+
 def test_chat_closes_the_session_on_ctrl_c(fake_triton, monkeypatch):
     class Interrupting(io.StringIO):
         def readline(self, *args):
