@@ -7,7 +7,8 @@ least valuable state goes first:
 0. the engine's kept prefixes (closed sessions' opening turns, kept for
    later sessions to copy), least recently copied first;
 1. speculative state (the positioned distribution and the KV of its
-   speculative tokens) of idle sessions, least recently active first;
+   speculative tokens) of idle sessions, and the KV of an answer stopped
+   before its turn was accepted, least recently active first;
 2. the whole KV of idle sessions, in the eviction policy's order (those whose
    KV other sessions all hold by reference, which would free nothing, after
    the rest); the session is rebuilt from its log on its next request (path
@@ -166,6 +167,11 @@ class Residency:
             if not self.kv.over_budget:
                 return
             if victim.positioned is not None:
+                self._drop_speculative(victim)
+            elif len(self._engine.cached_token_ids(victim.session_id)) > len(victim.token_log):
+                # Past the log the KV holds a pre-positioning under way (it stops) or the tokens of an answer
+                # stopped before its turn was accepted: speculative too, they go before any accepted KV.
+                self.on_evict(victim)
                 self._drop_speculative(victim)
         # A session whose KV other sessions hold too (shared by reference) frees nothing when it goes: it waits
         # until those that do free bytes have gone, and by then it may hold its pages alone.

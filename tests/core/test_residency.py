@@ -50,6 +50,29 @@ def test_speculative_state_goes_before_an_idle_sessions_kv(budget, a_state, num_
     assert b.state is SessionState.RESIDENT
 
 
+def test_the_tokens_of_an_answer_stopped_before_it_was_accepted_go_before_any_accepted_kv():
+    clock, metrics = FakeClock(), Metrics()
+    engine = FakeEngine(clock=clock)  # 100 KV bytes per token
+    res = Residency(engine=engine, metrics=metrics, max_sessions=10, kv_budget_bytes=10**9, eviction_policy="lru",
+                    journal=None, clock=clock)
+    stopped = res.open("stopped")
+    stopped.append(list(range(3, 13)))
+    stopped.last_active_s = 1.0
+    engine.prefill("stopped", [*stopped.token_log, 40, 41, 42, 43, 44, 45])  # a cancelled answer's tokens
+    res.note_kv(stopped)
+    assert stopped.positioned is None and res.kv.used_bytes == 1600
+    res.kv.budget_bytes = 2000
+    b = res.open("b")
+    b.append(list(range(3, 8)))
+    b.last_active_s = 2.0
+    engine.prefill("b", b.token_log)
+    res.note_kv(b)  # 500 more bytes: over by 100
+    assert engine.kv["stopped"] == stopped.token_log  # cut back to its log: its accepted KV stays
+    assert stopped.state is SessionState.RESIDENT and res.kv.used_bytes == 1500
+    assert metrics.sink.get("prepos_kv_evictions_total", what="speculative") == 1
+    assert metrics.sink.get("prepos_kv_evictions_total", what="kv") == 0
+
+
 def test_the_budget_counts_kv_shared_by_reference_once_and_eviction_goes_on_until_bytes_are_freed():
     clock, metrics = FakeClock(), Metrics()
     engine = FakeEngine(clock=clock, by_reference=True)  # 100 KV bytes per token
