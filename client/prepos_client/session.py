@@ -115,6 +115,16 @@ def _next_delivery(deliveries: queue.SimpleQueue, deadline: float):
     return deliveries.get(timeout=max(0.0, deadline - time.perf_counter()))
 
 
+def _outcome(inflight: _Inflight, deadline: float):
+    """The delivery that decides a request, its final response or its error, waiting until `deadline`
+    (perf_counter time); raises queue.Empty after it. Chunks before the last one decide nothing: only the final
+    response accepts the turn."""
+    while True:
+        delivery = _next_delivery(inflight.deliveries, deadline)
+        if delivery.error is not None or is_final_response(delivery.result):
+            return delivery
+
+
 SERVER_DEADLINE_MARGIN = 0.1
 """The server's deadline for a call comes this share of its time limit (at most ``SERVER_DEADLINE_MARGIN_S``)
 before the client's: the server accepts no turn past its deadline, and a final response it sends by then has that
@@ -490,19 +500,15 @@ class Session:
         settled = False
         while self._unsettled and not self._closed:
             inflight = self._unsettled[0]
-            while True:
-                try:
-                    delivery = _next_delivery(inflight.deliveries, deadline)
-                except queue.Empty:
-                    opening = ", which was to open the session," if inflight.opens_session else ""
-                    raise PreposTimeout(
-                        f"session {self.session_id}: request {inflight.request_id}{opening} timed out and the "
-                        f"server has not reported its outcome within {timeout_s:g} s; nothing was sent",
-                        accepted=False,
-                    ) from None
-                # Chunks before the last one decide nothing: only the final response accepts the turn.
-                if delivery.error is not None or is_final_response(delivery.result):
-                    break
+            try:
+                delivery = _outcome(inflight, deadline)
+            except queue.Empty:
+                opening = ", which was to open the session," if inflight.opens_session else ""
+                raise PreposTimeout(
+                    f"session {self.session_id}: request {inflight.request_id}{opening} timed out and the "
+                    f"server has not reported its outcome within {timeout_s:g} s; nothing was sent",
+                    accepted=False,
+                ) from None
             self._unsettled.pop(0)
             settled = True
             self._settle(inflight, delivery.error)
@@ -512,14 +518,11 @@ class Session:
     def _record_delivered_outcome(self, inflight: _Inflight) -> None:
         """Record the outcome of a request the caller gave up on if it has already arrived (the session is being
         released: a request that ends it is answered after every earlier one)."""
-        while True:
-            try:
-                delivery = inflight.deliveries.get_nowait()
-            except queue.Empty:
-                return
-            if delivery.error is not None or is_final_response(delivery.result):
-                self._record_late_outcome(inflight, delivery.error)
-                return
+        try:
+            delivery = _outcome(inflight, time.perf_counter())
+        except queue.Empty:
+            return
+        self._record_late_outcome(inflight, delivery.error)
 
     def _record_late_outcome(self, inflight: _Inflight, error: PreposError | None) -> None:
         if error is None:
