@@ -163,9 +163,7 @@ def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -
     try:
         yield session
     except BaseException as error:
-        if isinstance(error, PreposTimeout) and error.accepted is None:
-            with contextlib.suppress(PreposError):
-                session.settle()  # learn whether the server took the turn after all, for the error message
+        settle_for_message(session, error)
         if keep_open:
             session.detach()
         else:
@@ -346,7 +344,8 @@ def _chat_loop(session: Session, options: dict, interactive: bool) -> None:
             raise
         except PreposError as error:
             sys.stdout.flush()
-            print(f"error: {error}{settled_outcome(session, error)}", file=sys.stderr)
+            settle_for_message(session, error)
+            print(f"error: {error}{settled_outcome(error)}", file=sys.stderr)
 
 
 # --- entry point ---------------------------------------------------------------
@@ -391,14 +390,19 @@ _TIMEOUT_OUTCOMES = {
 }
 
 
-def settled_outcome(session: Session | None, error: PreposError) -> str:
-    """What to add to the message of a call that ran out of the client's time limit: what the server did with
-    it, once `session` (if given) has settled it; "" for other errors."""
-    if not isinstance(error, PreposTimeout) or error.field == "timeout":  # the server's own error says it
-        return ""
-    if session is not None and error.accepted is None:
+def settle_for_message(session: Session, error: BaseException) -> None:
+    """For a call that ran out of the client's time limit, learn whether the server took its turn after all
+    (``error.accepted``), so that its message can say so."""
+    if isinstance(error, PreposTimeout) and error.accepted is None:
         with contextlib.suppress(PreposError):
             session.settle()
+
+
+def settled_outcome(error: PreposError) -> str:
+    """What to add to the message of a call that ran out of the client's time limit, once settled: what the
+    server did with it; "" for other errors."""
+    if not isinstance(error, PreposTimeout) or error.field == "timeout":  # the server's own error says it
+        return ""
     return _TIMEOUT_OUTCOMES.get(error.accepted, "")
 
 
@@ -424,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepos: cannot reach prepos at {url}: is `make serve` running? ({error})", file=sys.stderr)
         return EXIT_UNREACHABLE
     except PreposTimeout as error:
-        print(f"prepos: error: {error}{settled_outcome(None, error)}", file=sys.stderr)
+        print(f"prepos: error: {error}{settled_outcome(error)}", file=sys.stderr)
         return EXIT_SERVER_ERROR
     except PreposError as error:
         print(f"prepos: error: {error}", file=sys.stderr)
