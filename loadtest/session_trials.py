@@ -38,7 +38,7 @@ for sub in ("backend", "client", "loadtest"):
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Answer, Client, PreposError, PreposTimeout  # noqa: E402
 from prepos_loadtest.repository import trial_server  # noqa: E402
-from prepos_loadtest.twins import differing_answers  # noqa: E402
+from prepos_loadtest.twins import accepted_after_all, differing_answers  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 WORDS = "get weather in Paris now alarm 7am list files ok tell me a story about cats the. yes no".split()
@@ -151,11 +151,8 @@ class SessionRun:
     def record_timed_out(self, kw: dict, error: PreposTimeout) -> None:
         """A question whose call timed out: settled, then replayed in the twin (answer unknown) if it was accepted
         after all, left out if not."""
-        self.session.settle()
         self.counts["timed out"] += 1
-        if error.accepted is None:
-            raise PreposError(f"the outcome of a call that timed out is unknown after settling: {error}")
-        if error.accepted:
+        if accepted_after_all(self.session, error):
             self.counts["accepted late"] += 1
             self.record("ask", kw, None)
 

@@ -35,7 +35,7 @@ from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client, PreposTimeout  # noqa: E402
 from prepos_client import session as prepos_session  # noqa: E402
 from prepos_loadtest.repository import trial_server  # noqa: E402
-from prepos_loadtest.twins import differing_answers  # noqa: E402
+from prepos_loadtest.twins import accepted_after_all, differing_answers  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 WORDS = "get weather in Paris now alarm 7am list files ok tell me a story about cats".split()
@@ -64,10 +64,7 @@ def run_session(url: str, seed: int, num_actions: int, out: dict) -> None:
                     answer = session.ask(text, **kw, **({"timeout_s": limit} if limit else {}))
                 except PreposTimeout as error:
                     timeouts += 1
-                    session.settle()  # did the server accept it after all? (its final response came late)
-                    if error.accepted is None:
-                        raise RuntimeError(f"the outcome of a call that timed out is unknown: {error}") from None
-                    if error.accepted:
+                    if accepted_after_all(session, error):
                         accepted_late += 1
                         turns.append(("ask", {"text": text, **kw}, None))  # replayed, its answer not compared
                     continue

@@ -1,11 +1,22 @@
-"""Calm twins: a session's acknowledged turns replayed, in order and without time limits, in a fresh session, whose
-greedy or seeded answers must be the same (the trial drivers' check that nothing they did changed a session)."""
+"""Calm twins: a session's acknowledged turns (those of calls that timed out but were accepted after all included)
+replayed, in order and without time limits, in a fresh session, whose greedy or seeded answers must be the same
+(the trial drivers' check that nothing they did changed a session)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prepos_client import Client
+from prepos_client import Client, PreposError, PreposTimeout, Session
+
+
+def accepted_after_all(session: Session, error: PreposTimeout) -> bool:
+    """Whether the turn of a call of ``session`` that raised ``error`` was accepted all the same (its final response
+    came after the client gave up), once settled: a twin then replays it. Raises PreposError when that cannot be
+    known (its stream was lost), since no twin could be built."""
+    session.settle()
+    if error.accepted is None:
+        raise PreposError(f"the outcome of a call that timed out is unknown after settling: {error}")
+    return error.accepted
 
 
 def differing_answers(client: Client, turns: Sequence[tuple]) -> int:
