@@ -11,7 +11,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -94,6 +94,11 @@ def _says_not_open(error: PreposError) -> bool:
     return "must specify the START flag" in error.message or (error.field == "START" and "is not open" in error.message)
 
 
+def _says_draining(error: PreposError) -> bool:
+    """Whether a refusal of a START says the server is draining before it stops (see prepos.drain)."""
+    return error.field == "START" and "is draining" in error.message
+
+
 _ENDED_ANYWAY = "the request carried END, so the session is closed"  # Triton ends the sequence whatever happens
 
 
@@ -106,6 +111,9 @@ class _Inflight:
     opens_session: bool
     closes_session: bool
     timed_out: PreposTimeout | None = None  # what the caller got when its own time limit ran out first
+    inputs: list = field(default_factory=list)  # as sent (but START and `resume`), to send again (_send_again)
+    sent_again: tuple[str, ...] = ()  # why it (as an earlier request) was sent again already (see _send_again)
+    alone: bool = False  # no other request of the session was in flight when it was sent
 
 
 def _next_delivery(deliveries: queue.SimpleQueue, deadline: float):
@@ -192,6 +200,7 @@ class Session:
         self._resume = resume  # until a request has opened the session, START goes with `resume`
         self._unsettled: list[_Inflight] = []  # requests the caller gave up on, whose outcome is still to come
         self._opening_unknown = False  # an opening request's answer was lost with its stream: opened, or not
+        self._reopening = False  # the server said it does not hold the session: START and `resume` reopen it
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
@@ -398,8 +407,10 @@ class Session:
         router = self._ensure_stream()
         self._num_requests += 1
         request_id = str(self._num_requests)
+        alone = router.num_pending == 0 and not self._unsettled
         deliveries = router.expect(request_id)
         opens_session = self._needs_start
+        unopened = inputs
         if opens_session and self._resume:
             inputs = [*inputs, resume_input()]
         sent_at = time.perf_counter()
@@ -421,7 +432,7 @@ class Session:
             self._stop_stream()
             raise (router.failure or from_triton(error)) from None
         self._needs_start = False
-        return _Inflight(request_id, deliveries, sent_at, deadline, opens_session, end)
+        return _Inflight(request_id, deliveries, sent_at, deadline, opens_session, end, inputs=unopened, alone=alone)
 
     def _receive(self, inflight: _Inflight, timeout_s: float) -> Iterator[Chunk]:
         decoder = new_text_decoder()
@@ -446,6 +457,10 @@ class Session:
                 )
                 raise inflight.timed_out from None
             if delivery.error is not None:
+                again = self._send_again(inflight, delivery.error)
+                if again is not None:
+                    inflight = again
+                    continue
                 error = self._settle(inflight, delivery.error) or delivery.error
                 if isinstance(error, PreposTimeout) and inflight.closes_session:  # stopped at the server's deadline
                     raise PreposTimeout(f"{error.message}; {_ENDED_ANYWAY}", field=error.field, status=error.status)
@@ -460,23 +475,71 @@ class Session:
                 self._settle(inflight, None)
                 return
 
+    def _send_again(self, inflight: _Inflight, error: PreposError) -> _Inflight | None:
+        """Send a refused request again, once for each of two refusals that changed nothing:
+
+        - the server does not hold the session (its sequence was ended: by the server's drain before a stop, which
+          keeps the session's journal, by its idle timeout, or by an END sent from elsewhere): sent again with START
+          and `resume`; the server reopens the session from its journal, or answers that it has none, or that it
+          is draining;
+        - the server refused a START because it is draining before a stop: sent again on a new stream (the old one
+          is pinned to that server, and holding it delays its stop), which a router in front of several replicas
+          takes to another; with a journal they share, the session resumes there.
+
+        Only a request sent alone, and the session's latest, within its own time limit: pipelined requests are
+        refused the same way, and sending one again could put it before another. Returns the request sent again,
+        or None; after the first refusal the next call reopens the session either way."""
+        if error.status is not None:
+            return None
+        if not inflight.opens_session and _says_not_open(error):
+            self._needs_start = self._resume = self._reopening = True
+            kind = "reopen"
+        elif inflight.opens_session and _says_draining(error):
+            kind = "new stream"
+        else:
+            return None
+        left_s = inflight.deadline - time.perf_counter()
+        if kind in inflight.sent_again or not inflight.alone or inflight.request_id != str(self._num_requests) \
+                or left_s <= 0:
+            return None
+        if kind == "new stream":
+            self._stop_stream()
+            self._needs_start = True
+        try:
+            again = self._send(inflight.inputs, end=inflight.closes_session, timeout_s=left_s,
+                               deadline=inflight.deadline)
+        except PreposError:  # the stream failed: the refusal is what this call reports
+            self._needs_start = True
+            return None
+        again.sent_again = (*inflight.sent_again, kind)
+        logger.info("session %s: request %s sent again as %s (%s): %s", self.session_id, inflight.request_id,
+                    again.request_id, kind, error.message)
+        return again
+
     def _settle(self, inflight: _Inflight, error: PreposError | None) -> PreposError | None:
         """Update the session's state for the outcome of a request: its final response (``error`` None) or error.
         Returns the error to raise in place of ``error``, if another."""
         if error is None:
             if inflight.opens_session:
-                self._resume = self._opening_unknown = False
+                self._resume = self._opening_unknown = self._reopening = False
             if inflight.closes_session:
                 self._release()
             return None
         replaced = None
         if not inflight.opens_session and error.status is None and _says_not_open(error):
-            # The server holds no such session any more (its idle timeout, or an END sent by another client):
-            # its log is gone, so every later request would be refused the same way.
+            # Not sent again (see _send_again): the next request carries START and `resume`.
+            return PreposError(f"session {self.session_id} is not open on the server (ended by a drain before a "
+                               "stop, by its idle timeout, or by an END from elsewhere); this request changed "
+                               "nothing, and the next call asks the server to reopen the session from its journal. "
+                               f"The server said: {error.message}", field=error.field, status=error.status)
+        if inflight.opens_session and self._reopening and error.status is None and error.field == "resume":
+            # The server has no journal of it: the session was closed (its idle timeout, or an END sent by another
+            # client), or the server keeps no journals; its log is gone.
             self._release()
             return PreposError(f"session {self.session_id} is no longer open on the server (closed by its idle "
-                               f"timeout or by an END from elsewhere); open a new session. The server said: "
-                               f"{error.message}", field=error.field, status=error.status)
+                               f"timeout or by an END from elsewhere, or ended by a server that keeps no journals); "
+                               f"open a new session. The server said: {error.message}", field=error.field,
+                               status=error.status)
         if inflight.opens_session:
             self._needs_start = True
             if self._opening_unknown and error.field == "START" and "already open" in error.message:

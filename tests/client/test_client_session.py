@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import pytest
-from client_fakes import SessionRules, echo_responder, make_result, unavailable
+from client_fakes import SentRequest, SessionRules, echo_responder, make_result, unavailable
 from prepos_client import Client, PreposError, PreposTimeout, PreposUnavailable, Session
 from prepos_client.session import SESSION_HEADER, check_session_id
 from tritonclient.utils import InferenceServerException
@@ -520,19 +521,87 @@ def test_an_opening_lost_with_a_server_that_had_not_opened_the_session_opens_it_
     assert [request.sequence_start for request in fake_triton[0].requests] == [True, True]
 
 
-@pytest.mark.parametrize("refusal", [
-    # Triton's, for a sequence it no longer holds (its idle timeout passed, or another client sent END)
+NOT_OPEN_REFUSALS = [
+    # Triton's, for a sequence it no longer holds (ended by a drain, its idle timeout, or another client's END)
     "[request id: 3] inference request for sequence s to model 'prepos' must specify the START flag on the first "
     "request of the sequence",
     "START: session 's' is not open; send START with its first request",  # prepos's own
-])
+]
+NO_JOURNAL = ("resume: session 's' is not open on this server and has no journal to reopen it from; send START "
+              "without resume to begin a new session")
+DRAINING = "START: the server is draining before it stops: no session opens or resumes here now; resume ..."
+
+
+def refusing_unopened(refusal: str, reopening: Callable[[SentRequest], list]) -> Callable[[SentRequest], list]:
+    """A server that does not hold the session: a request without START gets ``refusal``, one with START (and
+    `resume`, which it must carry) what ``reopening`` answers."""
+    def respond(request: SentRequest) -> list:
+        if not request.sequence_start:
+            return [InferenceServerException(msg=refusal)]
+        assert bool(request.inputs["resume"][0])
+        return reopening(request)
+    return respond
+
+
+@pytest.mark.parametrize("refusal", NOT_OPEN_REFUSALS)
 def test_a_session_the_server_no_longer_holds_is_closed_with_a_clear_error(fake_triton, refusal):
     session = open_session(session_id="s")
     session.append("context")
-    fake_triton[0].responder = lambda request: [InferenceServerException(msg=refusal)]
+    fake_triton[0].responder = refusing_unopened(refusal, lambda request: [InferenceServerException(msg=NO_JOURNAL)])
     with pytest.raises(PreposError, match="session s is no longer open on the server .* open a new session"):
         session.ask("hello")
     assert session.closed
     with pytest.raises(PreposError, match="session s is closed"):
         session.ask("again")
-    assert session.close() is None and len(fake_triton[0].requests) == 2  # nothing more was sent
+    requests = fake_triton[0].requests
+    assert session.close() is None and len(requests) == 3  # nothing more was sent
+    assert [r.sequence_start for r in requests] == [True, False, True]  # the refused ask, then sent to reopen
+    assert requests[2].inputs["text_input"][0] == b"hello" and "resume" not in requests[1].inputs
+
+
+@pytest.mark.parametrize("refusal", NOT_OPEN_REFUSALS)
+def test_a_session_ended_with_its_journal_kept_is_reopened_within_the_same_call(fake_triton, refusal):
+    session = open_session(session_id="s")
+    session.append("context")
+    fake_triton[0].responder = refusing_unopened(refusal, echo_responder)  # a drained session, on a new server
+    assert session.ask("hello").text == "hello"
+    fake_triton[0].responder = echo_responder
+    assert session.ask("again").text == "again"
+    requests = fake_triton[0].requests
+    assert [r.sequence_start for r in requests] == [True, False, True, False]
+    assert not session.closed
+
+
+def test_a_session_refused_by_a_draining_server_tries_a_new_stream_and_stays_to_be_resumed(fake_triton):
+    session = open_session(session_id="s")
+    session.append("context")
+    fake_triton[0].responder = refusing_unopened(NOT_OPEN_REFUSALS[0],
+                                                 lambda request: [InferenceServerException(msg=DRAINING)])
+    with pytest.raises(PreposError, match="draining"):
+        session.ask("hello")
+    assert not session.closed
+    with pytest.raises(PreposError, match="draining"):  # still draining: START and `resume` again
+        session.ask("hello")
+    fake_triton[0].responder = refusing_unopened(NOT_OPEN_REFUSALS[0], echo_responder)  # back, from its journal
+    assert session.ask("hello").text == "hello"
+    # Each refused START went again once on a new stream (a router would take it to another replica).
+    assert [r.sequence_start for r in fake_triton[0].requests] == [True, False, True, True, True, True, True]
+    assert len(fake_triton[0].stream_headers) == 3 and fake_triton[0].stop_calls == [False, False]
+
+
+def test_pipelined_requests_refused_as_not_open_leave_the_reopening_to_the_next_call(fake_triton):
+    session = open_session(session_id="s")
+    session.append("context")
+    held = []
+    fake_triton[0].responder = lambda request: held.append(request) or []
+    first, second = session.generate("one"), session.generate("two")
+    for request in held:  # the server refuses both: it no longer holds the session
+        fake_triton[0].callback(result=None, error=InferenceServerException(msg=NOT_OPEN_REFUSALS[0]))
+    for answer in (first, second):
+        with pytest.raises(PreposError, match="is not open on the server .* the next call asks the server to reopen"):
+            list(answer)
+    fake_triton[0].responder = refusing_unopened(NOT_OPEN_REFUSALS[0], echo_responder)
+    assert session.ask("three").text == "three"
+    assert [r.sequence_start for r in fake_triton[0].requests] == [True, False, False, True]
+
+
