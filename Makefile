@@ -164,3 +164,10 @@ DEATH_ARGS ?=
 .PHONY: server-death
 server-death: $(ENGINE)
 	$(PY) loadtest/server_death_trials.py $(DEATH_ARGS)
+
+# Stop trials: the launcher's stop timed with sessions open, drained or not, client stream held or gone
+# (README: Stopping the server), about 20 s a stop here, e.g. make stop-trials STOP_ARGS="--trials 5 --no-drain"
+STOP_ARGS ?=
+.PHONY: stop-trials
+stop-trials: $(ENGINE)
+	$(PY) loadtest/stop_trials.py $(STOP_ARGS)

@@ -133,6 +133,12 @@ class SchedulerConfig:
     together gives that time back to the decode. 1 streams every token."""
     default_max_tokens: int = 64
     """``max_tokens`` when a request with a delta or ``choices`` does not send it (a bare START or END: 0)."""
+    drain_file: str = ""
+    """A file whose appearance drains the server before a stop (:mod:`prepos.drain`): STARTs are refused and every
+    session is ended with its journal kept, so that Triton need not wait its exit timeout for them;
+    ``<file>.drained`` says when that is done. Empty = no drain. Relative = to the model's directory. The launcher
+    sets it (``PREPOS_SCHEDULER_DRAIN_FILE``) and writes it on Ctrl-C or SIGTERM; the Helm chart's preStop hook
+    writes it in Kubernetes."""
     context_overflow: str = "reject"
     """When a turn would not fit the session's log: ``reject`` (error naming the input, nothing changes) or
     ``drop_oldest`` (drop the oldest turns after the first, the system turn, until the turn and its answer fit)."""
@@ -255,6 +261,12 @@ class PreposConfig:
 
     def engine_dir(self, model_dir: str | Path) -> Path:
         path = Path(self.engine.dir)
+        return path if path.is_absolute() else (Path(model_dir) / path).resolve()
+
+    def drain_file(self, model_dir: str | Path) -> Path | None:
+        if not self.scheduler.drain_file:
+            return None
+        path = Path(self.scheduler.drain_file)
         return path if path.is_absolute() else (Path(model_dir) / path).resolve()
 
     def journal_dir(self, model_dir: str | Path) -> Path | None:

@@ -41,6 +41,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prepos.supervise import DRAIN_ENV, drain_file_from, stop_server
+
 log = logging.getLogger("prepos.launcher")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -254,7 +256,7 @@ def server_command(options: ServerOptions, backend_dir: Path, access_token: str 
     return command
 
 
-STOP_GRACE_S = 5.0
+
 """How long past its exit timeout :meth:`TritonServer.stop` waits for tritonserver before killing it."""
 
 
@@ -263,10 +265,14 @@ class TritonServer:
 
     def __init__(self, options: ServerOptions, log_file: Path | None = None, env: dict[str, str] | None = None):
         self.options = options
-        self.env = env or {}  # extra environment, e.g. PREPOS_* configuration overrides
+        self.env = dict(env or {})  # extra environment, e.g. PREPOS_* configuration overrides
         self.log_file = log_file or options.run_dir / f"tritonserver-{options.grpc_port}.log"
         self.process: subprocess.Popen | None = None
         self._stubs: list = []  # its backend stubs once ready, reaped by stop() even if the server died first
+        self._ready = False
+        # The drain (prepos.drain) the model runs when this file appears; stop() writes it. Kept if given.
+        self.env.setdefault(DRAIN_ENV, str(Path(options.run_dir).resolve() / f"drain-{options.grpc_port}"))
+        self.drain_file = drain_file_from(self.env)
         self.access_token = resolve_access_token(options)
         for repository in options.model_repositories:
             if not Path(repository).is_dir():
@@ -342,6 +348,7 @@ class TritonServer:
                     if ready:  # the metrics endpoint too: scrapers and tests read it right away
                         with urllib.request.urlopen(self.metrics_url, timeout=1):
                             self._stubs = self._descendants()
+                            self._ready = True
                             return
                 except OSError:
                     pass
@@ -391,34 +398,26 @@ class TritonServer:
             return []
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """SIGTERM, then wait (Triton drains in-flight requests), then SIGKILL if it has not exited within
-        ``timeout_s`` (default: its exit timeout and :data:`STOP_GRACE_S` more). Backend stub processes still alive
-        afterwards are killed too, also when tritonserver had already exited (killed or crashed): a stub can hang
-        rather than follow a server that died under it, holding the model and its KV.
-
-        Triton counts every open session (a live sequence) as an in-flight request, so with any session open it
-        waits its whole exit timeout; and while a client still holds a stream to it, Triton 2.51 then does not
-        finish exiting (it hangs after "Exit timeout expired"). Open sessions are in their journals either way."""
+        """Drain, SIGTERM, then SIGKILL if it has not exited within ``timeout_s`` in all (default: its exit timeout
+        and :data:`STOP_GRACE_S` more): :func:`prepos.supervise.stop_server`, with a drain once the server got
+        ready. Backend stub processes still alive afterwards are killed too, also when tritonserver had already
+        exited (killed or crashed): a stub can hang rather than follow a server that died under it, holding the
+        model and its KV."""
         if self.process is None:
             return
         import psutil
 
-        if timeout_s is None:
-            timeout_s = self.options.exit_timeout_s + STOP_GRACE_S
-
         stubs = {stub.pid: stub for stub in self._stubs}
         if self.process.poll() is None:
             stubs.update((stub.pid, stub) for stub in self._descendants())
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("tritonserver had not exited %.0f s after SIGTERM (its exit timeout is %d s: Triton waits "
-                            "for open sessions, and hangs past it while a client holds a stream); killing it, open "
-                            "sessions stay in their journals", timeout_s, self.options.exit_timeout_s)
-                self.process.kill()
-                self.process.wait()
+            stop_server(self.process, drain_file=self.drain_file if self._ready else None,
+                        exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s)
         self._stubs = []
+        if self.drain_file is not None:  # a later server on this run folder must not find them
+            from prepos.drain import drained_path
+
+            for path in (self.drain_file, drained_path(self.drain_file)):
+                path.unlink(missing_ok=True)
         _, alive = psutil.wait_procs(list(stubs.values()), timeout=5)
         for stub in alive:
             log.warning("backend stub %d outlived tritonserver; killing it", stub.pid)
@@ -514,9 +513,8 @@ def serve(options: ServerOptions) -> int:
                 while server.process.poll() is None:
                     time.sleep(0.5)
             except KeyboardInterrupt:
-                print(f"stopping prepos: Triton serves the open sessions' requests in flight and waits up to "
-                      f"{options.exit_timeout_s} s (--exit-timeout-s) for open sessions to end; they are kept in "
-                      "their journals ...", flush=True)
+                print(f"stopping prepos: draining (requests in flight are served, up to {options.exit_timeout_s} s, "
+                      "--exit-timeout-s; then every session is ended, its journal kept) ...", flush=True)
                 raise
             print(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
             return 1

@@ -69,6 +69,8 @@ SPECS = (
                "Requests stopped before their end, by reason (cancelled, deadline); their turn is not accepted",
                ("reason",), values=("cancelled", "deadline")),
     MetricSpec("prepos_sessions_recovered_total", "counter", "Sessions reopened from their journal"),
+    MetricSpec("prepos_sessions_drained_total", "counter",
+               "Sessions ended by a drain before a stop, their journals kept (see prepos.drain)"),
     MetricSpec("prepos_turns_dropped_total", "counter", "Turns dropped from session logs by the context overflow policy"),
     MetricSpec("prepos_gate_audits_total", "counter",
                "Gated answers audited against the full path, by result (agreed, disagreed)", ("result",),
@@ -257,6 +259,9 @@ class Metrics:
 
     def session_recovered(self) -> None:
         self.sink.inc("prepos_sessions_recovered_total", {}, 1)
+
+    def session_drained(self) -> None:
+        self.sink.inc("prepos_sessions_drained_total", {}, 1)
 
     def gate_audited(self, result: str, upper_bound: float) -> None:
         self.sink.inc("prepos_gate_audits_total", {"result": result}, 1)

@@ -101,6 +101,7 @@ class Request:
     arrival_s: float = 0.0  # perf_counter() when the request reached the server
     deadline_s: float | None = None  # perf_counter() by which it must finish (the client's request timeout)
     resume: bool = False  # with START: continue the session this id names (reopen it from its journal if needed)
+    drain: bool = False  # an END sent by the server's own drain (prepos.drain): the session's journal is kept
 
     @property
     def is_append(self) -> bool:
@@ -109,6 +110,15 @@ class Request:
     @property
     def has_delta(self) -> bool:
         return bool(self.delta_text) or bool(self.delta_ids)
+
+
+DRAIN_REASON = "drain"
+"""Why a session closed by its drain END was closed: it keeps its journal (see :mod:`prepos.drain`)."""
+
+
+def end_reason(request: Request) -> str:
+    """Why an END request closes its session: ``END``, or :data:`DRAIN_REASON` for the drain's own END."""
+    return DRAIN_REASON if request.drain else "END"
 
 
 @dataclass(slots=True)
@@ -293,13 +303,15 @@ def parse_request(
     default_max_tokens: int,
     arrival_s: float = 0.0,
     timeout_s: float | None = None,
+    drain: bool = False,
 ) -> Request:
     """Validate one request's inputs and build a :class:`Request`.
 
     ``inputs`` maps input names (including the ``START``/``END`` controls) to
     arrays. Raises :class:`ProtocolError` naming the first bad input. Checks
     that need the model (token id range, context length, role framing) happen
-    where the session is served, with the same error type.
+    where the session is served, with the same error type. ``drain``: the request parameter of an END the
+    server's drain sent (see :mod:`prepos.drain`); it keeps the session's journal.
     """
     unknown = inputs.keys() - _KNOWN_NAMES
     if unknown:
@@ -375,4 +387,5 @@ def parse_request(
         arrival_s=arrival_s,
         deadline_s=arrival_s + timeout_s if timeout_s else None,
         resume=resume is not None and bool(resume),
+        drain=drain and end is not None and bool(end),
     )

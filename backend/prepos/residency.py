@@ -86,15 +86,16 @@ class Residency:
                  len(session.token_log))
         return session
 
-    def close(self, session: Session, reason: str) -> None:
+    def close(self, session: Session, reason: str, *, keep_journal: bool = False) -> None:
         """Forget the session: its KV is released (the engine may keep its opening turn's for later sessions to
-        copy) and its journal deleted."""
+        copy) and its journal deleted, unless ``keep_journal`` (a drain: the session resumes after the restart or
+        on another replica)."""
         opening = session.turn_starts[1] if len(session.turn_starts) > 1 else len(session.token_log)
         kept = session.has_kv and self._engine.keep_prefix(session.session_id, opening)
         self.release_kv(session)
         self._record_kept()
         self.store.close(session.session_id)
-        if self._journal is not None:
+        if self._journal is not None and not keep_journal:
             try:
                 self._journal.delete(session.session_id)
             except OSError as err:

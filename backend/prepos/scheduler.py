@@ -44,7 +44,7 @@ from prepos.gate_watch import Audit, GateWatch
 from prepos.kv_writes import WriteReportingEngine
 from prepos.metrics import Metrics
 from prepos.policies import IDLE_POLICIES
-from prepos.protocol import ProtocolError, Rejection, Request, ResponseSink, Status
+from prepos.protocol import DRAIN_REASON, ProtocolError, Rejection, Request, ResponseSink, Status
 from prepos.residency import Residency
 from prepos.scan import ScanFn
 from prepos.serving import EngineStep, PrefillStep, RequestServer
@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("prepos.scheduler")
 
 HOUSEKEEPING_INTERVAL_S = 0.5
+DRAINING_MESSAGE = ("the server is draining before it stops: no session opens or resumes here now; resume the "
+                    "session on another replica or once the server is back (a journaled session keeps its log)")
 RESERVE_FRACTION = 16  # a positioned session's KV keeps room for this fraction more of its length (see _reserve_ahead)
 RESERVE_MIN_TOKENS = 512  # below it a growth's copy costs little (about 1 ms at 576 tokens here), and room costs memory
 _CHUNK_BOUNDARY = object()  # what a pre-positioning task yields between chunks (engine steps yield None)
@@ -158,6 +160,11 @@ class Scheduler:
         self._shared_seen = engine.num_shared_tokens  # shared prefix tokens already published
         self._thread: threading.Thread | None = None
         self._running = False
+        self._draining = False  # set by drain(), from any thread
+        self.drain_listed = False  # the loop has put the sessions open when the drain began in drain_ids
+        self.drain_ids: queue.SimpleQueue[str | int] = queue.SimpleQueue()
+        """Sessions the drain must end with a request of its own (Triton holds their sequences): the sessions open
+        when it began, then every id whose START it refused."""
 
     # --- other threads -------------------------------------------------
 
@@ -180,6 +187,23 @@ class Scheduler:
             finally:
                 self._loop_lock.release()
         self._wake.put(None)
+
+    def drain(self) -> None:
+        """Begin draining before a stop (thread-safe): from now on every START (a resume too) is refused with
+        UNAVAILABLE, and the ids of the open sessions, then of each refused START, go to :attr:`drain_ids`, for the
+        caller to end each one by an END request with the drain marker (``Request.drain``), which keeps its
+        journal. Requests of open sessions are served as before, in order, up to that END."""
+        self._draining = True
+        self._wake.put(None)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions open now (read from any thread)."""
+        return len(self.store)
 
     def start(self) -> None:
         self._running = True
@@ -226,6 +250,10 @@ class Scheduler:
 
         Returns whether any work was done. Callers hold the loop lock (or are the only thread).
         """
+        if self._draining and not self.drain_listed:  # every session opened before the flag was seen
+            for session in self.store:
+                self.drain_ids.put(session.session_id)
+            self.drain_listed = True  # after the ids: the drain is done once they are ended
         self._admit_queued()  # first: a session with a request waiting is not idle
         now = self._clock()
         if now >= self._next_housekeeping:  # also under sustained load: gauges stay fresh, idle sessions close
@@ -247,6 +275,11 @@ class Scheduler:
             self._admit(*item)
 
     def _admit(self, request: Request | Rejection, sink: ResponseSink) -> None:
+        if self._draining and request.start:
+            if not request.end:  # Triton holds the sequence this START opened until an END ends it
+                self.drain_ids.put(request.session_id)
+            self._reject(sink, ProtocolError("START", DRAINING_MESSAGE, Status.UNAVAILABLE))
+            return
         if isinstance(request, Rejection):
             session = self.store.get(request.session_id)
             if session is None or request.start:
@@ -592,7 +625,10 @@ class Scheduler:
     def _close(self, session: Session, reason: str) -> None:
         self._drop_background(session)
         self._idle.pop(session.session_id, None)
-        self._residency.close(session, reason)
+        drained = reason == DRAIN_REASON
+        self._residency.close(session, reason, keep_journal=drained)
+        if drained:
+            self._metrics.session_drained()
 
     def _reject(self, sink: ResponseSink, err: ProtocolError) -> None:
         self._metrics.request_rejected(err.field)

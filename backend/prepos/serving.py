@@ -28,7 +28,7 @@ from prepos.engines.base import Engine, KVCapacityError
 from prepos.gate import Gate
 from prepos.gate_watch import Audit, GateWatch
 from prepos.metrics import Metrics
-from prepos.protocol import ProtocolError, Request, ResponseSink, Status
+from prepos.protocol import ProtocolError, Request, ResponseSink, Status, end_reason
 from prepos.residency import Residency
 from prepos.scan import ScanFn, ScanResult
 from prepos.session import Session
@@ -142,7 +142,7 @@ class RequestServer:
             self._reject(sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
         # Triton ends the sequence on END whatever happened; a rejected START leaves no session behind.
         if request.end and self._residency.store.get(session.session_id) is session:
-            self._close_session(session, "END")
+            self._close_session(session, end_reason(request))
         elif not served and request.start and not session.token_log:
             self._close_session(session, "its START request was rejected")
 
@@ -174,7 +174,7 @@ class RequestServer:
             self._residency.accept(session, turn, session.last_role, session.last_choices, kept=kept)
         chunk = clock.chunk("", (), path.value, float("nan"), "closed" if path is ServedPath.CLOSE else "appended")
         if request.end:  # closed (journal deleted) before the response acknowledges the END
-            self._close_session(session, "END")
+            self._close_session(session, end_reason(request))
         sink.send(chunk, final=True)
         self._metrics.request_served(path.value, None)
 
@@ -302,7 +302,7 @@ class RequestServer:
                         text, emit = "", []
                     accept()
                     if request.end:  # and an END deletes the journal before it is acknowledged
-                        self._close_session(session, "END")
+                        self._close_session(session, end_reason(request))
             if done or clock.first_token_ms is None or len(emit) >= self._config.stream_interval:
                 sink.send(clock.chunk(text, emit, path.value, confidence, finish if done else ""), final=done)
             else:

@@ -222,11 +222,13 @@ def test_bad_values_fail_with_the_schema_message(chart, values, message):
     ("values", "message"),
     [
         (with_minimal(router={"streamIdleTimeoutSeconds": 300}), "router.streamIdleTimeoutSeconds must exceed"),
-        (with_minimal(triton={"exitTimeoutSeconds": 200}), "triton.exitTimeoutSeconds must be below"),
+        (with_minimal(triton={"exitTimeoutSeconds": 200}), "triton.exitTimeoutSeconds + 5 must be below"),
+        (with_minimal(triton={"exitTimeoutSeconds": 111}), "triton.exitTimeoutSeconds + 5 must be below"),
         (with_minimal(prepos={"engineDir": "/models/engine"}), "prepos.engineDir must lie under storage.mountPath"),
         (with_minimal(autoscaling={"enabled": True, "minReplicas": 5, "maxReplicas": 2}), "minReplicas must not exceed"),
     ],
-    ids=["stream-idle-below-session-idle", "exit-timeout-above-grace", "engine-outside-volume", "hpa-min-above-max"],
+    ids=["stream-idle-below-session-idle", "exit-timeout-above-grace", "exit-timeout-and-stop-grace-above-grace",
+         "engine-outside-volume", "hpa-min-above-max"],
 )
 def test_inconsistent_values_fail_in_the_templates(chart, values, message):
     with pytest.raises(helm.HelmRenderError) as raised:
@@ -278,6 +280,15 @@ def test_triton_args_come_from_values(chart):
         assert arg in args
     c = triton(render(chart, with_minimal(metrics={"enabled": False})))
     assert "--allow-metrics=false" in c["args"] and "command" not in c  # the image's entrypoint runs tritonserver
+
+
+def test_tritonserver_runs_under_the_supervisor_which_drains_on_sigterm(chart):
+    from prepos.supervise import drain_file_from
+
+    c = triton(render(chart, with_minimal(triton={"modelRepository": "/opt/prepos/engines/repo"})))
+    assert c["command"] == ["python3", "-m", "prepos.supervise", "--", "tritonserver"]
+    assert "--model-repository=/opt/prepos/engines/repo" in c["args"]
+    assert drain_file_from(env_of(c)) is not None  # absolute: the supervisor can ask for the drain
 
 
 def test_prepos_env_and_engine_dir(chart):
@@ -349,7 +360,9 @@ def test_termination_drains_streams(chart):
     sleep = c["lifecycle"]["preStop"]["exec"]["command"]
     assert sleep[0] == "sleep" and 0 < int(sleep[1]) <= 30
     exit_timeout = int(next(a for a in c["args"] if a.startswith("--exit-timeout-secs=")).split("=")[1])
-    assert exit_timeout + int(sleep[1]) < pod["terminationGracePeriodSeconds"]
+    from prepos.supervise import STOP_GRACE_S
+
+    assert exit_timeout + STOP_GRACE_S + int(sleep[1]) < pod["terminationGracePeriodSeconds"]
 
 
 def test_every_container_has_resource_requests(chart, production_values):

@@ -60,6 +60,15 @@ def test_entrypoint_serves_the_copied_model_repository():
     assert f"model_repository {IMAGE_MODEL_REPOSITORY}" in arguments("COPY")
 
 
+def test_entrypoint_runs_tritonserver_under_the_supervisor_with_an_absolute_drain_file():
+    from prepos.supervise import DRAIN_ENV, drain_file_from
+
+    command = json.loads(arguments("ENTRYPOINT")[0])
+    assert command[1:command.index("tritonserver")] == ["python3", "-m", "prepos.supervise", "--"]
+    (env,) = [rest for rest in arguments("ENV") if rest.startswith(f"{DRAIN_ENV}=")]
+    assert drain_file_from({DRAIN_ENV: env.partition("=")[2]}) is not None
+
+
 def test_ports_match_the_chart_defaults():
     triton = yaml.safe_load(CHART_VALUES.read_text())["triton"]
     ports = {triton["httpPort"], triton["grpcPort"], triton["metricsPort"]}

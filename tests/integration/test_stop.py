@@ -1,39 +1,83 @@
-"""Stopping the server while sessions are open and their clients still hold streams: Triton waits its exit
-timeout for the open sessions and then hangs instead of exiting; the launcher kills it soon after, and every
-session resumes from its journal after the restart, answering as a session that was never interrupted."""
+"""Stopping the server with sessions open: it drains (every session ended by the model, its journal kept, once
+its requests in flight are served), so a stop takes seconds instead of Triton's exit timeout, also while clients
+hold their streams; every session resumes after the restart, answering as a session never interrupted. Without
+a drain, Triton waits its exit timeout and then hangs while a stream is held; the launcher kills it soon after."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
 
-from prepos.launcher import STOP_GRACE_S
-from prepos_client import Client
+from prepos.drain import drained_path
+from prepos.launcher import REPO_ROOT, ServerOptions, prepare_backend_dir, server_command, server_environment
+from prepos.supervise import DRAIN_ENV, STOP_GRACE_S
+from prepos_client import Client, PreposError
 
-from .conftest import start_server
+from .conftest import ENGINE_DIR, free_loopback_ports, start_server
 
 pytestmark = pytest.mark.integration
 
 SYSTEM = "You are a concise assistant."
-EXIT_TIMEOUT_S = 2
+EXIT_TIMEOUT_S = 30  # what a stop that waits for open sessions would take, at least
 
 
-def test_a_stop_with_streams_held_ends_soon_after_the_exit_timeout_and_the_sessions_resume(tmp_path):
+def alive_processes(pid: int) -> list:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def test_a_drain_ends_every_session_once_served_and_they_resume_after_the_restart(tmp_path):
     env = {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")}
     server = start_server(tmp_path / "first", env=env, exit_timeout_s=EXIT_TIMEOUT_S)
     client = Client(server.grpc_url)
+    asked: dict[str, list[int]] = {}
     try:
-        held = client.session("held")
+        held = client.session("held")  # its client keeps the stream
         held.append(SYSTEM, role="system")
-        first = held.ask("Name a colour.", max_tokens=3, speculate=False).token_ids
-        processes = [psutil.Process(server.process.pid), *psutil.Process(server.process.pid).children(recursive=True)]
+        asked["held"] = held.ask("Name a colour.", max_tokens=3, speculate=False).token_ids
+        with client.session("gone") as gone:  # its client went away, leaving it open
+            gone.append(SYSTEM, role="system")
+            asked["gone"] = gone.ask("Name a fruit.", max_tokens=3, speculate=False).token_ids
+            gone.detach()
+        busy = client.session("busy")
+        busy.append(SYSTEM, role="system")
+        long_answer = {}
+        answering = threading.Thread(target=lambda: long_answer.update(
+            answer=busy.ask("Tell me about the sea.", max_tokens=48, speculate=False)))
+        answering.start()
+        time.sleep(0.3)  # under way when the drain begins
+
+        server.drain_file.touch()  # the drain a stop begins, here without the stop
+        answering.join(60)
+        assert long_answer["answer"].finish_reason == "length" and len(long_answer["answer"].token_ids) == 48
+        deadline = time.monotonic() + 30
+        while not drained_path(server.drain_file).exists():
+            assert time.monotonic() < deadline, "no drain report"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5  # the gauge is published at least every half second
+        while server.metric("prepos_sessions") != 0:
+            assert time.monotonic() < deadline, "sessions still open after the drain"
+            time.sleep(0.1)
+        with pytest.raises(PreposError, match="draining"):  # no new session while draining
+            client.session("new").ask("Hello?", max_tokens=2)
+        with pytest.raises(PreposError, match="draining"):  # nor a resume; the held session is left to resume
+            held.ask("And another?", max_tokens=4, speculate=False)
+        assert not held.closed
+
+        processes = alive_processes(server.process.pid)
         began = time.monotonic()
-        server.stop()  # the session is open and its stream held
+        server.stop()  # drained already: only Triton's own exit (or the kill, with the stream held) is left
         took = time.monotonic() - began
-        assert EXIT_TIMEOUT_S <= took < EXIT_TIMEOUT_S + STOP_GRACE_S + 5, took  # a fixed 30 s before
+        assert took < EXIT_TIMEOUT_S / 3, took
         assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert len(list((tmp_path / "journal").iterdir())) == 3  # every session kept its journal
         held.detach()
     finally:
         server.stop()
@@ -42,13 +86,88 @@ def test_a_stop_with_streams_held_ends_soon_after_the_exit_timeout_and_the_sessi
     server = start_server(tmp_path / "second", env=env)
     try:
         with Client(server.grpc_url) as client:
-            resumed = client.session("held", resume=True)
-            after = resumed.ask("And another?", max_tokens=4, speculate=False)
-            assert after.path == "rebuild"
+            after = {}
+            for sid in ("held", "gone", "busy"):
+                after[sid] = client.session(sid, resume=True).ask("And another?", max_tokens=4, speculate=False)
+                assert after[sid].path == "rebuild"
             with client.session() as twin:
                 twin.append(SYSTEM, role="system")
-                assert twin.ask("Name a colour.", max_tokens=3, speculate=False).token_ids == first
-                assert twin.ask("And another?", max_tokens=4, speculate=False).token_ids == after.token_ids
-            resumed.close()
+                assert twin.ask("Name a colour.", max_tokens=3, speculate=False).token_ids == asked["held"]
+                assert twin.ask("And another?", max_tokens=4, speculate=False).token_ids == after["held"].token_ids
+            with client.session() as twin:
+                twin.append(SYSTEM, role="system")
+                twin.ask("Tell me about the sea.", max_tokens=48, speculate=False)
+                assert twin.ask("And another?", max_tokens=4, speculate=False).token_ids == after["busy"].token_ids
     finally:
         server.stop()
+
+
+def test_a_stop_without_a_drain_ends_soon_after_the_exit_timeout_with_a_stream_held(tmp_path):
+    exit_timeout_s = 2
+    env = {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal"), DRAIN_ENV: ""}  # no drain file: the old way
+    server = start_server(tmp_path / "first", env=env, exit_timeout_s=exit_timeout_s)
+    client = Client(server.grpc_url)
+    try:
+        held = client.session("held")
+        held.append(SYSTEM, role="system")
+        held.ask("Name a colour.", max_tokens=3, speculate=False)
+        processes = alive_processes(server.process.pid)
+        began = time.monotonic()
+        server.stop()  # the session is open and its stream held
+        took = time.monotonic() - began
+        assert exit_timeout_s <= took < exit_timeout_s + STOP_GRACE_S + 5, took
+        assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert len(list((tmp_path / "journal").iterdir())) == 1  # still journaled
+        held.detach()
+    finally:
+        server.stop()
+        client.close()
+
+
+def test_the_supervisor_drains_tritonserver_on_sigterm_and_exits_cleanly(tmp_path):
+    """The production image's entrypoint (python -m prepos.supervise -- tritonserver ...), on the real server."""
+    http, grpc, metrics = free_loopback_ports(3)
+    options = ServerOptions(model_repositories=(REPO_ROOT / "model_repository",), http_port=http, grpc_port=grpc,
+                            metrics_port=metrics, run_dir=tmp_path, exit_timeout_s=EXIT_TIMEOUT_S)
+    command = server_command(options, prepare_backend_dir(tmp_path))
+    env = {**server_environment(), "PREPOS_ENGINE_DIR": str(ENGINE_DIR), "PREPOS_JOURNAL_DIR": str(tmp_path / "journal"),
+           DRAIN_ENV: str(tmp_path / "drain")}
+    with open(tmp_path / "supervised.log", "wb") as out:
+        supervisor = subprocess.Popen([sys.executable, "-m", "prepos.supervise", "--", *command], env=env,
+                                      stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    client = None
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert supervisor.poll() is None, (tmp_path / "supervised.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        client = Client(f"127.0.0.1:{grpc}")
+        held = client.session("held")  # open, its stream held: Triton 2.51 alone would not exit
+        held.append(SYSTEM, role="system")
+        held.ask("Name a colour.", max_tokens=3, speculate=False)
+        processes = alive_processes(supervisor.pid)
+        assert len(processes) >= 3  # the supervisor, tritonserver, its backend stubs
+        began = time.monotonic()
+        supervisor.send_signal(signal.SIGTERM)
+        code = supervisor.wait(EXIT_TIMEOUT_S + STOP_GRACE_S + 10)
+        took = time.monotonic() - began
+        log = (tmp_path / "supervised.log").read_text()
+        assert code == 0 and took < EXIT_TIMEOUT_S / 3, (code, took, log[-3000:])
+        assert "drained in" in log
+        assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert len(list((tmp_path / "journal").iterdir())) == 1  # the session, to resume elsewhere
+        held.detach()
+    finally:
+        if supervisor.poll() is None:  # the test failed: end what it started
+            for process in reversed(alive_processes(supervisor.pid)):
+                process.kill()
+            supervisor.wait()
+        if client is not None:
+            client.close()

@@ -1,0 +1,161 @@
+"""Run tritonserver as a container's main process, and stop it as ``make serve`` does: drain, SIGTERM, then kill.
+
+The production image's entrypoint and the Helm chart's command::
+
+    python3 -m prepos.supervise -- tritonserver --model-repository=... --exit-timeout-secs=100
+
+Run as tritonserver's parent, it stops it on SIGTERM or SIGINT (:func:`stop_server`): the model is drained when
+``PREPOS_SCHEDULER_DRAIN_FILE`` names an absolute path (:mod:`prepos.drain`), then tritonserver gets SIGTERM and, if
+it has not exited in time, SIGKILL, and so does every process left in its process group (its backend stubs). As a
+container's PID 1 it also reaps the processes orphaned to it. It exits with 0 after a drained stop, else with
+tritonserver's exit status (128 plus the signal's number when a signal ended it). Standard library only: the image installs prepos without dependencies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Mapping
+
+from prepos.drain import request_drain
+
+log = logging.getLogger("prepos.supervise")
+
+STOP_GRACE_S = 5.0
+"""How long past its exit timeout a tritonserver that was not drained is given before it is killed."""
+DRAINED_EXIT_S = 3.0
+"""How long after SIGTERM a drained tritonserver (nothing in flight, every session ended) is given to exit before
+it is killed: while a client still holds a stream, Triton 2.51 does not finish unloading the model."""
+TRITON_EXIT_TIMEOUT_S = 30.0
+"""tritonserver's ``--exit-timeout-secs`` when its arguments do not set it."""
+DRAIN_ENV = "PREPOS_SCHEDULER_DRAIN_FILE"
+
+
+def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_timeout_s: float,
+                timeout_s: float | None = None) -> bool:
+    """Stop a running tritonserver within ``timeout_s`` in all (default: ``exit_timeout_s`` and
+    :data:`STOP_GRACE_S` more). Returns whether it was drained.
+
+    Triton counts every open session (a live sequence) as an in-flight request: with any session open it would
+    wait its whole exit timeout, and while a client still holds a stream to it, Triton 2.51 then does not finish
+    exiting (it hangs after "Exit timeout expired"). So the model is drained first (``drain_file`` None: no
+    drain): it ends every session, its journal kept, once the requests its client sent are served, and refuses
+    new ones. Drained, nothing is in flight: Triton gets :data:`DRAINED_EXIT_S` to exit and is killed after that.
+    A drain not done within the exit timeout (a long answer still running) leaves Triton the rest of
+    ``timeout_s``."""
+    if timeout_s is None:
+        timeout_s = exit_timeout_s + STOP_GRACE_S
+    deadline = time.monotonic() + timeout_s
+    drained = drain_file is not None and request_drain(
+        drain_file, min(exit_timeout_s, timeout_s), alive=lambda: process.poll() is None) is not None
+    if process.poll() is not None:
+        return drained
+    wait_s = DRAINED_EXIT_S if drained else max(STOP_GRACE_S, deadline - time.monotonic())
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        if drained:
+            log.info("tritonserver had not exited %.0f s after SIGTERM, drained (a client still holds a stream, "
+                     "and Triton 2.51 then does not unload the model); killing it: nothing was in flight", wait_s)
+        else:
+            log.warning("tritonserver had not exited %.0f s after SIGTERM (its exit timeout is %g s: Triton waits for "
+                        "open sessions, and hangs past it while a client holds a stream); killing it, open sessions "
+                        "stay in their journals", wait_s, exit_timeout_s)
+        process.kill()
+        process.wait()
+    return drained
+
+
+def exit_timeout_of(args: list[str]) -> float:
+    """The ``--exit-timeout-secs`` among tritonserver's arguments (the last one), else Triton's default."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg.startswith("--exit-timeout-secs="):
+            value = arg.partition("=")[2]
+        elif arg == "--exit-timeout-secs" and i + 1 < len(args):
+            value = args[i + 1]
+    try:
+        return float(value) if value is not None else TRITON_EXIT_TIMEOUT_S
+    except ValueError:
+        return TRITON_EXIT_TIMEOUT_S
+
+
+def drain_file_from(environ: Mapping[str, str]) -> Path | None:
+    """The drain file the model watches, when the environment names an absolute one (a relative one is relative
+    to the model's folder, which only the model knows)."""
+    value = environ.get(DRAIN_ENV, "")
+    if not value:
+        return None
+    if not Path(value).is_absolute():
+        log.warning("%s=%s is relative; stopping without a drain", DRAIN_ENV, value)
+        return None
+    return Path(value)
+
+
+def _reap_orphans(child_pid: int) -> None:
+    """Reap exited processes other than ``child_pid`` (left to Popen), as a container's init must."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid == child_pid:
+            return
+        try:
+            os.waitpid(info.si_pid, 0)
+        except ChildProcessError:
+            return
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    log.info("killed what was left of tritonserver's process group (its backend stubs)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
+        print("usage: python -m prepos.supervise -- tritonserver [ARGS...]", file=sys.stderr)
+        return 2
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    try:
+        child = subprocess.Popen(args, start_new_session=True)  # its own group: the stubs are killed with it
+    except OSError as err:
+        print(f"prepos.supervise: cannot run {args[0]}: {err.strerror or err}", file=sys.stderr)
+        return 127
+    init = os.getpid() == 1
+    while child.poll() is None and not stopping.wait(0.2):
+        if init:
+            _reap_orphans(child.pid)
+    drained = False
+    if child.poll() is None:
+        drain_file = drain_file_from(os.environ)
+        log.info("stopping tritonserver (pid %d)%s", child.pid, " after a drain" if drain_file else "")
+        drained = stop_server(child, drain_file=drain_file, exit_timeout_s=exit_timeout_of(args))
+    _kill_group(child.pid)
+    if init:
+        time.sleep(0.1)
+        _reap_orphans(child.pid)
+    code = child.returncode
+    if drained:
+        return 0  # stopped as asked, nothing in flight lost, even if it had to be killed
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""prepos.supervise, the production image's entrypoint, around a stand-in for tritonserver: it asks for the drain
+on SIGTERM, kills a drained server that does not exit (and what is left of its process group), and passes the
+server's own exit status on otherwise. The real server under it: tests/integration/test_stop.py."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+from prepos.supervise import DRAIN_ENV, DRAINED_EXIT_S, TRITON_EXIT_TIMEOUT_S, exit_timeout_of
+
+# Stands in for tritonserver: a backend stub of its own (a child in its process group); on the drain file it
+# reports the drain as the model does; it ignores SIGTERM, as Triton 2.51 does while a client holds a stream.
+STAND_IN = textwrap.dedent("""
+    import json, os, signal, subprocess, sys, time
+    from pathlib import Path
+    stub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    Path(sys.argv[1]).write_text(str(stub.pid))
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    drain = Path(os.environ["PREPOS_SCHEDULER_DRAIN_FILE"]) if os.environ.get("PREPOS_SCHEDULER_DRAIN_FILE") else None
+    while True:
+        if drain is not None and drain.exists():
+            drain.unlink()
+            Path(str(drain) + ".drained").write_text(json.dumps({"ended": 2}))
+        time.sleep(0.02)
+""")
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def supervise(tmp_path, env_drain: str | None, *args: str) -> tuple[subprocess.Popen, int]:
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    env = {"PATH": "/usr/bin:/bin"}
+    if env_drain is not None:
+        env[DRAIN_ENV] = env_drain
+    supervisor = subprocess.Popen([sys.executable, "-m", "prepos.supervise", "--", sys.executable, str(script),
+                                   str(tmp_path / "stub.pid"), *args],
+                                  env={**env, "PYTHONPATH": ":".join(sys.path)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "stub.pid").exists():
+        assert time.monotonic() < deadline and supervisor.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.2)
+    return supervisor, int((tmp_path / "stub.pid").read_text())
+
+
+def test_a_drained_server_that_does_not_exit_is_killed_soon_with_its_stubs_and_the_exit_is_clean(tmp_path):
+    supervisor, stub = supervise(tmp_path, str(tmp_path / "drain"), "--exit-timeout-secs=60")
+    began = time.monotonic()
+    supervisor.send_signal(signal.SIGTERM)
+    _, log = supervisor.communicate(timeout=30)
+    took = time.monotonic() - began
+    assert supervisor.returncode == 0, log
+    assert DRAINED_EXIT_S <= took < DRAINED_EXIT_S + 5, (took, log)  # not the 60 s exit timeout
+    assert "drained in" in log
+    assert not running(stub)  # the stub went with its server's process group
+
+
+def test_without_a_drain_the_server_gets_its_exit_timeout_and_grace_then_its_status_is_passed_on(tmp_path):
+    supervisor, stub = supervise(tmp_path, None, "--exit-timeout-secs", "1")
+    began = time.monotonic()
+    supervisor.send_signal(signal.SIGINT)
+    _, log = supervisor.communicate(timeout=30)
+    took = time.monotonic() - began
+    assert supervisor.returncode == 128 + signal.SIGKILL, log  # killed: it never exited by itself
+    assert 5.0 <= took < 12, took  # max(STOP_GRACE_S, exit timeout + grace - drain) = 6 s
+    assert not running(stub)
+
+
+def test_a_server_that_exits_by_itself_has_its_status_passed_on(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", "exit(3)"],
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}, timeout=30)
+    assert result.returncode == 3
+    nothing = subprocess.run([sys.executable, "-m", "prepos.supervise"], capture_output=True, text=True, timeout=30,
+                             env={"PYTHONPATH": ":".join(sys.path)})
+    assert nothing.returncode == 2 and "usage" in nothing.stderr
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--exit-timeout-secs=100"], 100.0),
+    (["--exit-timeout-secs", "7", "--log-verbose=1"], 7.0),
+    (["--exit-timeout-secs=5", "--exit-timeout-secs=9"], 9.0),  # the last one, as Triton reads them
+    (["--http-port=8000"], TRITON_EXIT_TIMEOUT_S),
+    (["--exit-timeout-secs=soon"], TRITON_EXIT_TIMEOUT_S),
+])
+def test_the_exit_timeout_is_read_from_the_servers_arguments(args, expected):
+    assert exit_timeout_of(args) == expected
