@@ -1,7 +1,8 @@
 """Random interleavings of calls that time out, server answers that come late (during the next call, or after
-it gave up waiting), ordinary calls, lost streams and ENDs on client sessions, against a fake that keeps sessions
-like the server. Every PreposTimeout must end up saying what the server did with its turn, and no call may be
-refused for a START sent twice or missing."""
+it gave up waiting), ordinary calls, lost streams, ENDs on client sessions and sessions the server ended keeping
+their journals (a drain), against a fake that keeps sessions like the server. Every PreposTimeout must end up
+saying what the server did with its turn, every call that succeeded must have its turn in the log once, and no
+call may be refused for a START sent twice or missing."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def test_every_timed_out_call_learns_what_became_of_its_turn(fake_triton, seed):
     session = client.session(session_id="s")
     timed_out = []  # (error, text, outcome the server gave: True, False, or None when the stream was lost)
     pending = None  # the held request's turn: (error, text), answered by the server later
+    answered = []  # turns whose call succeeded: each must be in the log once
     for step in range(30):
         text = f"turn {step}"
         if pending is not None:
@@ -63,6 +65,9 @@ def test_every_timed_out_call_learns_what_became_of_its_turn(fake_triton, seed):
                         session.ask(text, timeout_s=5.0)
                 continue
         action = rng.random()
+        if action < 0.1:  # the server ended the session, keeping its journal (a drain before a stop, say)
+            rules.open_ids.discard("s")
+            action = 0.4 + 0.6 * rng.random()  # the next call reopens it, whatever it is
         if action < 0.3:
             with pytest.raises(PreposTimeout, match="not known yet") as info:
                 session.ask(f"SLOW {text}")
@@ -73,12 +78,15 @@ def test_every_timed_out_call_learns_what_became_of_its_turn(fake_triton, seed):
             session = client.session(session_id="s")
         elif action < 0.75:
             assert session.ask(text, timeout_s=5.0).text == text
+            answered.append(text)
         else:
             assert session.append(text, timeout_s=5.0).finish_reason == "appended"
+            answered.append(text)
     if pending is not None:
         rules.finish_held(fake_triton[-1], accepted=True)
         session.settle(timeout_s=5.0)
         timed_out.append((*pending, True))
+    assert all(rules.accepted.count(text) == 1 for text in answered), rules.accepted
     for error, text, outcome in timed_out:
         assert error.accepted is outcome, (text, error.accepted, outcome)
         if outcome is not None:
