@@ -24,6 +24,10 @@ from the journal and rebuilds the KV from the token log (path `rebuild`);
 without one it refuses the request (`PreposError` naming `resume`): the
 session's state was lost with its replica.
 
+A replica draining before a stop (see the README, "Stopping the server") ends
+its sessions, keeping their journals, and refuses to reopen them: the session
+moves the same way, and resumes on its new owner from the shared journal.
+
 A request that was in flight when its replica died may have been accepted
 there before the connection broke; it is sent again to the new owner, so
 across a failover a request is delivered at least once, not exactly once.
@@ -42,7 +46,7 @@ from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER
 from .errors import PreposError, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
-from .session import Session, check_session_id, new_session_id
+from .session import Session, check_session_id, new_session_id, says_draining
 
 logger = logging.getLogger(__name__)
 
@@ -162,14 +166,22 @@ class RoutedClient:
         self.close()
 
 
+def _moves(error: PreposError) -> bool:
+    """Whether an error moves a session off its replica: the replica cannot be reached, or it is draining
+    before a stop (it refused to open or resume the session)."""
+    return isinstance(error, PreposUnavailable) or says_draining(error)
+
+
 class RoutedSession:
     """A `Session` that lives on its ring-hash replica and moves when that replica is lost.
 
     Same calls as `Session` (`append`, `generate`, `ask`, `settle`, `close`, `detach`).
-    A call whose replica cannot be reached (`PreposUnavailable`) removes that
-    replica from the client's ring, moves the session to its new owner and is
-    sent again there (resuming the session if it was opened), once per replica
-    lost; it raises `PreposUnavailable` only when no replica is left. Every
+    A call whose replica cannot be reached (`PreposUnavailable`), or is
+    draining before a stop (it ended the session, its journal kept, and refuses
+    to reopen it), removes that replica from the client's ring, moves the
+    session to its new owner and is sent again there (resuming the session if
+    it was opened), once per replica lost; it raises that error only when no
+    replica is left. Every
     other error is raised as `Session` raises it. `replica` is where the
     session is now; `failovers` lists its moves.
     """
@@ -260,7 +272,9 @@ class RoutedSession:
             session = self._session
             try:
                 result = send(session)
-            except PreposUnavailable as error:
+            except PreposError as error:
+                if not _moves(error):
+                    raise
                 self._fail_over(session, error)
                 continue
             self._opened = self._opened or accepted
@@ -271,7 +285,9 @@ class RoutedSession:
         while True:
             try:
                 first = next(chunks)
-            except PreposUnavailable as error:
+            except PreposError as error:
+                if not _moves(error):
+                    raise
                 self._fail_over(session, error)
                 session, chunks = self._call_with_session(send, accepted=False)
                 continue
@@ -280,7 +296,7 @@ class RoutedSession:
         yield first
         yield from chunks
 
-    def _fail_over(self, session: Session, error: PreposUnavailable) -> None:
+    def _fail_over(self, session: Session, error: PreposError) -> None:
         """Move the session off `session`'s replica, or raise `error` when no replica is left."""
         lost = session.url
         self._client.remove_replica(lost)
@@ -293,6 +309,7 @@ class RoutedSession:
         except LookupError:
             raise error from None
         self.failovers.append(Failover(self.session_id, lost, replica, str(error)))
-        logger.warning("session %s: replica %s unreachable (%s); moved to %s",
-                       self.session_id, lost, error, replica)
+        logger.warning("session %s: replica %s %s (%s); moved to %s", self.session_id, lost,
+                       "unreachable" if isinstance(error, PreposUnavailable) else "draining before a stop", error,
+                       replica)
         self._session = self._open(replica)

@@ -94,7 +94,7 @@ def _says_not_open(error: PreposError) -> bool:
     return "must specify the START flag" in error.message or (error.field == "START" and "is not open" in error.message)
 
 
-def _says_draining(error: PreposError) -> bool:
+def says_draining(error: PreposError) -> bool:
     """Whether a refusal of a START says the server is draining before it stops (see prepos.drain)."""
     return error.field == "START" and "is draining" in error.message
 
@@ -494,7 +494,7 @@ class Session:
         if not inflight.opens_session and _says_not_open(error):
             self._needs_start = self._resume = self._reopening = True
             kind = "reopen"
-        elif inflight.opens_session and _says_draining(error):
+        elif inflight.opens_session and says_draining(error):
             kind = "new stream"
         else:
             return None

@@ -91,6 +91,29 @@ def test_a_lost_replica_leaves_the_ring_and_its_session_resumes_on_the_new_owner
     assert [r.sequence_start for r in replicas.requests(REPLICAS[0], staying)] == [True, False]
 
 
+def test_a_draining_replica_leaves_the_ring_and_its_session_resumes_on_the_new_owner(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=2)
+    draining = REPLICAS[2]
+    (moving,) = session_ids_on(draining, client.ring, 1)
+    session = client.session(moving)
+    session.ask("one")
+    not_open = InferenceServerException(
+        msg=f"inference request for sequence {moving} to model 'prepos' must specify the START flag on the first "
+            "request of the sequence")
+    refused = InferenceServerException(msg="START: the server is draining before it stops: no session opens or "
+                                           "resumes here now; resume the session on another replica ...")
+    replicas.respond = lambda url, request, respond=replicas.respond: (
+        ([refused] if request.sequence_start else [not_open]) if url == draining else respond(url, request))
+    answer = session.ask("two")
+    owner = HashRing(REPLICAS).without(draining).lookup(moving)
+    assert answer.text == "two" and session.replica == owner and draining not in client.replicas
+    assert [(f.from_replica, f.to_replica) for f in session.failovers] == [(draining, owner)]
+    # On the draining replica: refused as not open, then START and `resume` refused, on the old and a new stream.
+    assert [r.sequence_start for r in replicas.requests(draining, moving)] == [True, False, True, True]
+    (first,) = replicas.requests(owner, moving)
+    assert first.sequence_start and first.inputs["resume"].tolist() == [True]
+
+
 def test_a_session_lost_before_it_opened_opens_on_the_new_owner(replicas):
     client = RoutedClient(REPLICAS[:2], timeout_s=2)
     (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)

@@ -117,3 +117,42 @@ def test_sessions_stay_on_their_replica_and_only_the_lost_replicas_sessions_move
                    == NUM_SESSIONS_PER_REPLICA)
         eventually(lambda: requests_served(survivor) - served_before == 3 * NUM_SESSIONS_PER_REPLICA)
     assert SessionJournal(journal_dir).session_ids() == []  # END on the survivor deleted every journal
+
+
+def test_a_draining_replicas_sessions_move_to_the_other_replica_without_an_error(
+        tmp_path, engine_manifest, tokenizer, reference_model):
+    """A replica drains before a stop (its drain file, as prepos.supervise writes it on SIGTERM): its sessions
+    are ended with their journals kept, and their next calls move to the other replica, answered as before."""
+    env = {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start_server, tmp_path / f"replica-{name}", env) for name in "ab"]
+    started = [f.result() for f in futures if f.exception() is None]
+    try:
+        assert len(started) == 2, [f.exception() for f in futures]
+        staying, draining = started
+        ring = HashRing([staying.grpc_url, draining.grpc_url])
+        moving = [sid for sid in (f"drained-{i}" for i in range(1000)) if ring.lookup(sid) == draining.grpc_url][:2]
+        with RoutedClient([staying.grpc_url, draining.grpc_url], timeout_s=120) as client:
+            sessions, conversations = {}, {}
+            for session_id in moving:
+                sessions[session_id] = session = client.session(session_id)
+                conversations[session_id] = conv = Conversation(engine_manifest, tokenizer)
+                session.append(SYSTEM, role="system")
+                conv.append("system", SYSTEM)
+                record(conv, session.ask("Name a fruit.", max_tokens=6, speculate=False), "Name a fruit.")
+                assert session.replica == draining.grpc_url
+
+            draining.drain_file.touch()
+            eventually(lambda: draining.metric("prepos_sessions_drained_total") == len(moving))
+            for session_id in moving:
+                session = sessions[session_id]
+                answer = session.ask("And another?", max_tokens=8, speculate=False)
+                assert session.replica == staying.grpc_url and answer.path == "rebuild"
+                assert [(f.from_replica, f.to_replica) for f in session.failovers] == [(draining.grpc_url,
+                                                                                         staying.grpc_url)]
+                check_answer(reference_model, conversations[session_id], answer, "user", "And another?", 8)
+            assert client.replicas == (staying.grpc_url,)
+        assert SessionJournal(tmp_path / "journal").session_ids() == []  # ended on the replica that stayed
+    finally:
+        for server in started:
+            server.stop()
