@@ -197,10 +197,6 @@ class Scheduler:
         self._wake.put(None)
 
     @property
-    def draining(self) -> bool:
-        return self._draining
-
-    @property
     def open_sessions(self) -> int:
         """Sessions open now (read from any thread)."""
         return len(self.store)
