@@ -248,6 +248,13 @@ class JournalConfig:
     directory. Replicas taking over each other's sessions share it (a volume)."""
     fsync: bool = False
     """fsync each journal write: survives a machine crash, not only a server crash, at a cost per turn."""
+    expire_s: float = 86400.0
+    """A journal of a session this server does not hold, not written for this long, is deleted (at start, then
+    hourly): a session drained before a stop, or left by a crash, whose client never came back to resume it.
+    0 = never. Must exceed the session idle timeout."""
+
+    def __post_init__(self) -> None:
+        _check(self.expire_s >= 0, "journal.expire_s", "must be >= 0 (0: never)")
 
 
 @dataclass(frozen=True)
@@ -258,6 +265,12 @@ class PreposConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
+
+    def __post_init__(self) -> None:
+        idle_s = self.scheduler.session_idle_timeout_s
+        _check(self.journal.expire_s == 0 or self.journal.expire_s > idle_s, "journal.expire_s",
+               f"must exceed the session idle timeout ({idle_s:g} s; a journal is written only at accepted turns), "
+               "or be 0 (never)")
 
     def engine_dir(self, model_dir: str | Path) -> Path:
         path = Path(self.engine.dir)

@@ -127,6 +127,7 @@ class Core:
             eviction_policy=config.memory.eviction_policy,
             max_log_tokens=config.memory.max_log_tokens,
             journal=journal,
+            journal_expire_s=config.journal.expire_s,
             gate_config=config.gate,
         )
         log.info("prepos core ready: model %s, engine %s on %s, %d-token context",

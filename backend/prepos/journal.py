@@ -49,7 +49,7 @@ import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 log = logging.getLogger("prepos.journal")
 
@@ -146,6 +146,24 @@ class SessionJournal:
         finally:
             os.close(fd)
 
+    def expire(self, older_than_s: float, keep: Collection[Path] = ()) -> int:
+        """Delete the journals not written for more than ``older_than_s`` seconds, but those in ``keep`` (the
+        sessions this server holds); returns how many. They are sessions whose client never came back to resume
+        them after a drain or a crash. A journal is written at every accepted turn, and read back (which counts
+        as written) when a session is reopened from it."""
+        now = time.time()
+        expired = 0
+        for path in self.directory.glob(f"*{SUFFIX}"):
+            if path in keep:
+                continue
+            try:
+                if now - path.stat().st_mtime > older_than_s:
+                    path.unlink()
+                    expired += 1
+            except OSError:
+                continue  # deleted or reopened meanwhile
+        return expired
+
     def delete(self, session_id: str | int) -> None:
         """Delete the session's journal (closing: END or idle timeout); no error when there is none."""
         self.path(session_id).unlink(missing_ok=True)
@@ -158,6 +176,7 @@ class SessionJournal:
         the last good record and a warning logged; earlier entries are kept."""
         path = self.path(session_id)
         try:
+            os.utime(path)  # read back to reopen: written, as far as expire() is concerned
             data = path.read_bytes()
         except FileNotFoundError:
             return None

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prepos.residency")
 
+JOURNAL_EXPIRY_INTERVAL_S = 3600.0
+"""How often expired journals are looked for (and at the first housekeeping, right after the start)."""
 KEPT_PREFIXES = ("kept prefixes",)
 """The ledger's entry for the engine's kept prefixes (closed sessions' opening turns); no session id is a tuple."""
 
@@ -44,8 +46,11 @@ class Residency:
     """Open sessions, their KV bytes against the budget, and their journals."""
 
     def __init__(self, *, engine: Engine, metrics: Metrics, max_sessions: int, kv_budget_bytes: int,
-                 eviction_policy: str, journal: SessionJournal | None, clock: Callable[[], float]):
+                 eviction_policy: str, journal: SessionJournal | None, clock: Callable[[], float],
+                 journal_expire_s: float = 0.0):
         self.store = SessionStore(max_sessions)
+        self._journal_expire_s = journal_expire_s  # 0: journals never expire
+        self._next_expiry = 0.0  # clock time of the next expire_journals pass
         self.kv = KvLedger(kv_budget_bytes, eviction_policy, kv_total=engine.kv_total_bytes)
         self._engine = engine
         self._metrics = metrics
@@ -102,6 +107,22 @@ class Residency:
                 log.error("session %r: could not delete its journal: %s", session.session_id, err)
         log.info("session %r closed (%s), %d tokens in its log%s", session.session_id, reason, len(session.token_log),
                  f"; its opening turn ({opening} tokens) is kept for later sessions to copy" if kept else "")
+
+    def expire_journals(self) -> int:
+        """Delete the journals of sessions this server does not hold that were not written for
+        ``journal_expire_s`` (:meth:`prepos.journal.SessionJournal.expire`), at most once every
+        :data:`JOURNAL_EXPIRY_INTERVAL_S`; returns how many went."""
+        now = self._clock()
+        if self._journal is None or not self._journal_expire_s or now < self._next_expiry:
+            return 0
+        self._next_expiry = now + JOURNAL_EXPIRY_INTERVAL_S
+        held = {self._journal.path(session.session_id) for session in self.store}
+        expired = self._journal.expire(self._journal_expire_s, keep=held)
+        if expired:
+            self._metrics.journals_expired(expired)
+            log.info("%d session journals expired (not written for %g s, sessions no client came back for)",
+                     expired, self._journal_expire_s)
+        return expired
 
     # --- the token log -------------------------------------------------
 

@@ -112,6 +112,7 @@ class Scheduler:
         eviction_policy: str = "lru",
         max_log_tokens: int = 0,
         journal: SessionJournal | None = None,
+        journal_expire_s: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
     ):
         engine = WriteReportingEngine(engine, self._kv_written)  # what every component below gets
@@ -128,7 +129,7 @@ class Scheduler:
         )
         self._residency = Residency(
             engine=engine, metrics=metrics, max_sessions=max_sessions, kv_budget_bytes=kv_budget_bytes,
-            eviction_policy=eviction_policy, journal=journal, clock=clock,
+            eviction_policy=eviction_policy, journal=journal, clock=clock, journal_expire_s=journal_expire_s,
         )
         self._residency.on_evict = self._stop_work_for
         self.store = self._residency.store
@@ -483,6 +484,7 @@ class Scheduler:
         for session in self.store:
             if self._expired(session, now):
                 self._close(session, "idle timeout")
+        self._residency.expire_journals()  # hourly
         self._metrics.sessions({state.value: n for state, n in self.store.count_by_state().items()})
         self._metrics.kv(self._residency.kv.used_bytes, self._residency.kv.budget_bytes, self._engine.kept_prefix_bytes())
         self._publish_reuse()

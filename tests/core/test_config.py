@@ -25,6 +25,9 @@ def test_parameters_and_environment_override_defaults():
     ({"memory.eviction_policy": "mru"}, "memory.eviction_policy"),
     ({"engine.device": "gpu"}, "engine.device"),
     ({"engine.device": "cuda:x"}, "engine.device"),
+    ({"journal.expire_s": "-1"}, "journal.expire_s"),
+    ({"journal.expire_s": "300"}, "journal.expire_s"),  # below the 600 s idle timeout
+    ({"journal.expire_s": "7200", "scheduler.session_idle_timeout_s": "86400"}, "journal.expire_s"),
 ])
 def test_bad_values_name_the_key(params, key):
     with pytest.raises(ConfigError, match=f"^{key}: "):
@@ -105,3 +108,8 @@ def test_a_cuda_device_torch_does_not_see_is_a_config_error_naming_the_key(tmp_p
     device = f"cuda:{torch.cuda.device_count()}"  # one past the last device, wherever this runs
     with pytest.raises(ConfigError, match=rf"^engine.device: '{device}', but torch sees "):
         Core.from_parameters({"engine.device": device, "engine.dir": str(tmp_path)}, tmp_path)
+
+
+def test_journals_expire_after_a_day_by_default_and_0_keeps_them():
+    assert read_config({}, environ={}).journal.expire_s == 86400.0
+    assert read_config({"journal.expire_s": "0", "scheduler.session_idle_timeout_s": "1e9"}, environ={}).journal.expire_s == 0

@@ -26,7 +26,7 @@ class Harness:
                  background_delay_ms=0.0, context_overflow="reject", max_log_tokens=0, journal=None, speculative_delta="",
                  gate_kw=None, max_sessions=100, idle_timeout_s=600.0, max_decode_batch=32, max_prefill_batch=16,
                  max_prefill_batch_tokens=512, stream_interval=1, eviction_policy="lru", preposition=True, engine=None,
-                 reference_logits=None, idle_policy="most_recent", **engine_kw):
+                 reference_logits=None, idle_policy="most_recent", journal_expire_s=0.0, **engine_kw):
         """``engine``: a real one instead of the fake, with ``reference_logits(sequence)`` its stateless logits
         (a NumPy row) for :meth:`reference`."""
         gate_kw = gate_kw or {}
@@ -47,7 +47,8 @@ class Harness:
  scan=scan_numpy, metrics=self.metrics,
             max_sessions=max_sessions, kv_budget_bytes=kv_budget, eviction_policy=eviction_policy, clock=self.clock,
             max_log_tokens=max_log_tokens,
-            journal=journal, gate_config=GateConfig(threshold=threshold, speculative_delta=speculative_delta, **gate_kw),
+            journal=journal, journal_expire_s=journal_expire_s,
+            gate_config=GateConfig(threshold=threshold, speculative_delta=speculative_delta, **gate_kw),
         )
 
     def request(self, sid, text=None, *, start=False, end=False, max_tokens=8, **kw) -> Request:

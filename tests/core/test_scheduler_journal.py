@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 from fakes import IM_END, CollectSink
 from prepos.journal import SessionJournal
 from prepos.protocol import Status
@@ -154,3 +157,41 @@ def test_a_one_step_answer_goes_out_before_its_turn_is_journaled_and_is_acknowle
     assert not first_final and first_text and first_finish == "" and first_entries == before  # not yet journaled
     assert last_final and last_text == "" and last_finish == "length" and last_entries == before + 1
     assert sink.text == first_text and journal.recover("s1").token_log == h.log("s1")
+
+
+def test_journals_no_client_came_back_for_expire_and_held_ones_stay(tmp_path):
+    journal_dir = tmp_path / "journal"
+    left = Harness(tmp_path, journal=SessionJournal(journal_dir, fsync=False))  # the server before a crash
+    for sid in ("left", "held", "fresh"):
+        open_session(left, sid=sid)
+    h = Harness(tmp_path, journal=SessionJournal(journal_dir, fsync=False), journal_expire_s=3600.0,
+                idle_timeout_s=7200.0)
+    journal = h.sched._residency._journal
+    day_ago = time.time() - 86400
+    for sid in ("left", "held"):  # not written for a day
+        os.utime(journal.path(sid), (day_ago, day_ago))
+    h.sched._residency.store.open("held", h.clock())  # as if reopened here but not written since
+    h.sched.run_once()  # the first housekeeping
+    assert sorted(journal.session_ids()) == ["fresh", "held"]
+    assert h.metrics.sink.get("prepos_journals_expired_total") == 1
+    os.utime(journal.path("fresh"), (day_ago, day_ago))
+    h.clock.t += 60
+    h.sched.run_once()
+    assert "fresh" in journal.session_ids()  # the next pass is an hour later
+    h.clock.t += 3600
+    h.sched.run_once()
+    assert journal.session_ids() == ["held"]
+    resumed = h.serve(h.request("fresh", "back?", start=True, resume=True, max_tokens=0))
+    assert resumed.error.field == "resume"  # gone: a client coming back after that starts anew
+
+
+def test_reopening_a_session_from_its_journal_counts_as_writing_it(tmp_path):
+    journal = SessionJournal(tmp_path, fsync=False)
+    journal.create("s")
+    day_ago = time.time() - 86400
+    os.utime(journal.path("s"), (day_ago, day_ago))
+    assert journal.recover("s") is not None
+    assert journal.expire(3600.0) == 0 and journal.session_ids() == ["s"]
+    os.utime(journal.path("s"), (day_ago, day_ago))
+    assert journal.expire(3600.0, keep={journal.path("s")}) == 0
+    assert journal.expire(3600.0) == 1 and journal.session_ids() == []
