@@ -11,6 +11,7 @@ answers exactly as a stateless prefill of the whole conversation would.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -153,6 +154,67 @@ def test_a_draining_replicas_sessions_move_to_the_other_replica_without_an_error
                 check_answer(reference_model, conversations[session_id], answer, "user", "And another?", 8)
             assert client.replicas == (staying.grpc_url,)
         assert SessionJournal(tmp_path / "journal").session_ids() == []  # ended on the replica that stayed
+    finally:
+        for server in started:
+            server.stop()
+
+
+def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
+        tmp_path, engine_manifest, tokenizer, reference_model):
+    """A rolling restart's step under load: sessions ask in turn on both replicas while one replica is stopped
+    (drained, then stopped). No call fails, the stopped replica's sessions move, and every answer of every
+    session, before, across and after the move, is the stateless reference's for the conversation so far."""
+    env = {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start_server, tmp_path / f"replica-{name}", env) for name in "ab"]
+    started = [f.result() for f in futures if f.exception() is None]
+    try:
+        assert len(started) == 2, [f.exception() for f in futures]
+        staying, stopping = started
+        addresses = [staying.grpc_url, stopping.grpc_url]
+        ring = HashRing(addresses)
+        ids = {address: [sid for sid in (f"load-{i}" for i in range(1000)) if ring.lookup(sid) == address][:3]
+               for address in addresses}
+        questions = [f"Name {thing}." for thing in ("a fruit", "a colour", "an animal", "a country", "a tree",
+                                                     "a river", "a metal", "a planet")]
+        asked = threading.Semaphore(0)
+        results: dict[str, list] = {}
+        errors: list[BaseException] = []
+
+        def converse(client: RoutedClient, session_id: str) -> None:
+            try:
+                session = client.session(session_id)
+                session.append(SYSTEM, role="system")
+                results[session_id] = answers = []
+                for question in questions:
+                    answers.append(session.ask(question, max_tokens=6, speculate=False))
+                    asked.release()
+                results[session_id + "/failovers"] = session.failovers
+                session.close()
+            except BaseException as err:  # noqa: BLE001 - reported by the test thread
+                errors.append(err)
+
+        with RoutedClient(addresses, timeout_s=120) as client:
+            threads = [threading.Thread(target=converse, args=(client, sid))
+                       for sids in ids.values() for sid in sids]
+            for thread in threads:
+                thread.start()
+            for _ in range(2 * len(threads)):  # two answers each, on average, before the stop
+                assert asked.acquire(timeout=120)
+            stopping.stop()  # drain (answers under way finish, sessions end keeping their journals), then stop
+            for thread in threads:
+                thread.join(300)
+        assert not errors, errors
+        for address, sids in ids.items():
+            for session_id in sids:
+                moved = results[session_id + "/failovers"]
+                assert [(f.from_replica, f.to_replica) for f in moved] == (
+                    [(stopping.grpc_url, staying.grpc_url)] if address == stopping.grpc_url else [])
+                conv = Conversation(engine_manifest, tokenizer)
+                conv.append("system", SYSTEM)
+                for question, answer in zip(questions, results[session_id], strict=True):
+                    check_answer(reference_model, conv, answer, "user", question, 6)
+        assert SessionJournal(tmp_path / "journal").session_ids() == []  # every session closed in the end
     finally:
         for server in started:
             server.stop()
