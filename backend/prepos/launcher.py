@@ -408,19 +408,21 @@ class TritonServer:
         import psutil
 
         stubs = {stub.pid: stub for stub in self._stubs}
+        drained = False
         if self.process.poll() is None:
             stubs.update((stub.pid, stub) for stub in self._descendants())
-            stop_server(self.process, drain_file=self.drain_file if self._ready else None,
-                        exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s)
+            drained = stop_server(self.process, drain_file=self.drain_file if self._ready else None,
+                                  exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s)
         self._stubs = []
         if self.drain_file is not None:  # a later server on this run folder must not find them
             from prepos.drain import drained_path
 
             for path in (self.drain_file, drained_path(self.drain_file)):
                 path.unlink(missing_ok=True)
-        _, alive = psutil.wait_procs(list(stubs.values()), timeout=5)
+        # Drained, a stub holds nothing that is not in the journals: it need not be given time to leave.
+        _, alive = psutil.wait_procs(list(stubs.values()), timeout=0.5 if drained else 5)
         for stub in alive:
-            log.warning("backend stub %d outlived tritonserver; killing it", stub.pid)
+            (log.info if drained else log.warning)("backend stub %d outlived tritonserver; killing it", stub.pid)
             try:
                 stub.kill()
             except psutil.NoSuchProcess:
