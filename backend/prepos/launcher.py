@@ -2,8 +2,9 @@
 
 Uses the Triton binary, Python backend and backend stub shipped in the
 ``nvidia-pytriton`` wheel. Prepares a backend directory, starts
-``tritonserver``, waits until the models are ready, prints the addresses and
-stops the server cleanly on Ctrl-C or SIGTERM.
+``tritonserver``, waits until the models are ready, prints the addresses and,
+on Ctrl-C or SIGTERM, drains the model (every session ended, its journal kept;
+see ``prepos.drain``) and stops the server.
 
     python -m prepos.launcher [--model-repository DIR] [--grpc-port 8001] ...
 
@@ -254,10 +255,6 @@ def server_command(options: ServerOptions, backend_dir: Path, access_token: str 
     if access_token:
         command += restriction_arguments(access_token)
     return command
-
-
-
-"""How long past its exit timeout :meth:`TritonServer.stop` waits for tritonserver before killing it."""
 
 
 class TritonServer:
