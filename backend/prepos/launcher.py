@@ -74,9 +74,8 @@ class ServerOptions:
     """How long to wait for every model to load."""
     log_verbose: int = 0
     exit_timeout_s: int = 10
-    """On stop, how long Triton waits for in-flight requests. It counts every open session as one, so while any is
-    open a stop takes this long (their requests are still served meanwhile, new sessions refused); the sessions
-    are kept in their journals."""
+    """On stop, how long the drain may take (answers under way finish first; see :mod:`prepos.drain`), and
+    Triton's own ``--exit-timeout-secs``: without a drain it waits this long for open sessions."""
     journal_dir: str = ""
     """Session journal directory for ``prepos serve`` (empty: ``<run_dir>/journal``; ``off``: none), unless
     PREPOS_JOURNAL_DIR is set."""
