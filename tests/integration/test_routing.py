@@ -12,7 +12,10 @@ answers exactly as a stateless prefill of the whole conversation would.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from prepos.journal import SessionJournal
@@ -33,21 +36,28 @@ def journal_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("journal")
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory, journal_dir):
+@contextmanager
+def two_replicas(run_dirs: list[Path], journal_dir: Path) -> Iterator[list]:
+    """Two real replicas on one journal directory, started at once (both load the model together); stopped on
+    the way out."""
     env = {"PREPOS_JOURNAL_DIR": str(journal_dir)}
-    run_dirs = [tmp_path_factory.mktemp(f"replica-{name}") for name in "ab"]
-    with ThreadPoolExecutor(2) as pool:  # both load the model at once
+    with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(start_server, run_dir, env) for run_dir in run_dirs]
-    errors = [f.exception() for f in futures if f.exception() is not None]
     started = [f.result() for f in futures if f.exception() is None]
-    if errors:
+    try:
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        yield started
+    finally:
         for server in started:
             server.stop()
-        raise errors[0]
-    yield started
-    for server in started:
-        server.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, journal_dir):
+    with two_replicas([tmp_path_factory.mktemp(f"replica-{name}") for name in "ab"], journal_dir) as started:
+        yield started
 
 
 def record(conv: Conversation, answer, text: str) -> None:
@@ -124,12 +134,7 @@ def test_a_draining_replicas_sessions_move_to_the_other_replica_without_an_error
         tmp_path, engine_manifest, tokenizer, reference_model):
     """A replica drains before a stop (its drain file, as prepos.supervise writes it on SIGTERM): its sessions
     are ended with their journals kept, and their next calls move to the other replica, answered as before."""
-    env = {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")}
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start_server, tmp_path / f"replica-{name}", env) for name in "ab"]
-    started = [f.result() for f in futures if f.exception() is None]
-    try:
-        assert len(started) == 2, [f.exception() for f in futures]
+    with two_replicas([tmp_path / f"replica-{name}" for name in "ab"], tmp_path / "journal") as started:
         staying, draining = started
         ring = HashRing([staying.grpc_url, draining.grpc_url])
         moving = [sid for sid in (f"drained-{i}" for i in range(1000)) if ring.lookup(sid) == draining.grpc_url][:2]
@@ -154,9 +159,6 @@ def test_a_draining_replicas_sessions_move_to_the_other_replica_without_an_error
                 check_answer(reference_model, conversations[session_id], answer, "user", "And another?", 8)
             assert client.replicas == (staying.grpc_url,)
         assert SessionJournal(tmp_path / "journal").session_ids() == []  # ended on the replica that stayed
-    finally:
-        for server in started:
-            server.stop()
 
 
 def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
@@ -164,12 +166,7 @@ def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
     """A rolling restart's step under load: sessions ask in turn on both replicas while one replica is stopped
     (drained, then stopped). No call fails, the stopped replica's sessions move, and every answer of every
     session, before, across and after the move, is the stateless reference's for the conversation so far."""
-    env = {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")}
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start_server, tmp_path / f"replica-{name}", env) for name in "ab"]
-    started = [f.result() for f in futures if f.exception() is None]
-    try:
-        assert len(started) == 2, [f.exception() for f in futures]
+    with two_replicas([tmp_path / f"replica-{name}" for name in "ab"], tmp_path / "journal") as started:
         staying, stopping = started
         addresses = [staying.grpc_url, stopping.grpc_url]
         ring = HashRing(addresses)
@@ -215,6 +212,3 @@ def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
                 for question, answer in zip(questions, results[session_id], strict=True):
                     check_answer(reference_model, conv, answer, "user", question, 6)
         assert SessionJournal(tmp_path / "journal").session_ids() == []  # every session closed in the end
-    finally:
-        for server in started:
-            server.stop()
