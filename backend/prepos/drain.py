@@ -10,7 +10,7 @@ on Ctrl-C or SIGTERM, the Helm chart's preStop hook in Kubernetes. Then:
 - every open session is ended by an END the model sends itself through Triton (so that the sequence ends there
   too), marked with the request parameter :data:`DRAIN_PARAMETER`: the END keeps the session's journal, and the
   requests its client sent before it are served first, in order;
-- once every such END is answered, ``<drain file>.drained`` is written (JSON: sessions ended, seconds taken).
+- once every such END is answered, ``<drain file>.drained`` is written (a :class:`DrainReport` as JSON).
   Whoever stops the server waits for it; Triton then finds nothing in flight.
 
 Without a journal (``journal.dir`` empty) a drained session is gone, as it would be after any stop.
@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -36,6 +37,27 @@ DRAINED_SUFFIX = ".drained"
 """Appended to the drain file's name: the file written once the drain has ended every session."""
 POLL_S = 0.1
 """How often the drain file is looked for (a stat), and the drain's progress checked."""
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """What the ``.drained`` file says once every drain END is answered."""
+
+    num_ended: int  # sessions ended by their drain END
+    num_failed: int  # drain ENDs not served (Triton no longer held the sequence, say)
+    num_open: int  # sessions still open when it was written (a failed END's)
+    seconds: float  # from the drain file's appearance
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self)) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "DrainReport":
+        """Raises ValueError for anything but a report's JSON."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or set(data) != {f.name for f in fields(cls)}:
+            raise ValueError(f"not a drain report: {text[:200]!r}")
+        return cls(**data)
 
 
 class Drainable(Protocol):
@@ -73,8 +95,8 @@ class Drainer:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._count_lock = threading.Lock()
-        self.ended = 0  # drain ENDs answered
-        self.failed = 0  # drain ENDs refused (Triton no longer held the sequence) or failed
+        self.num_ended = 0  # drain ENDs answered
+        self.num_failed = 0  # drain ENDs refused (Triton no longer held the sequence) or failed
 
     def start(self) -> None:
         """Remove a drain file left by an earlier server (it would drain this one at once), then watch."""
@@ -134,29 +156,29 @@ class Drainer:
         try:
             self._end_session(session_id)
             with self._count_lock:
-                self.ended += 1
+                self.num_ended += 1
         except Exception as err:  # noqa: BLE001 - one session's END failing stops no other's
             with self._count_lock:
-                self.failed += 1
+                self.num_failed += 1
             log.info("drain: the END of session %r was not served (%s)", session_id, err)
 
     def _report(self, took_s: float) -> None:
-        left = self._scheduler.open_sessions
+        report = DrainReport(num_ended=self.num_ended, num_failed=self.num_failed,
+                             num_open=self._scheduler.open_sessions, seconds=round(took_s, 3))
         log.info("drained in %.2f s: %d sessions ended, %d ENDs not served, %d sessions still open", took_s,
-                 self.ended, self.failed, left)
-        record = {"ended": self.ended, "failed": self.failed, "open": left, "seconds": round(took_s, 3)}
+                 report.num_ended, report.num_failed, report.num_open)
         tmp = self.drained_file.with_name(self.drained_file.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(record) + "\n")
+            tmp.write_text(report.to_json())
             os.replace(tmp, self.drained_file)
         except OSError as err:
             log.error("could not write %s (%s); a stop waits the exit timeout", self.drained_file, err)
 
 
 def request_drain(drain_file: Path, timeout_s: float, alive: Callable[[], bool], *, pickup_s: float = 1.0,
-                  poll_s: float = 0.05, clock: Callable[[], float] = time.monotonic) -> dict | None:
+                  poll_s: float = 0.05, clock: Callable[[], float] = time.monotonic) -> DrainReport | None:
     """Drain a running server (the launcher's and the supervisor's stop): write ``drain_file`` and wait up to
-    ``timeout_s`` for the model's report (the ``.drained`` file's JSON). None when there is no drain: the model did
+    ``timeout_s`` for the model's report (the ``.drained`` file). None when there is no drain: the model did
     not take the file up within ``pickup_s`` (not loaded yet, or run without this drain file), the server stopped
     (``alive`` turned False), or the drain was not done in time (a request still running)."""
     report_file = drained_path(drain_file)
@@ -172,10 +194,11 @@ def request_drain(drain_file: Path, timeout_s: float, alive: Callable[[], bool],
         waited = clock() - began
         if report_file.exists():
             try:
-                report = json.loads(report_file.read_text())
-            except (OSError, ValueError):
-                report = {}
-            log.info("drained in %.1f s: %s sessions ended", waited, report.get("ended", "?"))
+                report = DrainReport.from_json(report_file.read_text())
+            except (OSError, ValueError) as err:  # written means done; what it says is only reported
+                log.warning("could not read the drain report %s (%s)", report_file, err)
+                report = DrainReport(num_ended=0, num_failed=0, num_open=0, seconds=round(waited, 3))
+            log.info("drained in %.1f s: %d sessions ended", waited, report.num_ended)
             return report
         if waited > pickup_s and drain_file.exists():
             log.warning("the model did not take up the drain file %s within %.0f s (not loaded yet?); stopping "

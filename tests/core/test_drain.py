@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -11,7 +10,7 @@ import time
 import numpy as np
 import pytest
 from prepos.config import LimitsConfig
-from prepos.drain import Drainer, drained_path, request_drain
+from prepos.drain import DrainReport, Drainer, drained_path, request_drain
 from prepos.journal import SessionJournal
 from prepos.protocol import Status, end_reason, parse_request
 from test_scheduler import Harness, open_session
@@ -124,14 +123,15 @@ def test_the_drainer_waits_for_its_file_ends_every_session_and_then_reports(tmp_
         assert not drained_path(drain_file).exists()  # b's END is still under way
         release.set()
         wait_for(drained_path(drain_file).exists)
-        report = json.loads(drained_path(drain_file).read_text())
-        assert report["ended"] == 2 and report["failed"] == 1 and report["open"] == 1
+        report = DrainReport.from_json(drained_path(drain_file).read_text())
+        assert (report.num_ended, report.num_failed, report.num_open) == (2, 1, 1)
         scheduler.drain_ids.put("late")  # a START refused after the report is ended too
         wait_for(lambda: "late" in ended)
         drained_path(drain_file).unlink()
         drain_file.touch()  # asked again (a stop after a drain begun by hand): taken up and reported again
         wait_for(drained_path(drain_file).exists)
-        assert json.loads(drained_path(drain_file).read_text())["ended"] == 3 and not drain_file.exists()
+        assert DrainReport.from_json(drained_path(drain_file).read_text()).num_ended == 3
+        assert not drain_file.exists()
     finally:
         drainer.stop()
 
@@ -162,7 +162,7 @@ def test_request_drain_returns_the_report_or_none_when_nobody_takes_the_file_up(
     drainer.start()
     try:
         report = request_drain(drain_file, 5.0, alive=lambda: True, pickup_s=1.0, poll_s=0.01)
-        assert report is not None and report["ended"] == 1 and scheduler.open_sessions == 0
+        assert report is not None and report.num_ended == 1 and scheduler.open_sessions == 0
     finally:
         drainer.stop()
 
@@ -186,3 +186,12 @@ def test_only_an_end_carries_the_drain_marker(tmp_path, drain):
     request = parse_request(inputs, session_id="s", request_id="r", limits=LimitsConfig(), default_max_tokens=8,
                             drain=True)
     assert request.drain is drain
+
+
+@pytest.mark.parametrize("text", ["", "[]", '{"num_ended": 1}', '{"num_ended": 1, "num_failed": 0, "num_open": 0, '
+                                  '"seconds": 0.1, "extra": 1}'])
+def test_anything_but_a_drain_report_is_refused(text):
+    with pytest.raises(ValueError):
+        DrainReport.from_json(text)
+    report = DrainReport(num_ended=2, num_failed=0, num_open=0, seconds=0.25)
+    assert DrainReport.from_json(report.to_json()) == report

@@ -26,7 +26,8 @@ STAND_IN = textwrap.dedent("""
     while True:
         if drain is not None and drain.exists():
             drain.unlink()
-            Path(str(drain) + ".drained").write_text(json.dumps({"ended": 2}))
+            Path(str(drain) + ".drained").write_text(json.dumps(
+                {"num_ended": 2, "num_failed": 0, "num_open": 0, "seconds": 0.1}))
         time.sleep(0.02)
 """)
 
