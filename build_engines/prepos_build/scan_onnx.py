@@ -23,7 +23,10 @@ yields the answer and both logits the features need); sampling tempers the
 allowed logits, sorts by probability descending with ids ascending on ties, cuts
 to ``top_k`` then to the smallest prefix whose mass reaches
 ``top_p``, and inverts the cumulative mass at ``uniform``. Sampling sits in an
-``If`` branch, so a greedy scan never pays the sort. With no finite allowed logit
+``If`` branch, so a greedy scan never pays the sort; with no top-k cut it takes
+the :data:`SAMPLING_HEAD` most likely tokens first and sorts the whole
+vocabulary only where the cut or the draw falls past them (the same sums decide
+either way). With no finite allowed logit
 ``p_max`` is NaN; callers turn that into an error, as the reference does.
 
 - **standard** form: ONNX operators only (opset :data:`OPSET`); ONNX Runtime runs
@@ -65,6 +68,9 @@ FORMS = ("standard", "plugin")
 DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 MANIFEST = "scan_onnx.json"
 _INT64_MAX = np.iinfo(np.int64).max
+SAMPLING_HEAD = 4096
+"""A sampled answer with no top-k cut looks in this many most likely tokens first (one TopK, not a sort of the
+vocabulary), and sorts the whole vocabulary only where top_p's cut or the draw falls past them."""
 
 
 def _const(name: str, value: Any, dtype: Any) -> onnx.NodeProto:
@@ -87,7 +93,98 @@ def _io(dtype: str) -> tuple[list[onnx.ValueInfoProto], list[onnx.ValueInfoProto
     return inputs, outputs
 
 
-def _sampling_branch() -> onnx.GraphProto:
+def _branch(nodes: list[onnx.NodeProto], name: str, output: str) -> onnx.GraphProto:
+    return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(output, TensorProto.INT64, [1])])
+
+
+def _full_sampling(p: str) -> onnx.GraphProto:
+    """The draw over the top ``s_k`` tokens in the contract's order (a whole sort with no top-k cut). Node outputs
+    are prefixed with ``p``: the graph is used in two branches. Reads the outer scope (see _sampling_branch)."""
+    n = helper.make_node
+    nodes = [
+        n("TopK", ["s_qn", "s_k"], [p + "sorted", p + "order"], axis=0, largest=1, sorted=1),
+        # top_p cut: keep = 1 + #(normalised cumulative mass < top_p), only when top_p < 1
+        n("CumSum", [p + "sorted", "axis0_scalar"], [p + "cum"]),
+        n("ReduceSum", [p + "sorted", "axis0"], [p + "cut_sum"], keepdims=1),
+        n("Where", ["s_uncut", "s_mass", p + "cut_sum"], [p + "mass"]),  # the same sum as the head's, uncut
+        n("Div", [p + "cum", p + "mass"], [p + "cumn"]),
+        n("Less", [p + "cumn", "top_p"], [p + "below"]),
+        n("Cast", [p + "below"], [p + "below_i"], to=TensorProto.INT64),
+        n("ReduceSum", [p + "below_i", "axis0"], [p + "num_below"], keepdims=1),
+        n("Add", [p + "num_below", "one_i"], [p + "keep_p"]),
+        n("Min", [p + "keep_p", "s_k"], [p + "keep_p_capped"]),
+        n("Where", ["s_p_cut", p + "keep_p_capped", "s_k"], [p + "keep_cut"]),
+        # never past the last positive probability: masked tokens are never answers
+        n("Greater", [p + "sorted", "zero_f"], [p + "pos"]),
+        n("Cast", [p + "pos"], [p + "pos_i"], to=TensorProto.INT64),
+        n("ReduceSum", [p + "pos_i", "axis0"], [p + "num_pos"], keepdims=1),
+        n("Max", [p + "num_pos", "one_i"], [p + "num_pos1"]),
+        n("Min", [p + "keep_cut", p + "num_pos1"], [p + "keep"]),
+        # invert the kept mass at uniform: index = #(cumulative <= u * total), capped at keep - 1; the total is
+        # the kept prefix's cumulative mass, or (uncut, no top_p) the vocabulary's sum, as the head reads it
+        n("Slice", [p + "cum", "zero_i", p + "keep", "axis0"], [p + "cum2"]),
+        n("Slice", [p + "cum2", "minus_one_i", "int64_max", "axis0"], [p + "kept_total"]),
+        n("Where", ["s_whole", "s_mass", p + "kept_total"], [p + "total2"]),
+        n("Mul", ["uniform", p + "total2"], [p + "target"]),
+        n("LessOrEqual", [p + "cum2", p + "target"], [p + "le"]),
+        n("Cast", [p + "le"], [p + "le_i"], to=TensorProto.INT64),
+        n("ReduceSum", [p + "le_i", "axis0"], [p + "index_raw"], keepdims=1),
+        n("Sub", [p + "keep", "one_i"], [p + "last"]),
+        n("Min", [p + "index_raw", p + "last"], [p + "index"]),
+        n("Gather", [p + "order", p + "index"], [p + "id"], axis=0),
+    ]
+    return _branch(nodes, p + "sample", p + "id")
+
+
+def _head_sampling(head: int) -> onnx.GraphProto:
+    """The draw from the ``head`` most likely tokens (no top-k cut, vocabulary larger than the head), where the
+    cut and the draw both fall inside them; else the whole sort. TopK puts equal values in index order, so the
+    head is the whole order's first ``head`` entries, and the sums below are the whole path's: the answer does
+    not depend on which path found it."""
+    n = helper.make_node
+    nodes = [
+        _const("h_size", [head], np.int64),
+        n("TopK", ["s_qn", "h_size"], ["h_sorted", "h_order"], axis=0, largest=1, sorted=1),
+        n("CumSum", ["h_sorted", "axis0_scalar"], ["h_cum"]),
+        n("Greater", ["h_sorted", "zero_f"], ["h_pos"]),
+        n("Cast", ["h_pos"], ["h_pos_i"], to=TensorProto.INT64),
+        n("ReduceSum", ["h_pos_i", "axis0"], ["h_num_pos"], keepdims=1),
+        n("Max", ["h_num_pos", "one_i"], ["h_num_pos1"]),
+        n("Less", ["h_num_pos", "h_size"], ["h_all_pos"]),  # every positive probability is in the head
+        # top_p: decided in the head when its cumulative share reaches top_p
+        n("Div", ["h_cum", "s_mass"], ["h_cumn"]),
+        n("Slice", ["h_cumn", "minus_one_i", "int64_max", "axis0"], ["h_cumn_last"]),
+        n("GreaterOrEqual", ["h_cumn_last", "top_p"], ["h_p_inside"]),
+        n("Less", ["h_cumn", "top_p"], ["h_below"]),
+        n("Cast", ["h_below"], ["h_below_i"], to=TensorProto.INT64),
+        n("ReduceSum", ["h_below_i", "axis0"], ["h_num_below"], keepdims=1),
+        n("Add", ["h_num_below", "one_i"], ["h_keep_p"]),
+        n("Where", ["s_p_cut", "h_keep_p", "h_size"], ["h_keep_cut"]),
+        n("Min", ["h_keep_cut", "h_num_pos1"], ["h_keep"]),
+        n("Slice", ["h_cum", "zero_i", "h_keep", "axis0"], ["h_cum2"]),
+        n("Slice", ["h_cum2", "minus_one_i", "int64_max", "axis0"], ["h_kept_total"]),
+        n("Where", ["s_p_cut", "h_kept_total", "s_mass"], ["h_total2"]),
+        n("Mul", ["uniform", "h_total2"], ["h_target"]),
+        n("LessOrEqual", ["h_cum2", "h_target"], ["h_le"]),
+        n("Cast", ["h_le"], ["h_le_i"], to=TensorProto.INT64),
+        n("ReduceSum", ["h_le_i", "axis0"], ["h_index_raw"], keepdims=1),
+        n("Sub", ["h_keep", "one_i"], ["h_last"]),
+        n("Min", ["h_index_raw", "h_last"], ["h_index"]),
+        # decided: with top_p, its cut inside the head; without, the draw inside it (or no token past it)
+        n("Less", ["h_index_raw", "h_size"], ["h_draw_inside"]),
+        n("Or", ["h_draw_inside", "h_all_pos"], ["h_no_p_decided"]),
+        n("And", ["s_p_cut", "h_p_inside"], ["h_p_decided"]),
+        n("And", ["s_no_p_cut", "h_no_p_decided"], ["h_no_p_decided_here"]),
+        n("Or", ["h_p_decided", "h_no_p_decided_here"], ["h_decided_1"]),
+        n("Squeeze", ["h_decided_1"], ["h_decided"]),
+        n("If", ["h_decided"], ["h_id"],
+          then_branch=_branch([n("Gather", ["h_order", "h_index"], ["h_found"], axis=0)], "head", "h_found"),
+          else_branch=_full_sampling("w_")),
+    ]
+    return _branch(nodes, "sample_head", "h_id")
+
+
+def _sampling_branch(head: int) -> onnx.GraphProto:
     # Reads the outer scope: shifted [V] (allowed logits minus their max, -inf where masked),
     # vocab [1], temperature, top_k, top_p, uniform, zero_i, one_i, zero_f, one_f.
     n = helper.make_node
@@ -96,46 +193,32 @@ def _sampling_branch() -> onnx.GraphProto:
         n("Exp", ["s_z"], ["s_q"]),
         n("ReduceSum", ["s_q", "axis0"], ["s_qsum"], keepdims=1),
         n("Div", ["s_q", "s_qsum"], ["s_qn"]),  # q: [V], 0 where masked
+        n("ReduceSum", ["s_qn", "axis0"], ["s_mass"], keepdims=1),  # the uncut mass, one sum for every path
         # top_k cut: 0 < top_k < V keeps top_k, otherwise all
         n("Greater", ["top_k", "zero_i"], ["s_k_pos"]),
         n("Less", ["top_k", "vocab"], ["s_k_small"]),
         n("And", ["s_k_pos", "s_k_small"], ["s_k_cut"]),
+        n("Not", ["s_k_cut"], ["s_uncut"]),
         n("Where", ["s_k_cut", "top_k", "vocab"], ["s_k"]),
-        n("TopK", ["s_qn", "s_k"], ["s_sorted", "s_order"], axis=0, largest=1, sorted=1),
-        # top_p cut: keep = 1 + #(normalised cumulative mass < top_p), only when top_p < 1
-        n("CumSum", ["s_sorted", "axis0_scalar"], ["s_cum"]),
-        n("ReduceSum", ["s_sorted", "axis0"], ["s_sorted_sum"], keepdims=1),
-        n("Div", ["s_cum", "s_sorted_sum"], ["s_cumn"]),
-        n("Less", ["s_cumn", "top_p"], ["s_below"]),
-        n("Cast", ["s_below"], ["s_below_i"], to=TensorProto.INT64),
-        n("ReduceSum", ["s_below_i", "axis0"], ["s_num_below"], keepdims=1),
-        n("Add", ["s_num_below", "one_i"], ["s_keep_p"]),
-        n("Min", ["s_keep_p", "s_k"], ["s_keep_p_capped"]),
         n("Less", ["top_p", "one_f"], ["s_p_cut"]),
-        n("Where", ["s_p_cut", "s_keep_p_capped", "s_k"], ["s_keep_cut"]),
-        # never past the last positive probability: masked tokens are never answers
-        n("Greater", ["s_sorted", "zero_f"], ["s_pos"]),
-        n("Cast", ["s_pos"], ["s_pos_i"], to=TensorProto.INT64),
-        n("ReduceSum", ["s_pos_i", "axis0"], ["s_num_pos"], keepdims=1),
-        n("Max", ["s_num_pos", "one_i"], ["s_num_pos1"]),
-        n("Min", ["s_keep_cut", "s_num_pos1"], ["s_keep"]),
-        n("Slice", ["s_sorted", "zero_i", "s_keep", "axis0"], ["s_kept"]),
-        # invert the kept mass at uniform: index = #(cumulative <= u * total), capped at keep - 1
-        n("CumSum", ["s_kept", "axis0_scalar"], ["s_cum2"]),
-        n("Slice", ["s_cum2", "minus_one_i", "int64_max", "axis0"], ["s_total2"]),
-        n("Mul", ["uniform", "s_total2"], ["s_target"]),
-        n("LessOrEqual", ["s_cum2", "s_target"], ["s_le"]),
-        n("Cast", ["s_le"], ["s_le_i"], to=TensorProto.INT64),
-        n("ReduceSum", ["s_le_i", "axis0"], ["s_index_raw"], keepdims=1),
-        n("Sub", ["s_keep", "one_i"], ["s_last"]),
-        n("Min", ["s_index_raw", "s_last"], ["s_index"]),
-        n("Gather", ["s_order", "s_index"], ["sampled_id"], axis=0),
+        n("Not", ["s_p_cut"], ["s_no_p_cut"]),
+        n("And", ["s_uncut", "s_no_p_cut"], ["s_whole"]),  # no cut at all: the draw is over the whole mass
     ]
-    out = helper.make_tensor_value_info("sampled_id", TensorProto.INT64, [1])
-    return helper.make_graph(nodes, "sample", [], [out])
+    if head:  # the head first where nothing cuts the vocabulary to fewer tokens than it holds
+        nodes += [
+            _const("s_head", [head], np.int64),
+            n("Greater", ["vocab", "s_head"], ["s_big"]),
+            n("And", ["s_uncut", "s_big"], ["s_use_head_1"]),
+            n("Squeeze", ["s_use_head_1"], ["s_use_head"]),
+            n("If", ["s_use_head"], ["sampled_id"], then_branch=_head_sampling(head),
+              else_branch=_full_sampling("f_")),
+        ]
+    else:
+        nodes += [*_full_sampling("f_").node, n("Identity", ["f_id"], ["sampled_id"])]
+    return _branch(nodes, "sample", "sampled_id")
 
 
-def _standard_graph(dtype: str) -> onnx.GraphProto:
+def _standard_graph(dtype: str, sampling_head: int) -> onnx.GraphProto:
     inputs, outputs = _io(dtype)
     n = helper.make_node
     # x: [V] float32 (a float32 input is used as is)
@@ -183,7 +266,7 @@ def _standard_graph(dtype: str) -> onnx.GraphProto:
         n("Max", ["entropy_raw", "zero_f"], ["entropy"]),
         # answer: greedy, or sampled in a branch that only a positive temperature pays
         n("Greater", ["temperature", "zero_f"], ["sampling"]),
-        n("If", ["sampling"], ["token_id"], then_branch=_sampling_branch(),
+        n("If", ["sampling"], ["token_id"], then_branch=_sampling_branch(sampling_head),
           else_branch=helper.make_graph([n("Identity", ["greedy_id"], ["greedy_out"])], "greedy", [],
                                         [helper.make_tensor_value_info("greedy_out", TensorProto.INT64, [1])])),
     ]
@@ -199,15 +282,19 @@ def _plugin_graph(dtype: str) -> onnx.GraphProto:
     return helper.make_graph([node], f"prepos_vocab_scan_plugin_{dtype}", inputs, outputs)
 
 
-def build_scan_model(form: str = "standard", dtype: str = "float32") -> onnx.ModelProto:
-    """The scan as an ONNX model of ``form`` (``standard`` or ``plugin``) for ``dtype`` logits.
+def build_scan_model(form: str = "standard", dtype: str = "float32",
+                     sampling_head: int = SAMPLING_HEAD) -> onnx.ModelProto:
+    """The scan as an ONNX model of ``form`` (``standard`` or ``plugin``) for ``dtype`` logits; a sampled answer
+    of the standard form looks in the ``sampling_head`` most likely tokens first (0: sorts at once).
 
     The model passes ``onnx.checker.check_model``; the standard form also passes
     full shape inference. Raises ``ValueError`` naming ``form`` or ``dtype``.
     """
     if form not in FORMS:
         raise ValueError(f"form: unknown scan graph form {form!r}; use {' or '.join(FORMS)}")
-    graph = _standard_graph(dtype) if form == "standard" else _plugin_graph(dtype)
+    if sampling_head < 0:
+        raise ValueError(f"sampling_head: must be >= 0, got {sampling_head}")
+    graph = _standard_graph(dtype, sampling_head) if form == "standard" else _plugin_graph(dtype)
     opsets = [helper.make_opsetid("", OPSET)]
     if form == "plugin":
         opsets.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))

@@ -4,6 +4,7 @@ run by ONNX Runtime from the exported file agrees with the NumPy reference."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import onnx
@@ -119,3 +120,47 @@ def test_export_subset_of_dtypes(tmp_path):
     path = export(tmp_path, ("float16",))
     assert sorted(p.name for p in tmp_path.glob("*.onnx")) == ["scan_plugin_float16.onnx", "scan_standard_float16.onnx"]
     assert json.loads(path.read_text())["opset"] == OPSET
+
+
+def _session(sampling_head: int):
+    model = build_scan_model("standard", "float32", sampling_head=sampling_head)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.integers(20, 600), seed=st.integers(0, 2**31 - 1), ties=st.booleans(), masked=st.booleans(),
+       temperature=st.sampled_from([0.3, 1.0, 3.0, 30.0]), top_k=st.sampled_from([0, 0, 5, 300]),
+       top_p=st.sampled_from([1.0, 1.0, 0.9, 0.5, 0.999]), u=st.floats(0.0, 0.999999))
+def test_a_sampled_answer_found_in_the_head_is_the_whole_sorts(head_sessions, vocab, seed, ties, masked, temperature,
+                                                                top_k, top_p, u):
+    # A head of 16 tokens: the cut or the draw falls in it or past it, every way, and the answer is the same.
+    logits, allowed = make_logits(vocab, seed, ties, masked, "float32")
+    mask = np.zeros(vocab, bool)
+    mask[allowed if masked else slice(None)] = True
+    outputs = [_run(session, logits, mask, temperature, top_k, top_p, u) for session in head_sessions]
+    if not math.isnan(outputs[0][1]):  # NaN: no finite allowed logit, an error whatever the token
+        assert outputs[0] == outputs[1] == outputs[2], outputs
+    kw = dict(allowed_ids=allowed, temperature=temperature, top_k=top_k, top_p=top_p, uniform=u)
+    check_against_reference(logits, kw, outputs[1])
+
+
+@pytest.fixture(scope="module")
+def head_sessions():
+    return [_session(0), _session(16), _session(4096)]
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936])
+def test_large_vocabularies_sample_as_the_whole_sort_does(head_sessions, vocab):
+    rng = np.random.default_rng(vocab)
+    logits = (rng.normal(0, 4, vocab)).astype(np.float32)
+    mask = np.ones(vocab, bool)
+    for temperature in (0.5, 1.0, 2.0):
+        for top_p in (1.0, 0.9):
+            for u in (0.0, 0.3, 0.999):
+                full, _, default = (_run(session, logits, mask, temperature, 0, top_p, u) for session in head_sessions)
+                assert default == full, (temperature, top_p, u)
+
+
+def test_a_negative_sampling_head_is_refused():
+    with pytest.raises(ValueError, match="sampling_head"):
+        build_scan_model("standard", sampling_head=-1)
