@@ -10,9 +10,9 @@ timings are cold-cache reads, like the bound.
 Implementations: ``numpy`` (reference), ``torch`` (CPU), ``cpu-kernel`` (the
 compiled CPU kernel of ``prepos.scan_cpu``, one thread; with ``--temperature`` the
 kernel gives the features and torch draws the token), ``torch, whole vocabulary
-sorted`` (with ``--temperature``: the torch scan sampling as it did before it
-looked among the most likely tokens first), ``onnxruntime`` (the standard ONNX form, one thread
-as served; more with ``--threads``), and where CUDA is
+sorted`` and ``onnxruntime, whole vocabulary sorted`` (with ``--temperature``: the torch scan and the
+ONNX graph sampling as they did before they looked among the most likely tokens first), ``onnxruntime``
+(the standard ONNX form, one thread as served; more with ``--threads``), and where CUDA is
 present ``torch-cuda`` (the torch scan on the GPU), ``triton-kernel`` (the OpenAI
 Triton kernel of ``prepos.scan_triton``) and ``tensorrt`` (the plugin engine from
 ``prepos_build.scan_tensorrt``, needs TensorRT). These times are host-side: launch,
@@ -72,8 +72,9 @@ def _implementations(threads: int, temperature: float) -> dict[str, tuple[str, C
         f"torch ({threads} thread{'s' if threads > 1 else ''})": ("cpu", scan_torch),
         "onnxruntime (1 thread)": ("cpu", OnnxRuntimeScan(num_threads=1)),
     }
-    if temperature != 0.0:  # the torch scan as it sampled before it looked among the most likely tokens first
+    if temperature != 0.0:  # the scans as they sampled before they looked among the most likely tokens first
         impls["torch, whole vocabulary sorted"] = ("cpu", _sorting_everything(scan_torch))
+        impls["onnxruntime, whole vocabulary sorted"] = ("cpu", OnnxRuntimeScan(num_threads=1, sampling_head=0))
     try:
         impls["cpu-kernel"] = ("cpu", CpuKernelScan())
     except CpuKernelUnavailable as exc:

@@ -36,11 +36,14 @@ _LAST_BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
 class OnnxRuntimeScan:
     """A scan implementation (``engine.scan = onnxruntime``); call it like ``scan_numpy``."""
 
-    def __init__(self, num_threads: int = 1) -> None:
+    def __init__(self, num_threads: int = 1, sampling_head: int | None = None) -> None:
+        """``sampling_head``: the graph's (``prepos_build.scan_onnx.build_scan_model``); None: its default, 0: a
+        sampled answer sorts the whole vocabulary (the benchmark's baseline)."""
         # One thread by default: the engine loop owns the cores, and a scan is one pass over [vocab].
         if num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {num_threads}")
         self._num_threads = num_threads
+        self._sampling_head = sampling_head
         self._sessions: dict[str, object] = {}
         self._all_allowed: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
@@ -63,7 +66,8 @@ class OnnxRuntimeScan:
         options = ort.SessionOptions()
         options.intra_op_num_threads = self._num_threads
         options.inter_op_num_threads = 1
-        model = build_scan_model("standard", dtype)
+        model = build_scan_model("standard", dtype) if self._sampling_head is None else \
+            build_scan_model("standard", dtype, sampling_head=self._sampling_head)
         log.info("scan: ONNX Runtime %s session for %s logits (%d threads)", ort.__version__, dtype, self._num_threads)
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
