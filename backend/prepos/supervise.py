@@ -114,11 +114,33 @@ def _reap_orphans(child_pid: int) -> None:
             return
 
 
-def _kill_group(pgid: int) -> None:
+def _live_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that have not exited (zombies left out), from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]  # after "pid (comm) "
+        if int(pgrp) == pgid and state not in "ZX":
+            members.append(int(entry))
+    return members
+
+
+def _kill_group(pgid: int, timeout_s: float = 5.0) -> None:
+    """SIGKILL what is left of the group and wait until it has exited: a stub still running when this returns would
+    hold the model and its KV past the container's stop."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         return
+    deadline = time.monotonic() + timeout_s
+    while _live_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
     log.info("killed what was left of tritonserver's process group (its backend stubs)")
 
 
