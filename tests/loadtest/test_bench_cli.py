@@ -15,6 +15,7 @@ import residency_bench
 import share_bench
 import server_death_trials
 import session_trials
+import stop_trials
 import timeout_trials
 from prepos_loadtest.soak import main as soak_main
 
@@ -83,6 +84,14 @@ def test_server_death_trials_refuse_bad_counts_before_starting_a_server(argv, ca
         server_death_trials.main(argv)
     assert exited.value.code == 2
     assert "--trials and --sessions must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--trials", "0"], ["--sessions", "0"], ["--exit-timeout-s", "0"]])
+def test_stop_trials_refuse_bad_counts_before_starting_a_server(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        stop_trials.main(argv)
+    assert exited.value.code == 2
+    assert "--trials, --sessions and --exit-timeout-s must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("trials", [timeout_trials, session_trials])
