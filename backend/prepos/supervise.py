@@ -8,7 +8,8 @@ Run as tritonserver's parent, it stops it on SIGTERM or SIGINT (:func:`stop_serv
 ``PREPOS_SCHEDULER_DRAIN_FILE`` names an absolute path (:mod:`prepos.drain`), then tritonserver gets SIGTERM and, if
 it has not exited in time, SIGKILL, and so does every process left in its process group (its backend stubs). As a
 container's PID 1 it also reaps the processes orphaned to it. It exits with 0 after a drained stop, else with
-tritonserver's exit status (128 plus the signal's number when a signal ended it). Standard library only: the image installs prepos without dependencies.
+tritonserver's exit status (128 plus the signal's number when a signal ended it). Standard library only: the image
+installs prepos without dependencies.
 """
 
 from __future__ import annotations

@@ -130,8 +130,8 @@ def test_the_supervisor_drains_tritonserver_on_sigterm_and_exits_cleanly(tmp_pat
     options = ServerOptions(model_repositories=(REPO_ROOT / "model_repository",), http_port=http, grpc_port=grpc,
                             metrics_port=metrics, run_dir=tmp_path, exit_timeout_s=EXIT_TIMEOUT_S)
     command = server_command(options, prepare_backend_dir(tmp_path))
-    env = {**server_environment(), "PREPOS_ENGINE_DIR": str(ENGINE_DIR), "PREPOS_JOURNAL_DIR": str(tmp_path / "journal"),
-           DRAIN_ENV: str(tmp_path / "drain")}
+    env = {**server_environment(), "PREPOS_ENGINE_DIR": str(ENGINE_DIR),
+           "PREPOS_JOURNAL_DIR": str(tmp_path / "journal"), DRAIN_ENV: str(tmp_path / "drain")}
     with open(tmp_path / "supervised.log", "wb") as out:
         supervisor = subprocess.Popen([sys.executable, "-m", "prepos.supervise", "--", *command], env=env,
                                       stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
