@@ -137,8 +137,8 @@ class SchedulerConfig:
     """A file whose appearance drains the server before a stop (:mod:`prepos.drain`): STARTs are refused and every
     session is ended with its journal kept, so that Triton need not wait its exit timeout for them;
     ``<file>.drained`` says when that is done. Empty = no drain. Relative = to the model's directory. The launcher
-    sets it (``PREPOS_SCHEDULER_DRAIN_FILE``) and writes it on Ctrl-C or SIGTERM; the Helm chart's preStop hook
-    writes it in Kubernetes."""
+    sets it (``PREPOS_SCHEDULER_DRAIN_FILE``) and writes it on Ctrl-C or SIGTERM; the image sets it, and
+    ``prepos.supervise`` writes it on SIGTERM."""
     context_overflow: str = "reject"
     """When a turn would not fit the session's log: ``reject`` (error naming the input, nothing changes) or
     ``drop_oldest`` (drop the oldest turns after the first, the system turn, until the turn and its answer fit)."""
@@ -273,20 +273,19 @@ class PreposConfig:
                "or be 0 (never)")
 
     def engine_dir(self, model_dir: str | Path) -> Path:
-        path = Path(self.engine.dir)
-        return path if path.is_absolute() else (Path(model_dir) / path).resolve()
+        return _in_model_dir(self.engine.dir, model_dir)
 
     def drain_file(self, model_dir: str | Path) -> Path | None:
-        if not self.scheduler.drain_file:
-            return None
-        path = Path(self.scheduler.drain_file)
-        return path if path.is_absolute() else (Path(model_dir) / path).resolve()
+        return _in_model_dir(self.scheduler.drain_file, model_dir) if self.scheduler.drain_file else None
 
     def journal_dir(self, model_dir: str | Path) -> Path | None:
-        if not self.journal.dir:
-            return None
-        path = Path(self.journal.dir)
-        return path if path.is_absolute() else (Path(model_dir) / path).resolve()
+        return _in_model_dir(self.journal.dir, model_dir) if self.journal.dir else None
+
+
+def _in_model_dir(value: str, model_dir: str | Path) -> Path:
+    """A path setting: absolute as it is, else relative to the model's directory."""
+    path = Path(value)
+    return path if path.is_absolute() else (Path(model_dir) / path).resolve()
 
 
 _AREAS = {f.name: f.type for f in dataclasses.fields(PreposConfig)}

@@ -3,7 +3,7 @@
 Triton counts each open session (a live sequence) as an in-flight request and, on SIGTERM, waits its whole exit
 timeout for them; an idle session ends only at its idle timeout, far later, so that wait was spent for nothing.
 A drain ends them first. It begins when the drain file (``scheduler.drain_file``) appears: the launcher writes it
-on Ctrl-C or SIGTERM, the Helm chart's preStop hook in Kubernetes. Then:
+on Ctrl-C or SIGTERM, and so does ``prepos.supervise`` (the image's entrypoint) on SIGTERM. Then:
 
 - the model takes the file up (removes it), which tells the writer that a drain is under way;
 - every START, a resume too, is refused with UNAVAILABLE (the client resumes the session elsewhere or later);
@@ -118,11 +118,10 @@ class Drainer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
-        while not self.drain_file.exists():
+        while not self._take_up():
             if self._stopped.wait(self._poll_s):
                 return
         began = self._clock()
-        self._take_up()
         log.info("drain file %s found: draining (STARTs are refused; every open session is ended, its journal "
                  "kept)", self.drain_file)
         self._scheduler.drain()

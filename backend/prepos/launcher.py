@@ -395,8 +395,8 @@ class TritonServer:
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Drain, SIGTERM, then SIGKILL if it has not exited within ``timeout_s`` in all (default: its exit timeout
-        and :data:`STOP_GRACE_S` more): :func:`prepos.supervise.stop_server`, with a drain once the server got
-        ready. Backend stub processes still alive afterwards are killed too, also when tritonserver had already
+        and ``prepos.supervise.STOP_GRACE_S`` more): :func:`prepos.supervise.stop_server`, with a drain once the
+        server got ready. Backend stub processes still alive afterwards are killed too, also when tritonserver had already
         exited (killed or crashed): a stub can hang rather than follow a server that died under it, holding the
         model and its KV."""
         if self.process is None:

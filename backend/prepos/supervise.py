@@ -170,9 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         drain_file = drain_file_from(os.environ)
         log.info("stopping tritonserver (pid %d)%s", child.pid, " after a drain" if drain_file else "")
         drained = stop_server(child, drain_file=drain_file, exit_timeout_s=exit_timeout_of(args))
-    _kill_group(child.pid)
+    _kill_group(child.pid)  # returns once they have exited: zombies, for init to reap
     if init:
-        time.sleep(0.1)
         _reap_orphans(child.pid)
     code = child.returncode
     if drained:
