@@ -317,7 +317,10 @@ class TritonServer:
         env = {**server_environment(), **self.env}
         env.pop(ACCESS_TOKEN_ENV, None)  # the server has it in its arguments; its backends need not see it
         handle = open(self.log_file, "wb")
-        self.process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        # Its own session: a terminal's Ctrl-C goes to this process alone, which drains the model before it stops
+        # tritonserver (one that got SIGINT itself would refuse the drain's ENDs, "Server not ready").
+        self.process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                        start_new_session=True)
         handle.close()
         return self
 
@@ -407,8 +410,18 @@ class TritonServer:
         drained = False
         if self.process.poll() is None:
             stubs.update((stub.pid, stub) for stub in self._descendants())
-            drained = stop_server(self.process, drain_file=self.drain_file if self._ready else None,
-                                  exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s)
+            try:
+                drained = stop_server(self.process, drain_file=self.drain_file if self._ready else None,
+                                      exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s)
+            except BaseException:  # a second Ctrl-C, say: stop now, stubs too, rather than leave them running
+                self.process.kill()
+                for stub in stubs.values():
+                    try:
+                        stub.kill()
+                    except psutil.NoSuchProcess:
+                        pass
+                self.process.wait()
+                raise
         self._stubs = []
         if self.drain_file is not None:  # a later server on this run folder must not find them
             from prepos.drain import drained_path

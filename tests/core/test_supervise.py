@@ -26,8 +26,9 @@ STAND_IN = textwrap.dedent("""
     while True:
         if drain is not None and drain.exists():
             drain.unlink()
+            left = int(os.environ.get("STAND_IN_LEFT_OPEN", "0"))
             Path(str(drain) + ".drained").write_text(json.dumps(
-                {"num_ended": 2, "num_failed": 0, "num_open": 0, "seconds": 0.1}))
+                {"num_ended": 2, "num_failed": left, "num_open": left, "seconds": 0.1}))
         time.sleep(0.02)
 """)
 
@@ -39,10 +40,10 @@ def running(pid: int) -> bool:
         return False
 
 
-def supervise(tmp_path, env_drain: str | None, *args: str) -> tuple[subprocess.Popen, int]:
+def supervise(tmp_path, env_drain: str | None, *args: str, left_open: int = 0) -> tuple[subprocess.Popen, int]:
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
-    env = {"PATH": "/usr/bin:/bin"}
+    env = {"PATH": "/usr/bin:/bin", "STAND_IN_LEFT_OPEN": str(left_open)}
     if env_drain is not None:
         env[DRAIN_ENV] = env_drain
     supervisor = subprocess.Popen([sys.executable, "-m", "prepos.supervise", "--", sys.executable, str(script),
@@ -77,6 +78,18 @@ def test_without_a_drain_the_server_gets_its_exit_timeout_and_grace_then_its_sta
     assert supervisor.returncode == 128 + signal.SIGKILL, log  # killed: it never exited by itself
     assert 5.0 <= took < 12, took  # max(STOP_GRACE_S, exit timeout + grace - drain) = 6 s
     assert not running(stub)
+
+
+def test_a_drain_that_left_sessions_open_stops_as_without_one(tmp_path):
+    # Their ENDs were not served: requests of theirs may still run, so the server gets its exit timeout.
+    supervisor, stub = supervise(tmp_path, str(tmp_path / "drain"), "--exit-timeout-secs=1", left_open=1)
+    began = time.monotonic()
+    supervisor.send_signal(signal.SIGTERM)
+    _, log = supervisor.communicate(timeout=30)
+    took = time.monotonic() - began
+    assert supervisor.returncode == 128 + signal.SIGKILL, log
+    assert 5.0 <= took < 12, took
+    assert "the drain left 1 sessions open" in log and not running(stub)
 
 
 def test_a_server_that_exits_by_itself_has_its_status_passed_on(tmp_path):

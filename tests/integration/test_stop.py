@@ -5,6 +5,7 @@ a drain, Triton waits its exit timeout and then hangs while a stream is held; th
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -169,5 +170,43 @@ def test_the_supervisor_drains_tritonserver_on_sigterm_and_exits_cleanly(tmp_pat
             for process in reversed(alive_processes(supervisor.pid)):
                 process.kill()
             supervisor.wait()
+        if client is not None:
+            client.close()
+
+
+def test_ctrl_c_in_a_terminal_drains_make_serve(tmp_path):
+    """A terminal's Ctrl-C reaches the launcher's whole process group: tritonserver must not take it itself (it
+    would refuse the drain's ENDs) but be drained and stopped by the launcher."""
+    http, grpc, metrics = free_loopback_ports(3)
+    env = {**os.environ, "PREPOS_ENGINE_DIR": str(ENGINE_DIR)}
+    with open(tmp_path / "serve.log", "wb") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "prepos.launcher", "--http-port", str(http), "--grpc-port", str(grpc),
+             "--metrics-port", str(metrics), "--run-dir", str(tmp_path / "run")],
+            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's foreground job
+    client = None
+    try:
+        deadline = time.monotonic() + 240
+        while b"Press Ctrl-C" not in (tmp_path / "serve.log").read_bytes():
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+        client = Client(f"127.0.0.1:{grpc}")
+        held = client.session("held")
+        held.append(SYSTEM, role="system")
+        held.ask("Name a colour.", max_tokens=3, speculate=False)
+        began = time.monotonic()
+        os.killpg(launcher.pid, signal.SIGINT)
+        code = launcher.wait(EXIT_TIMEOUT_S)
+        took = time.monotonic() - began
+        log = (tmp_path / "serve.log").read_text()
+        assert code == 0 and took < 10, (code, took, log[-3000:])
+        assert "drained in" in log and "1 sessions ended" in log, log[-3000:]
+        held.detach()
+    finally:
+        if launcher.poll() is None:  # the test failed: end what it started
+            for process in reversed(alive_processes(launcher.pid)):
+                process.kill()
+            launcher.wait()
         if client is not None:
             client.close()
