@@ -11,6 +11,7 @@ Prints every stop's seconds and the median per case, and checks that every sessi
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import time
@@ -31,6 +32,7 @@ ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 def trial(run_dir: Path, num_sessions: int, held: bool, drain: bool, exit_timeout_s: int) -> float:
     """One stop; its seconds. Raises AssertionError when a session lost its journal."""
     journal = run_dir / "journal"
+    shutil.rmtree(journal, ignore_errors=True)  # an earlier run's sessions are not this trial's
     server = trial_server(run_dir, ENGINE_DIR, journal, exit_timeout_s=exit_timeout_s)
     if not drain:
         server.env[DRAIN_ENV] = ""
