@@ -34,6 +34,14 @@ def alive_processes(pid: int) -> list:
     return [root, *root.children(recursive=True)]
 
 
+def end_if_running(process: subprocess.Popen) -> None:
+    """After a test that failed: end the process it started, and everything under it."""
+    if process.poll() is None:
+        for child in reversed(alive_processes(process.pid)):
+            child.kill()
+        process.wait()
+
+
 def test_a_drain_ends_every_session_once_served_and_they_resume_after_the_restart(tmp_path):
     env = {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")}
     server = start_server(tmp_path / "first", env=env, exit_timeout_s=EXIT_TIMEOUT_S)
@@ -166,10 +174,7 @@ def test_the_supervisor_drains_tritonserver_on_sigterm_and_exits_cleanly(tmp_pat
         assert len(list((tmp_path / "journal").iterdir())) == 1  # the session, to resume elsewhere
         held.detach()
     finally:
-        if supervisor.poll() is None:  # the test failed: end what it started
-            for process in reversed(alive_processes(supervisor.pid)):
-                process.kill()
-            supervisor.wait()
+        end_if_running(supervisor)
         if client is not None:
             client.close()
 
@@ -204,9 +209,6 @@ def test_ctrl_c_in_a_terminal_drains_make_serve(tmp_path):
         assert "drained in" in log and "1 sessions ended" in log, log[-3000:]
         held.detach()
     finally:
-        if launcher.poll() is None:  # the test failed: end what it started
-            for process in reversed(alive_processes(launcher.pid)):
-                process.kill()
-            launcher.wait()
+        end_if_running(launcher)
         if client is not None:
             client.close()
