@@ -171,3 +171,11 @@ STOP_ARGS ?=
 .PHONY: stop-trials
 stop-trials: $(ENGINE)
 	$(PY) loadtest/stop_trials.py $(STOP_ARGS)
+
+# Restart trials: calls made while the one server is down (Client(wait_for_ready=True)) timed from its readiness
+# to their answers, prepos's gRPC channel against gRPC's default reconnect backoff (README: Stopping the server),
+# about 40 s a trial here, e.g. make restart-trials RESTART_ARGS="--trials 3 --outage-s 30"
+RESTART_ARGS ?=
+.PHONY: restart-trials
+restart-trials: $(ENGINE)
+	$(PY) loadtest/restart_trials.py $(RESTART_ARGS)

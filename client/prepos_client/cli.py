@@ -105,6 +105,12 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(TOKEN_ENV),
         help=f"the server's access token (env {TOKEN_ENV}, which keeps it out of the process list)",
     )
+    parser.add_argument(
+        "--wait-for-ready",
+        action="store_true",
+        help="a call that finds the server stopping, restarting or down waits for it, within --timeout, and is "
+        "sent again once it is ready, instead of failing at once",
+    )
 
 
 def add_session_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -153,7 +159,8 @@ def generation_options(args: argparse.Namespace) -> dict:
 def connect(args: argparse.Namespace) -> Client:
     """A Client for the connection flags of `args`."""
     options = {} if args.timeout_s is None else {"timeout_s": args.timeout_s}
-    return Client(args.url, args.model, token=getattr(args, "token", None), **options)
+    return Client(args.url, args.model, token=getattr(args, "token", None),
+                  wait_for_ready=getattr(args, "wait_for_ready", False), **options)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from .channel import triton_client
 from .errors import PreposError, PreposTimeout, PreposUnavailable, from_triton
 from .session import Session, check_timeout, new_session_id
 
@@ -32,6 +33,10 @@ class Client:
         token: the server's access token, sent as gRPC header
             `triton-grpc-protocol-prepos-access-token` (servers started without
             one ignore it).
+        wait_for_ready: a call of its sessions that finds the server stopping,
+            restarting or not reachable waits, within its time limit, until
+            the server is ready again and is sent again then, instead of
+            raising at once (see `Session`).
     """
 
     def __init__(
@@ -42,8 +47,10 @@ class Client:
         timeout_s: float = 60.0,
         headers: Mapping[str, str] | None = None,
         token: str | None = None,
+        wait_for_ready: bool = False,
     ):
         self.url = url
+        self.wait_for_ready = bool(wait_for_ready)
         self.model = model
         self.timeout_s = check_timeout(timeout_s)
         self.headers = dict(headers or {})
@@ -65,6 +72,7 @@ class Client:
             timeout_s=self.timeout_s,
             headers=self.headers,
             resume=resume,
+            wait_for_ready=self.wait_for_ready,
         )
         self._sessions.add(session)
         return session
@@ -86,7 +94,7 @@ class Client:
         """
         timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         if self._health is None:
-            self._health = grpcclient.InferenceServerClient(self.url)
+            self._health = triton_client(self.url)
         try:
             if not self._health.is_server_live(headers=self.headers, client_timeout=timeout_s):
                 raise PreposUnavailable(f"the server at {self.url} is not live")

@@ -6,6 +6,7 @@ import atexit
 import logging
 import math
 import queue
+import random
 import threading
 import time
 import uuid
@@ -14,10 +15,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import tritonclient.grpc as grpcclient
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
+from .channel import triton_client
 from .errors import PreposError, PreposTimeout, from_triton
 from .protocol import (Answer, Chunk, Update, build_inputs, is_final_response, new_text_decoder, parse_chunk,
                        resume_input)
@@ -99,6 +100,31 @@ def says_draining(error: PreposError) -> bool:
     return error.field == "START" and "is draining" in error.message
 
 
+def _server_away(error: PreposError) -> str | None:
+    """Why a refusal shows that the server is stopping, restarting or down, such that the request changed nothing:
+    None when it does not show that.
+
+    - the server is draining before a stop (prepos refused the START);
+    - Triton has unloaded the model, as it does once it is told to stop, or has not loaded it yet ("unknown
+      model"): the request was refused before any model saw it;
+    - gRPC found no server to connect to ("failed to connect to all addresses"): the request never left the
+      client. A stream that broke after it connected says something else, and what became of its requests cannot
+      be known.
+    """
+    if error.status is None:
+        if says_draining(error):
+            return "draining before a stop"
+        if "Request for unknown model" in error.message:
+            return "not serving the model (stopping or starting)"
+    elif error.status == "StatusCode.UNAVAILABLE" and "failed to connect" in error.message:
+        return "not reachable"
+    return None
+
+
+_WAIT_FIRST_S = 0.05  # the first pause of a call waiting for its server to be ready again; doubled after each look
+_WAIT_MAX_S = 0.5  # the longest pause between two looks at the server's readiness
+
+
 _ENDED_ANYWAY = "the request carried END, so the session is closed"  # Triton ends the sequence whatever happens
 
 
@@ -113,6 +139,7 @@ class _Inflight:
     timed_out: PreposTimeout | None = None  # what the caller got when its own time limit ran out first
     inputs: list = field(default_factory=list)  # as sent (but START and `resume`), to send again (_send_again)
     sent_again: tuple[str, ...] = ()  # why it (as an earlier request) was sent again already (see _send_again)
+    waits: int = 0  # how many times its call waited for the server to be ready again (see _send_again)
     alone: bool = False  # no other request of the session was in flight when it was sent
 
 
@@ -163,8 +190,18 @@ class Session:
     the session (its idle timeout passed, or another client ended it) closes it too. `close` sends END;
     `detach` leaves the session open on the server. Each call waits at most `timeout_s` for its last response and
     raises `PreposTimeout` after that; a failed request leaves the session
-    usable. A Session is meant for one thread at a time. Close or detach it
-    when done; one still open when the interpreter exits is closed then.
+    usable.
+
+    With `wait_for_ready`, a call whose request the server refused because it
+    is stopping or restarting (draining, the model unloaded), or that found no
+    server to connect to, waits, within its own time limit, until the server
+    reports the model ready, and sends the request again then (resuming the
+    session from its journal): a restart of the server costs the calls made
+    meanwhile only time. Such a refusal changed nothing, so the turn is never
+    sent twice. Without it (the default) the call raises the refusal at once.
+
+    A Session is meant for one thread at a time. Close or detach it when
+    done; one still open when the interpreter exits is closed then.
 
     When a call's own time limit runs out before the server's answer comes,
     the client cannot know yet whether the request's turn was accepted: the
@@ -190,11 +227,13 @@ class Session:
         timeout_s: float,
         headers: Mapping[str, str] | None = None,
         resume: bool = False,
+        wait_for_ready: bool = False,
     ):
         self.session_id = check_session_id(session_id)
         self.model = model
         self.url = url
         self.timeout_s = check_timeout(timeout_s)
+        self.wait_for_ready = bool(wait_for_ready)
         self._headers = {**(headers or {}), SESSION_HEADER: str(self.session_id)}
         self._needs_start = True
         self._resume = resume  # until a request has opened the session, START goes with `resume`
@@ -204,7 +243,7 @@ class Session:
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
-        self._triton = grpcclient.InferenceServerClient(url)
+        self._triton = triton_client(url)
 
     @property
     def closed(self) -> bool:
@@ -404,35 +443,42 @@ class Session:
         if settled and time.perf_counter() >= deadline:
             raise PreposTimeout(f"session {self.session_id}: no time left within {timeout_s:g} s after waiting for "
                                 "the outcome of a request that timed out; nothing was sent", accepted=False)
-        router = self._ensure_stream()
-        self._num_requests += 1
-        request_id = str(self._num_requests)
-        alone = router.num_pending == 0 and not self._unsettled
-        deliveries = router.expect(request_id)
-        opens_session = self._needs_start
-        unopened = inputs
-        if opens_session and self._resume:
-            inputs = [*inputs, resume_input()]
-        sent_at = time.perf_counter()
-        try:
-            self._triton.async_stream_infer(
-                self.model,
-                inputs,
-                request_id=request_id,
-                sequence_id=self.session_id,
-                sequence_start=opens_session,
-                sequence_end=end,
-                enable_empty_final_response=True,
-                timeout=server_timeout_us(timeout_s if not settled else deadline - sent_at),
-            )
-        except InferenceServerException as error:
-            # The stream died before the request could be queued on it;
-            # stopping it joins the response thread, so `failure` is final.
-            router.forget(request_id)
-            self._stop_stream()
-            raise (router.failure or from_triton(error)) from None
-        self._needs_start = False
-        return _Inflight(request_id, deliveries, sent_at, deadline, opens_session, end, inputs=unopened, alone=alone)
+        waits = 0
+        while True:
+            router = self._ensure_stream()
+            self._num_requests += 1
+            request_id = str(self._num_requests)
+            alone = router.num_pending == 0 and not self._unsettled
+            deliveries = router.expect(request_id)
+            opens_session = self._needs_start
+            sent = [*inputs, resume_input()] if opens_session and self._resume else inputs
+            sent_at = time.perf_counter()
+            try:
+                self._triton.async_stream_infer(
+                    self.model,
+                    sent,
+                    request_id=request_id,
+                    sequence_id=self.session_id,
+                    sequence_start=opens_session,
+                    sequence_end=end,
+                    enable_empty_final_response=True,
+                    timeout=server_timeout_us(timeout_s if not (settled or waits)
+                                              else max(deadline - sent_at, 1e-6)),
+                )
+            except InferenceServerException as error:
+                # The stream died before the request could be queued on it;
+                # stopping it joins the response thread, so `failure` is final.
+                router.forget(request_id)
+                self._stop_stream()
+                failure = router.failure or from_triton(error)
+                why = _server_away(failure) if self.wait_for_ready else None
+                if why is None or not self._wait_until_ready(deadline, waits, why):
+                    raise failure from None
+                waits += 1  # nothing was sent: send it on a new stream now that the server is ready
+                continue
+            self._needs_start = False
+            return _Inflight(request_id, deliveries, sent_at, deadline, opens_session, end, inputs=inputs,
+                             alone=alone, waits=waits)
 
     def _receive(self, inflight: _Inflight, timeout_s: float) -> Iterator[Chunk]:
         decoder = new_text_decoder()
@@ -476,35 +522,45 @@ class Session:
                 return
 
     def _send_again(self, inflight: _Inflight, error: PreposError) -> _Inflight | None:
-        """Send a refused request again, once for each of two refusals that changed nothing:
+        """Send a refused request again, for refusals that changed nothing:
 
         - the server does not hold the session (its sequence was ended: by the server's drain before a stop, which
           keeps the session's journal, by its idle timeout, or by an END sent from elsewhere): sent again with START
-          and `resume`; the server reopens the session from its journal, or answers that it has none, or that it
-          is draining;
-        - the server refused a START because it is draining before a stop: sent again on a new stream (the old one
-          is pinned to that server, and holding it delays its stop), which a router in front of several replicas
-          takes to another; with a journal they share, the session resumes there.
+          and `resume`, once; the server reopens the session from its journal, or answers that it has none, or that
+          it is draining;
+        - the server refused a START because it is draining before a stop: sent again on a new stream, once (the
+          old one is pinned to that server, and holding it delays its stop), which a router in front of several
+          replicas takes to another; with a journal they share, the session resumes there;
+        - with `wait_for_ready`, the server is stopping, restarting or not reachable (:func:`_server_away`): sent
+          again on a new stream once the server reports the model ready, as often as that happens within the
+          call's time limit; a request that had not opened the session goes with START and `resume`.
 
         Only a request sent alone, and the session's latest, within its own time limit: pipelined requests are
         refused the same way, and sending one again could put it before another. Returns the request sent again,
         or None; after the first refusal the next call reopens the session either way."""
-        if error.status is not None:
-            return None
-        if not inflight.opens_session and _says_not_open(error):
+        away = _server_away(error)
+        if error.status is None and not inflight.opens_session and _says_not_open(error):
             self._needs_start = self._resume = self._reopening = True
             kind = "reopen"
-        elif inflight.opens_session and says_draining(error):
+        elif away == "draining before a stop" and inflight.opens_session and "new stream" not in inflight.sent_again:
             kind = "new stream"
+        elif away is not None and self.wait_for_ready:
+            kind = "when ready"
         else:
             return None
-        left_s = inflight.deadline - time.perf_counter()
-        if kind in inflight.sent_again or not inflight.alone or inflight.request_id != str(self._num_requests) \
-                or left_s <= 0:
+        if (kind != "when ready" and kind in inflight.sent_again) or not inflight.alone \
+                or inflight.request_id != str(self._num_requests) or inflight.deadline <= time.perf_counter():
             return None
-        if kind == "new stream":
+        if kind != "reopen":
             self._stop_stream()
+            if not inflight.opens_session:  # the server may have lost the session's sequence: reopen it
+                self._resume = self._reopening = True
             self._needs_start = True
+        if kind == "when ready" and not self._wait_until_ready(inflight.deadline, inflight.waits, away):
+            return None
+        left_s = inflight.deadline - time.perf_counter()
+        if left_s <= 0:
+            return None
         try:
             again = self._send(inflight.inputs, end=inflight.closes_session, timeout_s=left_s,
                                deadline=inflight.deadline)
@@ -512,9 +568,33 @@ class Session:
             self._needs_start = True
             return None
         again.sent_again = (*inflight.sent_again, kind)
+        again.waits += inflight.waits + (kind == "when ready")
         logger.info("session %s: request %s sent again as %s (%s): %s", self.session_id, inflight.request_id,
                     again.request_id, kind, error.message)
         return again
+
+    def _wait_until_ready(self, deadline: float, waits: int, why: str) -> bool:
+        """Wait, until ``deadline`` (perf_counter time), for the server to report the model ready: the ``waits``-th
+        time for this call. Pauses grow from :data:`_WAIT_FIRST_S` to :data:`_WAIT_MAX_S`, so that a draining
+        server is not asked in a tight loop. Returns whether it did."""
+        if waits == 0:
+            logger.warning("session %s: the server at %s is %s; waiting for it to be ready (at most %.3g s)",
+                           self.session_id, self.url, why, max(0.0, deadline - time.perf_counter()))
+        pause = min(_WAIT_FIRST_S * 2 ** min(waits, 16), _WAIT_MAX_S)
+        while True:
+            left_s = deadline - time.perf_counter()
+            if left_s <= 0:
+                return False
+            time.sleep(min(pause * random.uniform(0.5, 1.0), left_s))  # jittered: waiting sessions spread out
+            pause = min(pause * 2, _WAIT_MAX_S)
+            left_s = deadline - time.perf_counter()
+            if left_s <= 0:
+                return False
+            try:
+                if self._triton.is_model_ready(self.model, headers=self._headers, client_timeout=min(left_s, 1.0)):
+                    return True
+            except InferenceServerException:
+                pass  # not reachable yet
 
     def _settle(self, inflight: _Inflight, error: PreposError | None) -> PreposError | None:
         """Update the session's state for the outcome of a request: its final response (``error`` None) or error.

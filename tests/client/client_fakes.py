@@ -129,6 +129,8 @@ class FakeTriton:
     callback: Callable | None = None
     closed: bool = False
     fail_enqueue: bool = False
+    ready: Callable[[], bool] | None = None  # answers is_model_ready (None: ready); may raise, as for no server
+    num_ready_checks: int = 0
 
     def start_stream(self, callback, stream_timeout=None, headers=None, compression_algorithm=None):
         assert self.callback is None, "one stream per client"
@@ -168,6 +170,10 @@ class FakeTriton:
                 self.callback(result=None, error=item)
             else:
                 self.callback(result=item, error=None)
+
+    def is_model_ready(self, model_name, model_version="", headers=None, client_timeout=None):
+        self.num_ready_checks += 1
+        return True if self.ready is None else self.ready()
 
     def stop_stream(self, cancel_requests=False):
         self.stop_calls.append(cancel_requests)

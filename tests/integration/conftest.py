@@ -16,11 +16,13 @@ from prepos_loadtest.repository import free_loopback_ports
 ENGINE_DIR = REPO_ROOT / "engines" / "smollm2-135m-instruct"
 
 
-def start_server(tmp_dir: Path, env: dict[str, str] | None = None, repositories=None, **options) -> TritonServer:
-    """The real server on free loopback ports, ready; ``options`` are more ServerOptions fields."""
+def start_server(tmp_dir: Path, env: dict[str, str] | None = None, repositories=None,
+                 ports: tuple[int, int, int] | None = None, **options) -> TritonServer:
+    """The real server on loopback ports (``ports``: HTTP, gRPC, metrics; None: free ones), ready; ``options`` are
+    more ServerOptions fields."""
     if not (ENGINE_DIR / "prepos_engine.json").is_file():
         pytest.fail(f"{ENGINE_DIR} is missing: run `make engine` (make test builds it first)")
-    http, grpc, metrics = free_loopback_ports(3)
+    http, grpc, metrics = ports or free_loopback_ports(3)
     options = ServerOptions(
         model_repositories=tuple(repositories or (REPO_ROOT / "model_repository",)),
         http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=tmp_dir, ready_timeout_s=240, **options,

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from prepos.drain import drained_path
+from prepos.journal import SessionJournal
 from prepos.launcher import REPO_ROOT, ServerOptions, prepare_backend_dir, server_command, server_environment
 from prepos.supervise import DRAIN_ENV, STOP_GRACE_S
 from prepos_client import Client, PreposError
@@ -109,6 +110,53 @@ def test_a_drain_ends_every_session_once_served_and_they_resume_after_the_restar
                 assert twin.ask("And another?", max_tokens=4, speculate=False).token_ids == after["busy"].token_ids
     finally:
         server.stop()
+
+
+def test_calls_made_while_the_only_server_restarts_wait_for_it_and_go_on_once(tmp_path, tokenizer):
+    """`Client(wait_for_ready=True)`: a restart of the one server costs the calls made meanwhile only time; each
+    turn is taken once, and the sessions answer as twins never interrupted."""
+    journal_dir = tmp_path / "journal"
+    env = {"PREPOS_JOURNAL_DIR": str(journal_dir)}
+    server = start_server(tmp_path / "first", env=env)
+    ports = (server.options.http_port, server.options.grpc_port, server.options.metrics_port)
+    client = Client(server.grpc_url, timeout_s=300, wait_for_ready=True)
+    answers: dict = {}
+    try:
+        old = client.session("old")  # open across the restart, its journal kept by the drain
+        old.append(SYSTEM, role="system")
+        first = old.ask("Name a colour.", max_tokens=3, speculate=False)
+        server.stop()
+        new = client.session("new")  # its first request comes while the server is down
+        calls = {"old": lambda: old.ask("And another?", max_tokens=4, speculate=False),
+                 "new": lambda: new.ask("Name a fruit.", max_tokens=4, speculate=False)}
+        waiting = [threading.Thread(target=lambda name=name: answers.update({name: calls[name]()}))
+                   for name in calls]
+        for thread in waiting:
+            thread.start()
+        time.sleep(2)
+        assert all(thread.is_alive() for thread in waiting) and not answers  # waiting, not failed
+        server = start_server(tmp_path / "second", env=env, ports=ports)
+        for thread in waiting:
+            thread.join(120)
+        assert sorted(answers) == ["new", "old"], "a waiting call failed (its error is in the log above)"
+        assert answers["old"].path == "rebuild"
+
+        journal = SessionJournal(journal_dir, fsync=False)  # each turn in its session's log once
+        assert tokenizer.decode(journal.recover("old").token_log).count("And another?") == 1
+        assert tokenizer.decode(journal.recover("new").token_log).count("Name a fruit.") == 1
+        with Client(server.grpc_url) as fresh:
+            with fresh.session() as twin:
+                twin.append(SYSTEM, role="system")
+                assert twin.ask("Name a colour.", max_tokens=3, speculate=False).token_ids == first.token_ids
+                assert twin.ask("And another?", max_tokens=4, speculate=False).token_ids == answers["old"].token_ids
+            with fresh.session() as twin:
+                assert twin.ask("Name a fruit.", max_tokens=4, speculate=False).token_ids == answers["new"].token_ids
+        old.close()
+        new.close()
+        assert not list(journal_dir.iterdir())
+    finally:
+        server.stop()
+        client.close()
 
 
 def test_a_stop_without_a_drain_ends_soon_after_the_exit_timeout_with_a_stream_held(tmp_path):

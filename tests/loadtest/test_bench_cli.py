@@ -12,6 +12,7 @@ import chunking_bench
 import engine_microbench
 import pool_bench
 import residency_bench
+import restart_trials
 import share_bench
 import server_death_trials
 import session_trials
@@ -92,6 +93,16 @@ def test_stop_trials_refuse_bad_counts_before_starting_a_server(argv, capsys):
         stop_trials.main(argv)
     assert exited.value.code == 2
     assert "--trials, --sessions and --exit-timeout-s must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--trials", "0"], ["--sessions", "0"], ["--outage-s", "-1"], ["--outage-s", "nan"],
+                                  ["--outage-s", "inf"]])
+def test_restart_trials_refuse_bad_counts_before_starting_a_server(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        restart_trials.main(argv)
+    assert exited.value.code == 2
+    assert "--trials and --sessions must be at least 1, --outage-s a number of seconds >= 0" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("trials", [timeout_trials, session_trials])

@@ -1,0 +1,188 @@
+"""A session whose server stops and starts again (`wait_for_ready`): a call made meanwhile waits, within its time
+limit, for the server to be ready and is sent again then, its turn taken once; refusals that may have changed
+something are never sent again."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from client_fakes import SentRequest, SessionRules, unavailable
+from prepos_client import Client, PreposError, PreposUnavailable, Session
+from tritonclient.utils import InferenceServerException
+
+NOT_HELD = ("[request id: 3] inference request for sequence s to model 'prepos' must specify the START flag on the "
+            "first request of the sequence")
+DRAINING = "START: the server is draining before it stops: no session opens or resumes here now; resume ..."
+UNLOADED = "Request for unknown model: 'prepos' has no available versions"
+NO_JOURNAL = "resume: session 's' is not open on this server and has no journal to reopen it from"
+
+
+class RestartingServer:
+    """One server through a stop and a restart. It serves by `SessionRules` while "up"; `stop` makes it go, at
+    each look at its readiness, through the phases given: "draining" (the model ready, every session ended,
+    every START refused), "unloaded" (Triton's refusal of a model it no longer serves), "down" (nothing to
+    connect to) and "up" again (a new server: no session held, each journaled one reopened by START and
+    `resume`)."""
+
+    def __init__(self, *, journal: bool = True):
+        self.rules = SessionRules()
+        self.journal = journal
+        self.phase = "up"
+        self.coming: list[str] = []
+
+    def stop(self, *phases: str) -> None:
+        self.phase, *self.coming = phases
+        self.rules.open_ids.clear()  # the drain ended every session
+
+    def ready(self) -> bool:
+        if self.coming:
+            self.phase = self.coming.pop(0)
+        if self.phase == "down":
+            raise unavailable()
+        return self.phase != "unloaded"
+
+    def __call__(self, request: SentRequest) -> list:
+        resume = "resume" in request.inputs and bool(request.inputs["resume"][0])
+        if self.phase == "down":
+            return [unavailable()]
+        if self.phase == "unloaded":
+            return [InferenceServerException(msg=UNLOADED)]
+        if not request.sequence_start and request.sequence_id not in self.rules.open_ids:
+            return [InferenceServerException(msg=NOT_HELD)]
+        if self.phase == "draining" and request.sequence_start:
+            return [InferenceServerException(msg=DRAINING)]
+        if resume and not self.journal and request.sequence_id not in self.rules.open_ids:
+            return [InferenceServerException(msg=NO_JOURNAL)]
+        return self.rules(request)
+
+
+@pytest.fixture
+def server(fake_triton) -> RestartingServer:
+    restarting = RestartingServer()
+    fake_triton.responder = restarting
+    return restarting
+
+
+def open_session(fake_triton, server, *, wait_for_ready: bool = True, timeout_s: float = 10.0, **kwargs) -> Session:
+    session = Client("127.0.0.1:9", timeout_s=timeout_s, wait_for_ready=wait_for_ready).session(**kwargs)
+    fake_triton[-1].ready = server.ready
+    return session
+
+
+def test_a_call_made_during_a_restart_waits_for_the_server_and_its_turn_is_taken_once(fake_triton, server):
+    session = open_session(fake_triton, server, session_id="s")
+    session.append("context")
+    server.stop("draining", "draining", "unloaded", "down", "down", "up")
+    answer = session.ask("hello")
+    assert answer.text == "hello"
+    assert server.rules.accepted == ["context", "hello"]
+    requests = fake_triton[0].requests
+    # refused as not held, reopened and refused as draining, on a new stream refused again, then sent again after
+    # each look that found the model ready: once more while draining, and once the server was back
+    assert [(r.sequence_start, "resume" in r.inputs) for r in requests] == [
+        (True, False), (False, False), (True, True), (True, True), (True, True), (True, True)]
+    assert all(r.inputs["text_input"][0] == b"hello" for r in requests[1:])
+    assert fake_triton[0].num_ready_checks == 5
+    session.ask("again")  # the session is open again: no START
+    assert not fake_triton[0].requests[-1].sequence_start and server.rules.accepted[-1] == "again"
+
+
+def test_a_new_session_opened_while_the_server_is_down_opens_once_it_is_back(fake_triton, server):
+    server.stop("down", "down", "up")
+    session = open_session(fake_triton, server, session_id="s")
+    assert session.ask("hello").text == "hello"
+    requests = fake_triton[0].requests
+    assert [r.sequence_start for r in requests] == [True, True]
+    assert all("resume" not in r.inputs for r in requests)  # never opened: START alone, not a resume
+    assert server.rules.accepted == ["hello"]
+
+
+def test_without_wait_for_ready_the_refusal_is_raised_at_once(fake_triton, server):
+    session = open_session(fake_triton, server, session_id="s", wait_for_ready=False)
+    session.append("context")
+    server.stop("unloaded", "up")
+    with pytest.raises(PreposError, match="unknown model"):
+        session.ask("hello")
+    assert fake_triton[0].num_ready_checks == 0 and len(fake_triton[0].requests) == 2
+
+
+def test_a_server_that_does_not_come_back_within_the_time_limit_gets_the_refusal(fake_triton, server):
+    session = open_session(fake_triton, server, session_id="s", timeout_s=0.6)
+    session.append("context")
+    server.stop("down")
+    began = time.monotonic()
+    with pytest.raises(PreposUnavailable, match="failed to connect"):
+        session.ask("hello")
+    assert 0.6 <= time.monotonic() - began < 3
+    assert 2 <= fake_triton[0].num_ready_checks <= 8  # looks spaced out, not a tight loop
+    assert server.rules.accepted == ["context"]
+    server.phase = "up"
+    assert session.ask("hello").text == "hello"  # usable: reopened from its journal
+    assert fake_triton[0].requests[-1].sequence_start and server.rules.accepted == ["context", "hello"]
+
+
+def test_a_stream_broken_after_it_connected_is_not_sent_again(fake_triton, server):
+    """Its request may have been served: only a refusal that changed nothing is sent again."""
+    session = open_session(fake_triton, server, session_id="s")
+    session.append("context")
+    broken = InferenceServerException(msg="Socket closed", status="StatusCode.UNAVAILABLE")
+    fake_triton[0].responder = lambda request: [broken]
+    with pytest.raises(PreposUnavailable, match="Socket closed"):
+        session.ask("hello")
+    assert fake_triton[0].num_ready_checks == 0 and len(fake_triton[0].requests) == 2
+
+
+def test_a_server_back_without_the_sessions_journal_closes_it_with_a_clear_error(fake_triton):
+    server = RestartingServer(journal=False)
+    fake_triton.responder = server
+    session = open_session(fake_triton, server, session_id="s")
+    session.append("context")
+    server.stop("unloaded", "up")
+    with pytest.raises(PreposError, match="session s is no longer open on the server .* open a new session"):
+        session.ask("hello")
+    assert session.closed and server.rules.accepted == ["context"]
+
+
+def test_pipelined_requests_are_not_sent_again(fake_triton, server):
+    session = open_session(fake_triton, server, session_id="s")
+    session.append("context")
+    server.stop("unloaded", "up")
+    held = []
+    fake_triton[0].responder = lambda request: held.append(request) or []
+    first, second = session.generate("one"), session.generate("two")
+    for request in held:  # both refused: sending one again could put it after the other
+        fake_triton[0].callback(result=None, error=InferenceServerException(msg=UNLOADED))
+    for answer in (first, second):
+        with pytest.raises(PreposError, match="unknown model"):
+            list(answer)
+    assert fake_triton[0].num_ready_checks == 0 and len(fake_triton[0].requests) == 3
+    fake_triton[0].responder = server
+    assert session.ask("three").text == "three"  # alone: sent again once the server is back, reopening the session
+    assert server.rules.accepted == ["context", "three"]
+
+
+def test_a_stream_that_fails_before_the_request_is_queued_is_sent_once_the_server_is_ready(fake_triton, server):
+    """gRPC refuses to queue the request on a stream to a server it cannot connect to: nothing was sent."""
+    session = open_session(fake_triton, server, session_id="s")
+    session.append("context")
+    fake = fake_triton[0]
+    fake.fail_enqueue = True
+    looks = []
+
+    def ready() -> bool:
+        looks.append(None)
+        if len(looks) < 3:
+            raise unavailable()
+        fake.fail_enqueue = False
+        return True
+
+    fake.ready = ready
+    assert session.ask("hello").text == "hello"
+    assert len(looks) == 3 and server.rules.accepted == ["context", "hello"]
+    assert len(fake.requests) == 2 and len(fake.stream_headers) == 2  # the one that failed, then a new one
+
+
+def test_wait_for_ready_is_off_by_default_and_passed_on_to_sessions():
+    assert not Client("127.0.0.1:9").session().wait_for_ready
+    assert Client("127.0.0.1:9", wait_for_ready=True).session().wait_for_ready
