@@ -108,17 +108,21 @@ def _server_away(error: PreposError) -> str | None:
     - Triton has unloaded the model, as it does once it is told to stop, or has not loaded it yet ("unknown
       model"): the request was refused before any model saw it;
     - gRPC found no server to connect to ("failed to connect to all addresses"): the request never left the
-      client. A stream that broke after it connected says something else, and what became of its requests cannot
-      be known.
+      client; or a router in front (the chart's Envoy) found none to send it to ("no healthy upstream", or
+      "reset reason: connection failure": its connection to the replica failed). A stream that broke after it
+      connected says something else, and what became of its requests cannot be known.
     """
     if error.status is None:
         if says_draining(error):
             return "draining before a stop"
         if "Request for unknown model" in error.message:
             return "not serving the model (stopping or starting)"
-    elif error.status == "StatusCode.UNAVAILABLE" and "failed to connect" in error.message:
+    elif error.status == "StatusCode.UNAVAILABLE" and any(words in error.message for words in _NOT_CONNECTED):
         return "not reachable"
     return None
+
+
+_NOT_CONNECTED = ("failed to connect", "no healthy upstream", "reset reason: connection failure")
 
 
 _WAIT_FIRST_S = 0.05  # the first pause of a call waiting for its server to be ready again; doubled after each look

@@ -30,6 +30,7 @@ class RestartingServer:
         self.journal = journal
         self.phase = "up"
         self.coming: list[str] = []
+        self.refusal_when_down = unavailable()
 
     def stop(self, *phases: str) -> None:
         self.phase, *self.coming = phases
@@ -45,7 +46,7 @@ class RestartingServer:
     def __call__(self, request: SentRequest) -> list:
         resume = "resume" in request.inputs and bool(request.inputs["resume"][0])
         if self.phase == "down":
-            return [unavailable()]
+            return [self.refusal_when_down]
         if self.phase == "unloaded":
             return [InferenceServerException(msg=UNLOADED)]
         if not request.sequence_start and request.sequence_id not in self.rules.open_ids:
@@ -88,7 +89,17 @@ def test_a_call_made_during_a_restart_waits_for_the_server_and_its_turn_is_taken
     assert not fake_triton[0].requests[-1].sequence_start and server.rules.accepted[-1] == "again"
 
 
-def test_a_new_session_opened_while_the_server_is_down_opens_once_it_is_back(fake_triton, server):
+NOT_CONNECTED = [
+    "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:8001: Failed to connect to remote "
+    "host: Connection refused",  # gRPC's own: nothing to connect to
+    "no healthy upstream",  # the chart's Envoy router: no replica ready
+    "upstream connect error or disconnect/reset before headers. reset reason: connection failure",  # Envoy's
+]
+
+
+@pytest.mark.parametrize("message", NOT_CONNECTED)
+def test_a_new_session_opened_while_the_server_is_down_opens_once_it_is_back(fake_triton, server, message):
+    server.refusal_when_down = InferenceServerException(msg=message, status="StatusCode.UNAVAILABLE")
     server.stop("down", "down", "up")
     session = open_session(fake_triton, server, session_id="s")
     assert session.ask("hello").text == "hello"
@@ -122,13 +133,17 @@ def test_a_server_that_does_not_come_back_within_the_time_limit_gets_the_refusal
     assert fake_triton[0].requests[-1].sequence_start and server.rules.accepted == ["context", "hello"]
 
 
-def test_a_stream_broken_after_it_connected_is_not_sent_again(fake_triton, server):
+@pytest.mark.parametrize("broken_message", [
+    "Socket closed",  # gRPC's
+    "upstream connect error or disconnect/reset before headers. reset reason: connection termination",  # Envoy's
+])
+def test_a_stream_broken_after_it_connected_is_not_sent_again(fake_triton, server, broken_message):
     """Its request may have been served: only a refusal that changed nothing is sent again."""
     session = open_session(fake_triton, server, session_id="s")
     session.append("context")
-    broken = InferenceServerException(msg="Socket closed", status="StatusCode.UNAVAILABLE")
+    broken = InferenceServerException(msg=broken_message, status="StatusCode.UNAVAILABLE")
     fake_triton[0].responder = lambda request: [broken]
-    with pytest.raises(PreposUnavailable, match="Socket closed"):
+    with pytest.raises(PreposUnavailable, match=broken_message.split(".")[0]):
         session.ask("hello")
     assert fake_triton[0].num_ready_checks == 0 and len(fake_triton[0].requests) == 2
 
