@@ -234,3 +234,52 @@ class SessionRules:
             self.open_ids.discard(request.sequence_id)  # a stopped START opens nothing; END always closes
         fake.callback(result=None, error=InferenceServerException(
             msg="timeout: the request's deadline passed before it finished; its turn was not accepted"))
+
+
+# The server's refusals, as a client receives them
+NOT_HELD = ("[request id: 3] inference request for sequence s to model 'prepos' must specify the START flag on the "
+            "first request of the sequence")
+DRAINING = "START: the server is draining before it stops: no session opens or resumes here now; resume ..."
+UNLOADED = "Request for unknown model: 'prepos' has no available versions"
+NO_JOURNAL = ("resume: session 's' is not open on this server and has no journal to reopen it from; send START "
+              "without resume to begin a new session")
+
+
+class RestartingServer:
+    """One server through a stop and a restart. It serves by `SessionRules` while "up"; `stop` makes it go, at
+    each look at its readiness, through the phases given: "draining" (the model ready, every session ended,
+    every START refused), "unloaded" (Triton's refusal of a model it no longer serves), "down" (nothing to
+    connect to) and "up" again (a new server: no session held, each journaled one reopened by START and
+    `resume`)."""
+
+    def __init__(self, *, journal: bool = True):
+        self.rules = SessionRules()
+        self.journal = journal
+        self.phase = "up"
+        self.coming: list[str] = []
+        self.refusal_when_down = unavailable()
+
+    def stop(self, *phases: str) -> None:
+        self.phase, *self.coming = phases
+        self.rules.open_ids.clear()  # the drain ended every session
+
+    def ready(self) -> bool:
+        if self.coming:
+            self.phase = self.coming.pop(0)
+        if self.phase == "down":
+            raise unavailable()
+        return self.phase != "unloaded"
+
+    def __call__(self, request: SentRequest) -> list:
+        resume = "resume" in request.inputs and bool(request.inputs["resume"][0])
+        if self.phase == "down":
+            return [self.refusal_when_down]
+        if self.phase == "unloaded":
+            return [InferenceServerException(msg=UNLOADED)]
+        if not request.sequence_start and request.sequence_id not in self.rules.open_ids:
+            return [InferenceServerException(msg=NOT_HELD)]
+        if self.phase == "draining" and request.sequence_start:
+            return [InferenceServerException(msg=DRAINING)]
+        if resume and not self.journal and request.sequence_id not in self.rules.open_ids:
+            return [InferenceServerException(msg=NO_JOURNAL)]
+        return self.rules(request)

@@ -6,7 +6,8 @@ import threading
 from typing import Callable
 
 import pytest
-from client_fakes import SentRequest, SessionRules, echo_responder, make_result, unavailable
+from client_fakes import (DRAINING, NO_JOURNAL, SentRequest, SessionRules, echo_responder, make_result,
+                          unavailable)
 from prepos_client import Client, PreposError, PreposTimeout, PreposUnavailable, Session
 from prepos_client.session import SESSION_HEADER, check_session_id
 from tritonclient.utils import InferenceServerException
@@ -527,9 +528,6 @@ NOT_OPEN_REFUSALS = [
     "request of the sequence",
     "START: session 's' is not open; send START with its first request",  # prepos's own
 ]
-NO_JOURNAL = ("resume: session 's' is not open on this server and has no journal to reopen it from; send START "
-              "without resume to begin a new session")
-DRAINING = "START: the server is draining before it stops: no session opens or resumes here now; resume ..."
 
 
 def refusing_unopened(refusal: str, reopening: Callable[[SentRequest], list]) -> Callable[[SentRequest], list]:
