@@ -280,7 +280,15 @@ def _add_close_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_close(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        update = client.session(args.session_id, resume=True).close()
+        try:
+            update = client.session(args.session_id, resume=True).close()
+        except PreposError as error:
+            if error.field != "resume" or error.status is not None:
+                raise
+            # The server's advice (send START without resume) is for a request that opens a session, not for END.
+            raise PreposError(f"session {args.session_id} is not open on the server (closed already, ended by its "
+                              "idle timeout, or never opened), and no journal of it is left: nothing to close",
+                              field=error.field) from None
         if args.json and update is not None:
             _print_json(update.to_dict())
     return EXIT_OK

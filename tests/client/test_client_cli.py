@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from client_fakes import SessionRules, echo_responder, make_result
+from client_fakes import NO_JOURNAL, SessionRules, echo_responder, make_result
 from prepos_client import cli
 from tritonclient.utils import InferenceServerException
 
@@ -195,6 +195,14 @@ def test_close_command_sends_end_to_an_existing_session(fake_triton, capsys):
     assert (request.sequence_start, request.sequence_end) == (True, True)
     assert request.inputs["resume"].tolist() == [True]
     assert json.loads(capsys.readouterr().out)["finish_reason"] == "closed"
+
+
+def test_closing_a_session_that_is_not_open_says_there_is_nothing_to_close(fake_triton, capsys):
+    fake_triton.responder = lambda request: [InferenceServerException(msg=NO_JOURNAL)]
+    assert cli.main(["close", "--session-id", "s"]) == cli.EXIT_SERVER_ERROR
+    err = capsys.readouterr().err
+    assert "session s is not open on the server" in err and "nothing to close" in err
+    assert "send START" not in err  # the server's advice is for opening a session
 
 
 def test_chat_loop(fake_triton, stdin, capsys):
