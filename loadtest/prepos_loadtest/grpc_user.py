@@ -127,7 +127,8 @@ class PreposUser(User):
         except ValueError as error:
             raise LocustError(str(error)) from None
         self.client = Client(grpc_address(self.host), self.workload_options.model,
-                             timeout_s=self.replay_options.request_timeout_s)
+                             timeout_s=self.replay_options.request_timeout_s,
+                             wait_for_ready=self.replay_options.wait_for_ready)
         user_index = next(PreposUser._user_counter)
         self._replayer = TraceReplayer(
             self.client.session,

@@ -44,10 +44,16 @@ def flag(name: str) -> str:
 
 
 def add_arguments(parser: Any, options_class: type) -> None:
-    """Add one flag per field of `options_class` to an argparse (or Locust) parser, defaults from the class."""
+    """Add one flag per field of `options_class` to an argparse (or Locust) parser, defaults from the class; a
+    bool field is a switch (`--wait-for-ready` / `--no-wait-for-ready`)."""
     for option in dataclasses.fields(options_class):
-        parser.add_argument(flag(option.name), type=type(option.default), default=option.default,
-                            help=f"{option.metadata.get('help', '')} (default: %(default)s)")
+        help_text = f"{option.metadata.get('help', '')} (default: %(default)s)"
+        if isinstance(option.default, bool):
+            parser.add_argument(flag(option.name), action=argparse.BooleanOptionalAction, default=option.default,
+                                help=help_text)
+        else:
+            parser.add_argument(flag(option.name), type=type(option.default), default=option.default,
+                                help=help_text)
 
 
 def from_namespace(options_class: type[T], namespace: argparse.Namespace | None) -> T:
@@ -69,6 +75,10 @@ def to_argv(options: Any) -> list[str]:
     argv = []
     for option in dataclasses.fields(options):
         value = getattr(options, option.name)
-        if value != option.default:
+        if value == option.default:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag(option.name) if value else "--no-" + flag(option.name)[2:])
+        else:
             argv += [flag(option.name), str(value)]
     return argv

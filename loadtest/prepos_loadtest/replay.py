@@ -75,6 +75,9 @@ class ReplayOptions:
     think_jitter: float = field(default=0.1, metadata={
         "help": "each think time is multiplied by a uniform factor in [1 - jitter, 1 + jitter]"})
     request_timeout_s: float = field(default=60.0, metadata={"help": "seconds one request may take before it fails"})
+    wait_for_ready: bool = field(default=False, metadata={
+        "help": "a request that finds the server stopping, restarting or down waits for it, within "
+                "--request-timeout-s, instead of failing (its wait counts in its response time)"})
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.think_scale) and self.think_scale >= 0):

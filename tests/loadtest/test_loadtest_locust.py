@@ -98,3 +98,39 @@ def test_error_rate_above_the_bound_fails_the_run(server, tmp_path):
     # One bad request in three per session, so about a quarter of all requests (END included) fail.
     assert 0.1 < summary["error_rate"] < 0.5
     assert wait_for(lambda: server.metric("prepos_sessions") == 0)
+
+
+def test_with_wait_for_ready_a_restart_of_the_server_fails_no_request(tmp_path):
+    """The server is stopped (drained) and started again on the same ports and journals in the middle of a run:
+    with --wait-for-ready every request made meanwhile waits for it, and the sessions open across the restart
+    go on from their journals."""
+    env = {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")}
+    first = start_server(tmp_path / "first", env=env)
+    ports = (first.options.http_port, first.options.grpc_port, first.options.metrics_port)
+    command = [sys.executable, "-m", "prepos_loadtest.run", "--host", first.grpc_url, "--out", str(tmp_path / "out"),
+               "--stop-timeout", "30", "--workload", "monitor", "--users", "2", "--spawn-rate", "2", "--run-time",
+               "25s", "--think-scale", "0.2", "--workload-sessions", "4", "--wait-for-ready",
+               "--request-timeout-s", "120"]
+    loadtest = subprocess.Popen(command, cwd=LOADTEST_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    second = None
+    try:
+        time.sleep(8)  # under load
+        first.stop()
+        time.sleep(2)  # down: the users' requests wait
+        second = start_server(tmp_path / "second", env=env, ports=ports)
+        output, _ = loadtest.communicate(timeout=180)
+        assert loadtest.returncode == 0, output
+        rows = read_csv(tmp_path / "out" / "loadtest_stats.csv")
+        aggregated = next(row for row in rows if row["Name"] == "Aggregated")
+        assert int(aggregated["Request Count"]) > 0 and int(aggregated["Failure Count"]) == 0, output
+        assert read_csv(tmp_path / "out" / "loadtest_exceptions.csv") == []
+        assert wait_for(lambda: second.metric("prepos_sessions_recovered_total") > 0)  # went on from their journals
+        assert wait_for(lambda: second.metric("prepos_sessions") == 0)
+    finally:
+        if loadtest.poll() is None:
+            loadtest.kill()
+            loadtest.wait()
+        first.stop()
+        if second is not None:
+            second.stop()

@@ -93,6 +93,17 @@ def test_locust_command_forwards_the_prepos_options(tmp_path):
     assert command[-2:] == ["--tags", "x"]
 
 
+def test_a_switch_is_forwarded_only_when_it_differs_from_its_default(tmp_path):
+    def forwarded(argv: list[str]) -> list[str]:
+        args = run.build_parser().parse_args(["--host", "127.0.0.1:9", *argv])
+        return run.locust_command(args, run.LOCUSTFILES / "chat.py", tmp_path, [])
+
+    assert "--wait-for-ready" in forwarded(["--wait-for-ready"])
+    assert not any("wait-for-ready" in argument for argument in forwarded([]))
+    assert not any("wait-for-ready" in argument for argument in forwarded(["--no-wait-for-ready"]))
+    assert run.build_parser().parse_args(["--wait-for-ready"]).wait_for_ready is True
+
+
 def test_every_workload_has_a_task_file():
     stems = {path.stem for path in run.LOCUSTFILES.glob("*.py")}
     assert stems == {"bfcl", "monitor", "chat", "trace"}
