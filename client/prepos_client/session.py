@@ -51,6 +51,36 @@ def _close_sessions_at_exit() -> None:
 getattr(threading, "_register_atexit", atexit.register)(_close_sessions_at_exit)
 
 
+# A Session dropped without close or detach is often in a reference cycle (an exception it raised holds its frames),
+# so the garbage collector finalizes it, on whatever thread happens to allocate. tritonclient's own finalizer would
+# then stop the stream by joining its thread: that blocks the collecting thread until the server ends the stream,
+# and deadlocks it when it is starting a thread itself (the collection runs under threading's shutdown lock, which
+# the join takes too). Such a connection goes to a thread of its own instead, which cancels the stream and closes
+# it. The thread is started with the first Session: starting it from a finalizer could deadlock the same way.
+_abandoned: queue.SimpleQueue = queue.SimpleQueue()
+_closer_started = threading.Lock()
+_closer: threading.Thread | None = None
+
+
+def _close_abandoned() -> None:
+    while True:
+        triton = _abandoned.get()
+        try:
+            triton.stop_stream(cancel_requests=True)
+            triton.close()
+        except Exception:  # the connection is dropped either way
+            logger.debug("closing the connection of a dropped session failed", exc_info=True)
+        del triton  # its finalizer, now with nothing to join, runs here
+
+
+def _start_closer() -> None:
+    global _closer
+    with _closer_started:
+        if _closer is None:
+            _closer = threading.Thread(target=_close_abandoned, name="prepos-dropped-sessions", daemon=True)
+            _closer.start()
+
+
 def new_session_id() -> str:
     """A fresh random opaque session id."""
     return uuid.uuid4().hex
@@ -248,6 +278,9 @@ class Session:
         self._num_requests = 0
         self._router: ResponseRouter | None = None
         self._triton = triton_client(url)
+        _start_closer()
+        self._dropped = weakref.finalize(self, _abandoned.put, self._triton)
+        self._dropped.atexit = False  # at exit _close_sessions_at_exit ends what is still open
 
     @property
     def closed(self) -> bool:
@@ -716,3 +749,4 @@ class Session:
             self._stop_stream()
         finally:
             self._triton.close()
+            self._dropped.detach()

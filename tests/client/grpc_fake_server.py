@@ -6,6 +6,7 @@ metadata, request parameters) without starting Triton.
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 
 import grpc
@@ -36,6 +37,8 @@ class FakePreposServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self) -> None:
         self.stream_metadata: list[dict[str, str]] = []
         self.requests: list[service_pb2.ModelInferRequest] = []
+        self.num_open_streams = 0
+        self._lock = threading.Lock()
 
     def ServerLive(self, request, context):
         return service_pb2.ServerLiveResponse(live=True)
@@ -45,10 +48,17 @@ class FakePreposServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def ModelStreamInfer(self, request_iterator, context):
         self.stream_metadata.append(dict(context.invocation_metadata()))
+        with self._lock:
+            self.num_open_streams += 1
+        context.add_callback(self._stream_ended)
         for request in request_iterator:
             self.requests.append(request)
             for response in self._respond(request):
                 yield response
+
+    def _stream_ended(self) -> None:
+        with self._lock:
+            self.num_open_streams -= 1
 
     def _respond(self, request):
         inputs = request_inputs(request)

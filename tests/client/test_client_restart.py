@@ -99,6 +99,7 @@ def test_a_stream_broken_after_it_connected_is_not_sent_again(fake_triton, serve
     with pytest.raises(PreposUnavailable, match=broken_message.split(".")[0]):
         session.ask("hello")
     assert fake_triton[0].num_ready_checks == 0 and len(fake_triton[0].requests) == 2
+    session.detach()
 
 
 def test_a_server_back_without_the_sessions_journal_closes_it_with_a_clear_error(fake_triton):

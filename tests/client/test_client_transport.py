@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from grpc_fake_server import FakePreposServer, request_inputs
@@ -105,6 +106,43 @@ def test_a_session_left_open_is_closed_at_exit(server):
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout == "hi\n"
     assert parameters(server.servicer.requests[-1])["sequence_end"] is True
+
+
+def test_sessions_dropped_without_close_neither_block_nor_deadlock_the_threads_that_collect_them():
+    """A session whose call raised and that is then dropped sits in a reference cycle, finalized by the garbage
+    collector on any thread: tritonclient's own finalizer joined its stream's thread there, which deadlocked (here
+    in a few hundred sessions, in the server's thread or a thread being started). Its stream is closed all the
+    same."""
+    script = textwrap.dedent(
+        """
+        import gc, time
+        from grpc_fake_server import FakePreposServer
+        from prepos_client import Client, PreposError
+        server = FakePreposServer()
+        client = Client(server.url, timeout_s=5)
+        gc.set_threshold(50, 1, 1)  # collections every few allocations, on every thread
+        for _ in range(300):
+            try:
+                client.session().ask("hi", max_tokens=-1)  # refused; the session is dropped
+            except PreposError:
+                pass
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while server.servicer.num_open_streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(len(server.servicer.stream_metadata), server.servicer.num_open_streams)
+        """
+    )
+    tests_dir = Path(__file__).resolve().parent
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": f"{str(cli.__file__).rsplit('/prepos_client/', 1)[0]}:{tests_dir}", "PATH": ""},
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["300", "0"]  # every stream was opened and is closed
 
 
 def test_cli_ask_and_server_error_exit_codes(server, capsys):
