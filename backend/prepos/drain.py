@@ -10,8 +10,11 @@ on Ctrl-C or SIGTERM, and so does ``prepos.supervise`` (the image's entrypoint) 
 - every open session is ended by an END the model sends itself through Triton (so that the sequence ends there
   too), marked with the request parameter :data:`DRAIN_PARAMETER`: the END keeps the session's journal, and the
   requests its client sent before it are served first, in order;
-- once every such END is answered, ``<drain file>.drained`` is written (a :class:`DrainReport` as JSON).
-  Whoever stops the server waits for it; Triton then finds nothing in flight.
+- every START refused meanwhile gets such an END too (Triton holds a sequence slot for it);
+- once the ENDs of the sessions open at the drain, and of the STARTs refused by the time those are all sent, are
+  answered, ``<drain file>.drained`` is written (a :class:`DrainReport` as JSON); later refused STARTs, which
+  changed nothing, do not hold it back. Whoever stops the server waits for it; Triton then finds no accepted
+  turn in flight.
 
 Without a journal (``journal.dir`` empty) a drained session is gone, as it would be after any stop.
 """
@@ -126,19 +129,27 @@ class Drainer:
                  "kept)", self.drain_file)
         self._scheduler.drain()
         under_way: set[Future] = set()
+        awaited: set[Future] | None = None  # the ENDs the report waits for; None: not chosen yet
         reported = False
         while not self._stopped.is_set():
             listed = self._scheduler.drain_listed  # read first: then every listed id is in the queue already
             try:
-                session_id = self._scheduler.drain_ids.get(timeout=self._poll_s)
-                under_way.add(self._pool.submit(self._end, session_id))
-                continue  # take every id queued before checking whether the drain is done
+                under_way.add(self._pool.submit(self._end, self._scheduler.drain_ids.get(timeout=self._poll_s)))
+                while True:  # and every id queued by now
+                    under_way.add(self._pool.submit(self._end, self._scheduler.drain_ids.get_nowait()))
             except queue.Empty:
                 pass
             if self._take_up():  # asked again (a stop after a drain begun by hand, say): report again
-                reported = False
+                reported, awaited = False, None
             under_way = {future for future in under_way if not future.done()}
-            if not reported and listed and not under_way:
+            if reported or not listed:
+                continue
+            # The report waits for the ENDs of the sessions open at the drain and of every START refused by the
+            # time they are all queued, not for a moment with nothing queued: clients that keep trying to open
+            # or resume sessions would put that off without end. A START refused later changed nothing; its END
+            # (which frees Triton's sequence slot) is sent all the same.
+            awaited = set(under_way) if awaited is None else {future for future in awaited if not future.done()}
+            if not awaited:
                 reported = True
                 self._report(self._clock() - began)
 

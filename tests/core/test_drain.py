@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -133,6 +134,45 @@ def test_the_drainer_waits_for_its_file_ends_every_session_and_then_reports(tmp_
         assert DrainReport.from_json(drained_path(drain_file).read_text()).num_ended == 3
         assert not drain_file.exists()
     finally:
+        drainer.stop()
+
+
+def test_a_steady_stream_of_refused_starts_does_not_hold_the_report_back(tmp_path):
+    """Clients that keep trying to open or resume sessions while the server drains (a load test, or clients that
+    wait for the server) have their refused STARTs queued for an END without a pause: the report waits for the ENDs
+    of the sessions open at the drain and of the ids queued by then, not for a quiet moment."""
+    scheduler = FakeScheduler(["a", "b"])
+    ended = []
+
+    def end_session(sid):
+        time.sleep(0.005)  # an END's round trip through Triton
+        ended.append(sid)
+        scheduler.open.discard(sid)
+
+    stop_refusing = threading.Event()
+
+    def refuse_starts():  # a refused START every 2 ms, faster than the drainer looks for new ids
+        for number in itertools.count():
+            if stop_refusing.wait(0.002):
+                return
+            if scheduler.drained.is_set():
+                scheduler.drain_ids.put(f"refused-{number}")
+
+    drain_file = tmp_path / "drain"
+    drainer = Drainer(drain_file, scheduler, end_session, poll_s=0.05)
+    refusing = threading.Thread(target=refuse_starts)
+    refusing.start()
+    drainer.start()
+    try:
+        drain_file.touch()
+        wait_for(drained_path(drain_file).exists, timeout_s=5)
+        report = DrainReport.from_json(drained_path(drain_file).read_text())
+        assert report.num_open == 0 and {"a", "b"} <= set(ended) and report.seconds < 3
+        num_ended = len(ended)
+        wait_for(lambda: len(ended) > num_ended + 10)  # STARTs refused after the report are still ended
+    finally:
+        stop_refusing.set()
+        refusing.join()
         drainer.stop()
 
 
