@@ -62,6 +62,17 @@ def test_a_new_session_opened_while_the_server_is_down_opens_once_it_is_back(fak
     assert server.rules.accepted == ["hello"]
 
 
+def test_a_request_refused_by_triton_stopping_without_a_drain_waits_too(fake_triton, server):
+    session = open_session(fake_triton, server, session_id="s")
+    session.append("context")
+    stopping = InferenceServerException(
+        msg="Server is stopping, scheduler for model has stopped accepting new inference requests")
+    fake_triton[0].responder = lambda request: [stopping]
+    fake_triton[0].ready = lambda: setattr(fake_triton[0], "responder", server) or True  # back
+    assert session.ask("hello").text == "hello"
+    assert server.rules.accepted == ["context", "hello"] and fake_triton[0].num_ready_checks == 1
+
+
 def test_without_wait_for_ready_the_refusal_is_raised_at_once(fake_triton, server):
     session = open_session(fake_triton, server, session_id="s", wait_for_ready=False)
     session.append("context")
