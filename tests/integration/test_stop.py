@@ -112,6 +112,18 @@ def test_a_drain_ends_every_session_once_served_and_they_resume_after_the_restar
         server.stop()
 
 
+def open_sessions_until(url: str, stopped: threading.Event) -> None:
+    """Open a session and ask it one question, again and again, until ``stopped``; refusals are expected."""
+    with Client(url, timeout_s=5) as client:
+        while not stopped.is_set():
+            session = client.session()
+            try:
+                session.ask("Hello?", max_tokens=1, speculate=False)
+            except PreposError:
+                time.sleep(0.005)
+            session.detach()
+
+
 def test_calls_made_while_the_only_server_restarts_wait_for_it_and_go_on_once(tmp_path, tokenizer):
     """`Client(wait_for_ready=True)`: a restart of the one server costs the calls made meanwhile only time; each
     turn is taken once, and the sessions answer as twins never interrupted."""
@@ -125,7 +137,16 @@ def test_calls_made_while_the_only_server_restarts_wait_for_it_and_go_on_once(tm
         old = client.session("old")  # open across the restart, its journal kept by the drain
         old.append(SYSTEM, role="system")
         first = old.ask("Name a colour.", max_tokens=3, speculate=False)
+        stopped = threading.Event()
+        hammering = threading.Thread(target=open_sessions_until, args=(server.grpc_url, stopped))
+        hammering.start()  # another client opens sessions all along the stop: each START refused while draining
+        time.sleep(0.5)
+        began = time.monotonic()
         server.stop()
+        took = time.monotonic() - began
+        stopped.set()
+        hammering.join(30)
+        assert took < server.options.exit_timeout_s / 2, f"not drained: the stop took {took:.1f} s"
         new = client.session("new")  # its first request comes while the server is down
         calls = {"old": lambda: old.ask("And another?", max_tokens=4, speculate=False),
                  "new": lambda: new.ask("Name a fruit.", max_tokens=4, speculate=False)}
@@ -153,7 +174,7 @@ def test_calls_made_while_the_only_server_restarts_wait_for_it_and_go_on_once(tm
                 assert twin.ask("Name a fruit.", max_tokens=4, speculate=False).token_ids == answers["new"].token_ids
         old.close()
         new.close()
-        assert not list(journal_dir.iterdir())
+        assert not {"old", "new"} & set(journal.session_ids())  # END deleted their journals
     finally:
         server.stop()
         client.close()
