@@ -39,6 +39,7 @@ _streaming_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 
 def _close_sessions_at_exit() -> None:
     for session in list(_streaming_sessions):
+        session.wait_for_ready = False  # a server that is down does not hold up the exit for every session
         try:
             session.close(timeout_s=min(session.timeout_s, _EXIT_CLOSE_TIMEOUT_S))
         except PreposError as error:

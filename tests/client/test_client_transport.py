@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,37 @@ def test_a_session_left_open_is_closed_at_exit(server):
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout == "hi\n"
     assert parameters(server.servicer.requests[-1])["sequence_end"] is True
+
+
+def test_sessions_left_open_do_not_wait_for_a_server_that_is_down_at_exit():
+    """At exit each session still open is closed (END), each within 2 s; with wait_for_ready a server that is
+    down would have held the exit up that long for every session."""
+    script = textwrap.dedent(
+        """
+        import time
+        from grpc_fake_server import FakePreposServer
+        from prepos_client import Client
+        server = FakePreposServer()
+        client = Client(server.url, timeout_s=30, wait_for_ready=True)
+        sessions = [client.session() for _ in range(6)]  # the server serves 8 streams at a time
+        for session in sessions:
+            session.ask("hi")
+        server.stop()
+        print(time.monotonic(), flush=True)
+        """
+    )
+    tests_dir = Path(__file__).resolve().parent
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": f"{str(cli.__file__).rsplit('/prepos_client/', 1)[0]}:{tests_dir}", "PATH": ""},
+    )
+    exited = time.monotonic()
+    assert completed.returncode == 0, completed.stderr
+    assert exited - float(completed.stdout) < 6, completed.stderr  # six sessions waiting 2 s each: 12 s
+    assert completed.stderr.count("closing session") == 6  # each close failed, and said so
 
 
 def test_sessions_dropped_without_close_neither_block_nor_deadlock_the_threads_that_collect_them():
