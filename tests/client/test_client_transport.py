@@ -89,6 +89,14 @@ def test_is_ready(server):
     assert not Client(server.url, model="nope").is_ready()
 
 
+def run_script(script: str) -> subprocess.CompletedProcess:
+    """Run ``script`` in a Python of its own (what happens at its exit is part of the test), with the client
+    package and these tests' helpers importable; at most 60 s."""
+    paths = (str(cli.__file__).rsplit("/prepos_client/", 1)[0], str(Path(__file__).resolve().parent))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": ":".join(paths), "PATH": ""})
+
+
 def test_a_session_left_open_is_closed_at_exit(server):
     script = textwrap.dedent(
         f"""
@@ -97,13 +105,7 @@ def test_a_session_left_open_is_closed_at_exit(server):
         print(session.ask("hi").text)
         """
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={"PYTHONPATH": str(cli.__file__).rsplit("/prepos_client/", 1)[0], "PATH": ""},
-    )
+    completed = run_script(script)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout == "hi\n"
     assert parameters(server.servicer.requests[-1])["sequence_end"] is True
@@ -126,14 +128,7 @@ def test_sessions_left_open_do_not_wait_for_a_server_that_is_down_at_exit():
         print(time.monotonic(), flush=True)
         """
     )
-    tests_dir = Path(__file__).resolve().parent
-    completed = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PYTHONPATH": f"{str(cli.__file__).rsplit('/prepos_client/', 1)[0]}:{tests_dir}", "PATH": ""},
-    )
+    completed = run_script(script)
     exited = time.monotonic()
     assert completed.returncode == 0, completed.stderr
     assert exited - float(completed.stdout) < 6, completed.stderr  # six sessions waiting 2 s each: 12 s
@@ -165,14 +160,7 @@ def test_sessions_dropped_without_close_neither_block_nor_deadlock_the_threads_t
         print(len(server.servicer.stream_metadata), server.servicer.num_open_streams)
         """
     )
-    tests_dir = Path(__file__).resolve().parent
-    completed = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PYTHONPATH": f"{str(cli.__file__).rsplit('/prepos_client/', 1)[0]}:{tests_dir}", "PATH": ""},
-    )
+    completed = run_script(script)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == ["300", "0"]  # every stream was opened and is closed
 
