@@ -107,9 +107,11 @@ class Client:
             raise failure from None
 
     def close(self) -> None:
-        """Close every session of this client that is still open, then the health connection."""
+        """Close every session of this client that is still open, then the health connection. Each END is tried
+        once, without waiting for a server that is down (`wait_for_ready`)."""
         try:
             for session in list(self._sessions):
+                session.wait_for_ready = False
                 try:
                     session.close()
                 except PreposError:

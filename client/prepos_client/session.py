@@ -454,6 +454,8 @@ class Session:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is not None:
+            self.wait_for_ready = False  # leaving on an error: END is tried once, not waited for
         try:
             self.close()
         except PreposError:

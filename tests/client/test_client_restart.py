@@ -166,3 +166,19 @@ def test_a_stream_that_fails_before_the_request_is_queued_is_sent_once_the_serve
 def test_wait_for_ready_is_off_by_default_and_passed_on_to_sessions():
     assert not Client("127.0.0.1:9").session().wait_for_ready
     assert Client("127.0.0.1:9", wait_for_ready=True).session().wait_for_ready
+
+
+def test_cleanup_does_not_wait_for_a_server_that_is_down(fake_triton, server):
+    """`Client.close` and a `with` block left on an error try each END once; a call made by the caller waits."""
+    client = Client("127.0.0.1:9", timeout_s=5.0, wait_for_ready=True)
+    sessions = [client.session(session_id=f"s{index}") for index in range(3)]
+    for fake, session in zip(fake_triton, sessions):
+        fake.ready = server.ready
+        session.append("context")
+    server.stop("down")  # for good
+    began = time.monotonic()
+    with pytest.raises(RuntimeError), sessions[0]:
+        raise RuntimeError("the caller's own error")
+    client.close()
+    assert time.monotonic() - began < 2 and all(session.closed for session in sessions)
+    assert sum(fake.num_ready_checks for fake in fake_triton) == 0
