@@ -136,9 +136,10 @@ def _server_away(error: PreposError) -> str | None:
     None when it does not show that.
 
     - the server is draining before a stop (prepos refused the START);
-    - Triton has unloaded the model, as it does once it is told to stop, or has not loaded it yet ("unknown
-      model"), or is stopping and takes no new request ("stopped accepting new inference requests", when it
-      was stopped without a drain): the request was refused before any model saw it;
+    - Triton has unloaded the model, as it does once it is told to stop ("unknown model ... has no available
+      versions"; not "... is not found", the answer for a model name it does not serve, which waiting would not
+      mend), or is stopping and takes no new request ("stopped accepting new inference requests", when it was
+      stopped without a drain): the request was refused before any model saw it;
     - gRPC found no server to connect to ("failed to connect to all addresses"): the request never left the
       client; or a router in front (the chart's Envoy) found none to send it to ("no healthy upstream", or
       "reset reason: connection failure": its connection to the replica failed). A stream that broke after it
@@ -147,7 +148,7 @@ def _server_away(error: PreposError) -> str | None:
     if error.status is None:
         if says_draining(error):
             return "draining before a stop"
-        if "Request for unknown model" in error.message or "stopped accepting new inference requests" in error.message:
+        if "has no available versions" in error.message or "stopped accepting new inference requests" in error.message:
             return "not serving the model (stopping or starting)"
     elif error.status == "StatusCode.UNAVAILABLE" and any(words in error.message for words in _NOT_CONNECTED):
         return "not reachable"

@@ -182,3 +182,13 @@ def test_cleanup_does_not_wait_for_a_server_that_is_down(fake_triton, server):
     client.close()
     assert time.monotonic() - began < 2 and all(session.closed for session in sessions)
     assert sum(fake.num_ready_checks for fake in fake_triton) == 0
+
+
+def test_a_model_name_the_server_does_not_serve_is_refused_at_once(fake_triton, server):
+    """Waiting would not mend a wrong model name: Triton answers it "is not found", not "has no versions"."""
+    session = open_session(fake_triton, server, session_id="s")
+    fake_triton[0].responder = lambda request: [InferenceServerException(
+        msg="Request for unknown model: 'prepos2' is not found")]
+    with pytest.raises(PreposError, match="is not found"):
+        session.ask("hello")
+    assert fake_triton[0].num_ready_checks == 0
