@@ -34,6 +34,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client, PreposError, channel  # noqa: E402
 from prepos_loadtest.repository import machine, trial_server  # noqa: E402
+from prepos_loadtest.stats import percentile  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 CASES = ("prepos channel", "gRPC default backoff")
@@ -78,18 +79,12 @@ def trial(run_dir: Path, num_sessions: int, outage_s: float, case: str) -> list[
             ready_at = time.monotonic()
             for asker in askers:
                 asker.join(outage_s + 300)
-
             for session in sessions:
                 session.close()
             client.close()
     if failed or len(answered) != num_sessions:
         raise AssertionError(f"{case}: {failed or 'a call did not finish'}")
     return [answered[index] - ready_at for index in range(num_sessions)]
-
-
-def percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case}, trial {number + 1}: answered {', '.join(f'{t:.2f}' for t in took)} s after ready",
                   flush=True)
     for case in CASES:
-        print(f"{case}: median {statistics.median(delays[case]):.2f} s, p99 {percentile(delays[case], 0.99):.2f} s "
+        print(f"{case}: median {statistics.median(delays[case]):.2f} s, p99 {percentile(delays[case], 99):.2f} s "
               f"after the server was ready ({len(delays[case])} calls)", flush=True)
     return 0
 
