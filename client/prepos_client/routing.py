@@ -28,6 +28,12 @@ A replica draining before a stop (see the README, "Stopping the server") ends
 its sessions, keeping their journals, and refuses to reopen them: the session
 moves the same way, and resumes on its new owner from the shared journal.
 
+A replica that left the ring so rejoins it once it reports the model ready
+again (a restart, a rolling update), as Envoy's health checks bring an
+endpoint back: when a session is placed, each replica that left is asked at
+most every `readmit_interval_s`. Sessions that moved stay where they are;
+sessions opened from then on are placed on the whole ring again.
+
 A request that was in flight when its replica died may have been accepted
 there before the connection broke; it is sent again to the new owner, so
 across a failover a request is delivered at least once, not exactly once.
@@ -37,11 +43,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from tritonclient.utils import InferenceServerException
+
+from .channel import triton_client
 from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER
 from .errors import PreposError, PreposUnavailable
 from .protocol import Answer, Chunk, Update
@@ -51,6 +61,10 @@ from .session import Session, check_session_id, new_session_id, says_draining
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+
+READMIT_INTERVAL_S = 2.0
+"""How often, at most, a replica that left the ring is asked whether it is ready again."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,8 @@ class RoutedClient:
             Envoy's endpoints have (resolved IPs) to route exactly as the router.
         model, timeout_s, headers, token: as for `Client` (the same token on every replica).
         min_ring_size, max_ring_size: as the chart's `router.ringHash`.
+        readmit_interval_s: how often, at most, a replica that left the ring because it could not be reached or
+            was draining is asked whether it is ready again (when a session is placed); once it is, it rejoins.
 
     Raises:
         ValueError, TypeError: bad replicas or ring sizes (see `HashRing`).
@@ -89,6 +105,7 @@ class RoutedClient:
         token: str | None = None,
         min_ring_size: int = DEFAULT_MIN_RING_SIZE,
         max_ring_size: int = DEFAULT_MAX_RING_SIZE,
+        readmit_interval_s: float = READMIT_INTERVAL_S,
     ):
         self.model = model
         self.timeout_s = timeout_s
@@ -98,6 +115,11 @@ class RoutedClient:
         self._ring = HashRing(replicas, min_ring_size=min_ring_size, max_ring_size=max_ring_size)
         if not self._ring.hosts:
             raise ValueError("replicas: at least one replica is needed")
+        if not readmit_interval_s > 0:
+            raise ValueError(f"readmit_interval_s: expected seconds > 0, got {readmit_interval_s!r}")
+        self._readmit_interval_s = float(readmit_interval_s)
+        self._weights = self._ring.weights  # every replica on the ring, in the order given
+        self._left: dict[str, float] = {}  # replica that left the ring -> when it was last asked (monotonic)
         self._lock = threading.Lock()
         self._sessions: weakref.WeakSet[RoutedSession] = weakref.WeakSet()
 
@@ -112,12 +134,15 @@ class RoutedClient:
         return self._ring.hosts
 
     def replica_for(self, session_id: str | int) -> str:
-        """The replica a session opened now would be placed on.
+        """The replica a session opened now would be placed on (a replica that left the ring and is ready again
+        rejoins it first).
 
         Raises:
             LookupError: no replica is left.
         """
-        return self._ring.lookup(check_session_id(session_id))
+        session_id = check_session_id(session_id)
+        self._readmit()
+        return self._ring.lookup(session_id)
 
     def session(self, session_id: str | int | None = None, *, resume: bool = False) -> RoutedSession:
         """Open a `RoutedSession` on its replica (on the server with its first request).
@@ -131,23 +156,69 @@ class RoutedClient:
         return session
 
     def remove_replica(self, replica: str) -> bool:
-        """Take `replica` out of the ring; True if it was on it.
+        """Take `replica` out of the ring for good (a scale-down); True if it was on it.
 
         Sessions already on it stay there until a request to it fails;
         sessions opened later go to the smaller ring's owners.
         """
         with self._lock:
-            if replica not in self._ring.hosts:
-                return False
-            self._ring = self._ring.without(replica)
-        logger.warning("replica %s left the ring; %d left: %s", replica, len(self._ring.hosts),
-                       ", ".join(self._ring.hosts))
-        return True
+            self._weights.pop(replica, None)
+            self._left.pop(replica, None)
+        return self._leave(replica)
 
     def add_replica(self, replica: str, weight: int = 1) -> None:
         """Put `replica` on the ring (last in host order) with `weight`, for sessions opened from now on."""
         with self._lock:
+            self._weights[replica] = weight
+            self._left.pop(replica, None)
             self._ring = self._ring.with_host(replica, weight)
+
+    def lose_replica(self, replica: str) -> bool:
+        """Take `replica` out of the ring because it could not be reached or is draining: it rejoins once it
+        reports the model ready again. True if it was on the ring."""
+        with self._lock:
+            if replica in self._weights:
+                self._left[replica] = time.monotonic()
+        return self._leave(replica)
+
+    def _leave(self, replica: str) -> bool:
+        with self._lock:
+            if replica not in self._ring.hosts:
+                return False
+            self._ring = self._ring.without(replica)
+            hosts = self._ring.hosts
+        logger.warning("replica %s left the ring; %d left: %s", replica, len(hosts), ", ".join(hosts))
+        return True
+
+    def _readmit(self) -> None:
+        """Ask each replica that left the ring, and was not asked within ``readmit_interval_s``, whether it is
+        ready again; put those that are back on the ring, in the order the replicas were given."""
+        now = time.monotonic()
+        with self._lock:
+            due = [replica for replica, asked in self._left.items() if now - asked >= self._readmit_interval_s]
+            for replica in due:
+                self._left[replica] = now  # one caller asks; the others go on with the ring as it is
+        back = [replica for replica in due if self._is_ready(replica)]
+        if not back:
+            return
+        with self._lock:
+            for replica in back:
+                self._left.pop(replica, None)
+            live = set(self._ring.hosts) | set(back)
+            self._ring = HashRing({replica: weight for replica, weight in self._weights.items() if replica in live},
+                                  min_ring_size=self._ring.min_ring_size, max_ring_size=self._ring.max_ring_size)
+            hosts = self._ring.hosts
+        logger.warning("replica %s ready again: back on the ring; %d on it: %s", ", ".join(back), len(hosts),
+                       ", ".join(hosts))
+
+    def _is_ready(self, replica: str) -> bool:
+        health = triton_client(replica)
+        try:
+            return bool(health.is_model_ready(self.model, headers=self.headers, client_timeout=1.0))
+        except InferenceServerException:
+            return False
+        finally:
+            health.close()
 
     def close(self) -> None:
         """Close every session of this client that is still open."""
@@ -299,7 +370,7 @@ class RoutedSession:
     def _fail_over(self, session: Session, error: PreposError) -> None:
         """Move the session off `session`'s replica, or raise `error` when no replica is left."""
         lost = session.url
-        self._client.remove_replica(lost)
+        self._client.lose_replica(lost)
         try:
             session.detach()
         except PreposError:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import tritonclient.grpc as grpcclient
 from client_fakes import FakeTriton, SessionRules, echo_responder, unavailable
@@ -23,9 +25,18 @@ class Replicas:
         self.created: list[FakeTriton] = []
 
     def factory(self, url, *args, **kwargs) -> FakeTriton:
-        fake = FakeTriton(url, responder=lambda request: self.respond(url, request))
+        fake = FakeTriton(url, responder=lambda request: self.respond(url, request),
+                          ready=lambda: self.ready(url))
         self.created.append(fake)
         return fake
+
+    def ready(self, url: str) -> bool:
+        if url in self.dead:
+            raise unavailable()
+        return url not in self.errors
+
+    def num_ready_checks(self, url: str) -> int:
+        return sum(fake.num_ready_checks for fake in self.created if fake.url == url)
 
     def respond(self, url: str, request) -> list:
         if url in self.dead:
@@ -251,3 +262,57 @@ def test_a_routed_session_settles_a_timed_out_call_on_its_replica(replicas):
     rules.finish_held(fake, accepted=True)
     session.settle(timeout_s=2.0)
     assert info.value.accepted is True and rules.accepted[-1] == "SLOW"
+
+
+def test_a_lost_replica_rejoins_the_ring_once_ready_and_moved_sessions_stay(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=2, readmit_interval_s=0.05)
+    lost = REPLICAS[1]
+    moving, later = session_ids_on(lost, client.ring, 2)
+    session = client.session(moving)
+    session.ask("one")
+    replicas.dead.add(lost)
+    session.ask("two")  # moved to the smaller ring's owner
+    owner = session.replica
+    assert owner != lost and lost not in client.replicas
+    assert client.replica_for(later) != lost  # asked within the interval: not asked again yet
+    assert replicas.num_ready_checks(lost) == 0
+    time.sleep(0.06)
+    assert client.replica_for(later) != lost and replicas.num_ready_checks(lost) == 1  # asked: still down
+    replicas.dead.discard(lost)
+    time.sleep(0.06)
+    assert client.replica_for(later) == lost and client.replicas == tuple(REPLICAS)  # back, in the order given
+    assert client.ring.entries == HashRing(REPLICAS).entries  # the ring as it was
+    session.ask("three")
+    assert session.replica == owner  # a moved session stays where it is
+    fresh = client.session(later)
+    fresh.ask("hi")
+    assert fresh.replica == lost
+
+
+def test_a_single_replica_that_restarted_takes_new_sessions_again(replicas):
+    client = RoutedClient(REPLICAS[:1], timeout_s=2, readmit_interval_s=0.05)
+    first = client.session("a")
+    first.ask("one")
+    replicas.dead.add(REPLICAS[0])
+    with pytest.raises(PreposUnavailable):
+        first.ask("two")  # no replica left
+    with pytest.raises(LookupError):
+        client.session("b")
+    replicas.dead.clear()
+    time.sleep(0.06)
+    again = client.session("b")
+    assert again.ask("hi").text == "hi" and again.replica == REPLICAS[0]
+
+
+def test_a_replica_removed_by_hand_is_not_asked_back(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=2, readmit_interval_s=0.01)
+    client.remove_replica(REPLICAS[0])
+    time.sleep(0.02)
+    assert REPLICAS[0] not in client.replicas and client.replica_for("x") != REPLICAS[0]
+    assert replicas.num_ready_checks(REPLICAS[0]) == 0
+
+
+@pytest.mark.parametrize("interval", [0, -1, float("nan")])
+def test_a_readmit_interval_that_is_not_positive_is_refused(interval):
+    with pytest.raises(ValueError, match="readmit_interval_s"):
+        RoutedClient(REPLICAS, readmit_interval_s=interval)
