@@ -12,6 +12,7 @@ answers exactly as a stateless prefill of the whole conversation would.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -165,7 +166,8 @@ def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
         tmp_path, engine_manifest, tokenizer, reference_model):
     """A rolling restart's step under load: sessions ask in turn on both replicas while one replica is stopped
     (drained, then stopped). No call fails, the stopped replica's sessions move, and every answer of every
-    session, before, across and after the move, is the stateless reference's for the conversation so far."""
+    session, before, across and after the move, is the stateless reference's for the conversation so far. Started
+    again, the replica rejoins the client's ring and takes the sessions opened from then on that hash to it."""
     with two_replicas([tmp_path / f"replica-{name}" for name in "ab"], tmp_path / "journal") as started:
         staying, stopping = started
         addresses = [staying.grpc_url, stopping.grpc_url]
@@ -191,7 +193,8 @@ def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
             except BaseException as err:  # noqa: BLE001 - reported by the test thread
                 errors.append(err)
 
-        with RoutedClient(addresses, timeout_s=120) as client:
+        restarted = None
+        with RoutedClient(addresses, timeout_s=120, readmit_interval_s=0.5) as client:
             threads = [threading.Thread(target=converse, args=(client, sid))
                        for sids in ids.values() for sid in sids]
             for thread in threads:
@@ -201,6 +204,23 @@ def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
             stopping.stop()  # drain (answers under way finish, sessions end keeping their journals), then stop
             for thread in threads:
                 thread.join(300)
+            assert client.replicas == (staying.grpc_url,)
+            # The step's end: the replica starts again on its ports, rejoins the ring, and takes new sessions.
+            ports = (stopping.options.http_port, stopping.options.grpc_port, stopping.options.metrics_port)
+            restarted = start_server(tmp_path / "replica-b-again", {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")},
+                                     ports=ports)
+            try:
+                time.sleep(0.6)
+                later = next(sid for sid in (f"later-{i}" for i in range(1000)) if ring.lookup(sid) == addresses[1])
+                with client.session(later) as session:
+                    session.append(SYSTEM, role="system")
+                    answer = session.ask(questions[0], max_tokens=6, speculate=False)
+                    assert session.replica == stopping.grpc_url and client.replicas == tuple(addresses)
+                conv = Conversation(engine_manifest, tokenizer)
+                conv.append("system", SYSTEM)
+                check_answer(reference_model, conv, answer, "user", questions[0], 6)
+            finally:
+                restarted.stop()
         assert not errors, errors
         for address, sids in ids.items():
             for session_id in sids:
