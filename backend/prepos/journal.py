@@ -94,6 +94,9 @@ class SessionJournal:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
+        # Each journal as this server last left it (inode, size, mtime): another server that reopened or wrote it
+        # since (replicas sharing the directory) changed it, and it is then that server's to delete.
+        self._left_as: dict[Path, tuple[int, int, int]] = {}
         self._remove_stale_temps()
 
     # --- writing -------------------------------------------------------
@@ -124,13 +127,15 @@ class SessionJournal:
             raise
         if self.fsync:
             self._fsync_directory()
+        self._note(path)
 
     def append(self, session_id: str | int, entry: JournalEntry) -> None:
         """Append one entry; durable (written, and fsync'ed when configured) when this returns.
         Raises OSError on failure (FileNotFoundError when the session has no journal); a partly written
         record is cut off again so the journal stays readable."""
         record = _record(_ENTRY, _entry_payload(entry))
-        fd = os.open(self.path(session_id), os.O_WRONLY | os.O_APPEND)
+        path = self.path(session_id)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         try:
             size_before = os.fstat(fd).st_size
             try:
@@ -143,6 +148,7 @@ class SessionJournal:
                 except OSError:
                     pass  # recovery drops the torn tail
                 raise
+            self._left_as[path] = _identity(os.fstat(fd))
         finally:
             os.close(fd)
 
@@ -159,14 +165,30 @@ class SessionJournal:
             try:
                 if now - path.stat().st_mtime > older_than_s:
                     path.unlink()
+                    self._left_as.pop(path, None)
                     expired += 1
             except OSError:
                 continue  # deleted or reopened meanwhile
         return expired
 
-    def delete(self, session_id: str | int) -> None:
-        """Delete the session's journal (closing: END or idle timeout); no error when there is none."""
-        self.path(session_id).unlink(missing_ok=True)
+    def delete(self, session_id: str | int, *, only_if_unchanged: bool = False) -> bool:
+        """Delete the session's journal (closing: END or idle timeout); no error when there is none. With
+        ``only_if_unchanged`` (an idle timeout), not when another server has reopened or written it since this one
+        last did: that server holds the session now (replicas sharing the directory). Returns whether it was
+        deleted."""
+        path = self.path(session_id)
+        left_as = self._left_as.pop(path, None)
+        if only_if_unchanged:
+            try:
+                now = _identity(path.stat())
+            except FileNotFoundError:
+                return False
+            if now != left_as:
+                log.info("journal of session %r changed since this server last wrote it: another server holds "
+                         "the session now; kept", session_id)
+                return False
+        path.unlink(missing_ok=True)
+        return True
 
     # --- reading -------------------------------------------------------
 
@@ -209,6 +231,7 @@ class SessionJournal:
             log.warning("journal of session %r: %s at byte %d; %d bytes dropped, %d entries kept",
                         session_id, problem, offset, dropped, len(turns))
             self._truncate(path, offset)
+        self._note(path)
         return RecoveredSession(
             session_id=session_id, token_log=[t for turn in turns for t in turn], turns=turns,
             last_role=role, last_choices=choices, num_entries=len(turns), dropped_tail_bytes=dropped,
@@ -237,6 +260,12 @@ class SessionJournal:
 
     # --- helpers -------------------------------------------------------
 
+    def _note(self, path: Path) -> None:
+        try:
+            self._left_as[path] = _identity(path.stat())
+        except OSError:
+            self._left_as.pop(path, None)
+
     def _truncate(self, path: Path, size: int) -> None:
         try:
             with open(path, "r+b") as f:
@@ -263,6 +292,11 @@ class SessionJournal:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int]:
+    """What tells a journal file apart from itself as another writer left it: replaced, grown or touched."""
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _id_tag(session_id: str | int) -> tuple[str, str]:

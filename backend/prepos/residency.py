@@ -91,10 +91,12 @@ class Residency:
                  len(session.token_log))
         return session
 
-    def close(self, session: Session, reason: str, *, keep_journal: bool = False) -> None:
+    def close(self, session: Session, reason: str, *, keep_journal: bool = False,
+              journal_if_unchanged: bool = False) -> None:
         """Forget the session: its KV is released (the engine may keep its opening turn's for later sessions to
         copy) and its journal deleted, unless ``keep_journal`` (a drain: the session resumes after the restart or
-        on another replica)."""
+        on another replica), or, with ``journal_if_unchanged`` (an idle timeout), unless another server has
+        reopened or written the journal since this one last did (it holds the session now)."""
         opening = session.turn_starts[1] if len(session.turn_starts) > 1 else len(session.token_log)
         kept = session.has_kv and self._engine.keep_prefix(session.session_id, opening)
         self.release_kv(session)
@@ -102,7 +104,7 @@ class Residency:
         self.store.close(session.session_id)
         if self._journal is not None and not keep_journal:
             try:
-                self._journal.delete(session.session_id)
+                self._journal.delete(session.session_id, only_if_unchanged=journal_if_unchanged)
             except OSError as err:
                 log.error("session %r: could not delete its journal: %s", session.session_id, err)
         log.info("session %r closed (%s), %d tokens in its log%s", session.session_id, reason, len(session.token_log),

@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("prepos.scheduler")
 
 HOUSEKEEPING_INTERVAL_S = 0.5
+IDLE_REASON = "idle timeout"  # why a session closed that had no request for the session idle timeout
+
 DRAINING_MESSAGE = ("the server is draining before it stops: no session opens or resumes here now; resume the "
                     "session on another replica or once the server is back (a journaled session keeps its log)")
 RESERVE_FRACTION = 16  # a positioned session's KV keeps room for this fraction more of its length (see _reserve_ahead)
@@ -290,7 +292,7 @@ class Scheduler:
                 session = existing or self._open_or_resume(request)
             elif request.start:
                 if existing is not None and self._expired(existing, self._clock()):
-                    self._close(existing, "idle timeout")
+                    self._close(existing, IDLE_REASON)
                 session = self._residency.open(request.session_id)
             else:
                 session = existing or self.store.lookup(request.session_id)
@@ -483,7 +485,7 @@ class Scheduler:
         self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
         for session in self.store:
             if self._expired(session, now):
-                self._close(session, "idle timeout")
+                self._close(session, IDLE_REASON)
         self._residency.expire_journals()  # hourly
         self._metrics.sessions({state.value: n for state, n in self.store.count_by_state().items()})
         self._metrics.kv(self._residency.kv.used_bytes, self._residency.kv.budget_bytes, self._engine.kept_prefix_bytes())
@@ -624,7 +626,9 @@ class Scheduler:
         self._drop_background(session)
         self._idle.pop(session.session_id, None)
         drained = reason == DRAIN_REASON
-        self._residency.close(session, reason, keep_journal=drained)
+        # An idle session here may be open on another replica now (its client moved there and was reopened from
+        # the shared journal): its journal is then that replica's.
+        self._residency.close(session, reason, keep_journal=drained, journal_if_unchanged=reason == IDLE_REASON)
         if drained:
             self._metrics.session_drained()
 

@@ -295,3 +295,20 @@ def test_a_flipped_byte_keeps_exactly_the_entries_before_its_record(tmp_path_fac
     got = journal.recover("s")
     assert got.turns == [e.token_ids for e in entries[:num_before]]
     assert got.dropped_tail_bytes == size - offsets[1 + num_before]
+
+
+def test_a_journal_another_server_reopened_or_wrote_since_is_not_deleted_if_unchanged_is_asked(tmp_path):
+    mine, other = SessionJournal(tmp_path, fsync=False), SessionJournal(tmp_path, fsync=False)
+    for sid in ("reopened", "written", "replaced", "untouched"):
+        mine.create(sid)
+        mine.append(sid, ENTRIES[0])
+    assert other.recover("reopened") is not None  # read back to reopen: touched
+    other.recover("written")
+    other.append("written", ENTRIES[1])
+    other.replace("replaced", ENTRIES[:1])
+    for sid in ("reopened", "written", "replaced"):
+        assert not mine.delete(sid, only_if_unchanged=True) and mine.path(sid).exists()
+    assert mine.delete("untouched", only_if_unchanged=True) and not mine.path("untouched").exists()
+    assert not mine.delete("untouched", only_if_unchanged=True)  # none left
+    assert mine.delete("reopened") and not mine.path("reopened").exists()  # an END deletes it whoever wrote it
+    assert other.delete("written", only_if_unchanged=True)  # the server that wrote it last may

@@ -195,3 +195,25 @@ def test_reopening_a_session_from_its_journal_counts_as_writing_it(tmp_path):
     os.utime(journal.path("s"), (day_ago, day_ago))
     assert journal.expire(3600.0, keep={journal.path("s")}) == 0
     assert journal.expire(3600.0) == 1 and journal.session_ids() == []
+
+
+def test_an_idle_timeout_leaves_the_journal_of_a_session_another_replica_reopened(tmp_path):
+    """Two replicas on one journal directory. A session moved from one to the other (reopened there from the
+    journal) while the first still held it: the first's idle timeout must not delete the journal, which the
+    second writes to at its next turn. A session no other replica took is closed with its journal as before."""
+    journal_dir = tmp_path / "journal"
+    first = Harness(tmp_path, journal=SessionJournal(journal_dir, fsync=False), idle_timeout_s=60.0)
+    open_session(first, sid="moved")
+    open_session(first, sid="stays")
+    first.serve(first.request("moved", "first question", max_tokens=2))
+    second = restarted(tmp_path, journal_dir)
+    reopened = second.serve(second.request("moved", "where was I?", start=True, resume=True, max_tokens=2))
+    assert reopened.error is None and reopened.path == "rebuild"
+    first.clock.t += 61
+    first.sched.run_once()  # housekeeping: both sessions idle past the timeout on the first replica
+    assert first.sched.store.get("moved") is None and first.sched.store.get("stays") is None
+    journal = SessionJournal(journal_dir, fsync=False)
+    assert sorted(journal.session_ids()) == ["moved"]  # the other replica's stays, the first's own is gone
+    answered = second.serve(second.request("moved", "and now?", max_tokens=2))
+    assert answered.error is None  # its turn is journaled: the file is still there
+    assert journal.recover("moved").num_entries == second.sched._residency._journal.recover("moved").num_entries
