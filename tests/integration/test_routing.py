@@ -204,7 +204,6 @@ def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
             stopping.stop()  # drain (answers under way finish, sessions end keeping their journals), then stop
             for thread in threads:
                 thread.join(300)
-            assert client.replicas == (staying.grpc_url,)
             # The step's end: the replica starts again on its ports, rejoins the ring, and takes new sessions.
             ports = (stopping.options.http_port, stopping.options.grpc_port, stopping.options.metrics_port)
             restarted = start_server(tmp_path / "replica-b-again", {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")},
