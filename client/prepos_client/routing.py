@@ -67,15 +67,6 @@ READMIT_INTERVAL_S = 2.0
 """How often, at most, a replica that left the ring is asked whether it is ready again."""
 
 
-@dataclass
-class _Left:
-    """A replica that left the ring: when it was last asked whether it is ready, and whether it must be found not
-    ready (stopped) first, having left while draining."""
-
-    asked: float
-    must_stop: bool
-
-
 @dataclass(frozen=True)
 class Failover:
     """A session moved because its replica could not be reached."""
@@ -128,7 +119,7 @@ class RoutedClient:
             raise ValueError(f"readmit_interval_s: expected seconds > 0, got {readmit_interval_s!r}")
         self._readmit_interval_s = float(readmit_interval_s)
         self._weights = self._ring.weights  # every replica on the ring, in the order given
-        self._left: dict[str, _Left] = {}  # replicas that left the ring, to ask whether they are ready again
+        self._left: dict[str, float] = {}  # replica that left the ring -> when it was last asked (monotonic)
         self._lock = threading.Lock()
         self._sessions: weakref.WeakSet[RoutedSession] = weakref.WeakSet()
 
@@ -182,13 +173,12 @@ class RoutedClient:
             self._left.pop(replica, None)
             self._ring = self._ring.with_host(replica, weight)
 
-    def lose_replica(self, replica: str, *, draining: bool = False) -> bool:
+    def lose_replica(self, replica: str) -> bool:
         """Take `replica` out of the ring because it could not be reached or is draining: it rejoins once it
-        reports the model ready again; a draining one (whose model still reports ready until it stops) only after
-        it was found not ready once, stopped. True if it was on the ring."""
+        reports the model ready again. True if it was on the ring."""
         with self._lock:
             if replica in self._weights:
-                self._left[replica] = _Left(time.monotonic(), must_stop=draining)
+                self._left[replica] = time.monotonic()
         return self._leave(replica)
 
     def _leave(self, replica: str) -> bool:
@@ -205,20 +195,10 @@ class RoutedClient:
         ready again; put those that are back on the ring, in the order the replicas were given."""
         now = time.monotonic()
         with self._lock:
-            due = [replica for replica, left in self._left.items() if now - left.asked >= self._readmit_interval_s]
+            due = [replica for replica, asked in self._left.items() if now - asked >= self._readmit_interval_s]
             for replica in due:
-                self._left[replica].asked = now  # one caller asks; the others go on with the ring as it is
-        back = []
-        for replica in due:
-            ready = self._is_ready(replica)
-            with self._lock:
-                left = self._left.get(replica)
-                if left is None:
-                    continue
-                if left.must_stop:
-                    left.must_stop = ready  # still draining while ready; stopped once not
-                elif ready:
-                    back.append(replica)
+                self._left[replica] = now  # one caller asks; the others go on with the ring as it is
+        back = [replica for replica in due if self._is_ready(replica)]
         if not back:
             return
         with self._lock:
@@ -390,7 +370,7 @@ class RoutedSession:
     def _fail_over(self, session: Session, error: PreposError) -> None:
         """Move the session off `session`'s replica, or raise `error` when no replica is left."""
         lost = session.url
-        self._client.lose_replica(lost, draining=says_draining(error))
+        self._client.lose_replica(lost)
         try:
             session.detach()
         except PreposError:

@@ -125,29 +125,6 @@ def test_a_draining_replica_leaves_the_ring_and_its_session_resumes_on_the_new_o
     assert first.sequence_start and first.inputs["resume"].tolist() == [True]
 
 
-def test_a_draining_replica_rejoins_only_after_it_stopped_and_is_ready_again(replicas):
-    """A draining replica's model still reports ready: it must be seen stopped before it may rejoin."""
-    client = RoutedClient(REPLICAS, timeout_s=2, readmit_interval_s=0.01)
-    draining = REPLICAS[2]
-    (moving,) = session_ids_on(draining, client.ring, 1)
-    replicas.errors[draining] = InferenceServerException(
-        msg="START: the server is draining before it stops: no session opens or resumes here now; ...")
-    replicas.ready = lambda url: url not in replicas.dead  # a draining server's model reports ready
-    session = client.session(moving)
-    assert session.ask("one").text == "one" and session.replica != draining
-    for _ in range(3):  # still draining: asked, ready, not taken back
-        time.sleep(0.02)
-        assert client.replica_for(moving) != draining
-    assert replicas.num_ready_checks(draining) == 3
-    replicas.dead.add(draining)  # stopped
-    time.sleep(0.02)
-    assert client.replica_for(moving) != draining
-    replicas.dead.discard(draining)  # started again
-    del replicas.errors[draining]
-    time.sleep(0.02)
-    assert client.replica_for(moving) == draining and client.replicas == tuple(REPLICAS)
-
-
 def test_a_session_lost_before_it_opened_opens_on_the_new_owner(replicas):
     client = RoutedClient(REPLICAS[:2], timeout_s=2)
     (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
