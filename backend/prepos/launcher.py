@@ -399,9 +399,9 @@ class TritonServer:
     def stop(self, timeout_s: float | None = None) -> None:
         """Drain, SIGTERM, then SIGKILL if it has not exited within ``timeout_s`` in all (default: its exit timeout
         and ``prepos.supervise.STOP_GRACE_S`` more): :func:`prepos.supervise.stop_server`, with a drain once the
-        server got ready. Backend stub processes still alive afterwards are killed too, also when tritonserver had already
-        exited (killed or crashed): a stub can hang rather than follow a server that died under it, holding the
-        model and its KV."""
+        server got ready. Backend stub processes still alive afterwards are killed too, also when tritonserver had
+        already exited (killed or crashed): a stub can hang rather than follow a server that died under it, holding
+        the model and its KV."""
         if self.process is None:
             return
         import psutil
@@ -415,11 +415,7 @@ class TritonServer:
                                       exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s)
             except BaseException:  # a second Ctrl-C, say: stop now, stubs too, rather than leave them running
                 self.process.kill()
-                for stub in stubs.values():
-                    try:
-                        stub.kill()
-                    except psutil.NoSuchProcess:
-                        pass
+                _kill(stubs.values())
                 self.process.wait()
                 raise
         self._stubs = []
@@ -432,10 +428,7 @@ class TritonServer:
         _, alive = psutil.wait_procs(list(stubs.values()), timeout=0.5 if drained else 5)
         for stub in alive:
             (log.info if drained else log.warning)("backend stub %d outlived tritonserver; killing it", stub.pid)
-            try:
-                stub.kill()
-            except psutil.NoSuchProcess:
-                pass
+        _kill(alive)
         _wait_dead(alive, timeout_s=5.0)  # a killed stub is gone (or a zombie) when stop returns
 
     def __enter__(self) -> "TritonServer":
@@ -449,6 +442,17 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _kill(processes) -> None:
+    """SIGKILL each process (psutil handles) that is still there."""
+    import psutil
+
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _wait_dead(processes, timeout_s: float) -> None:
