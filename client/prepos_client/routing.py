@@ -49,10 +49,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tritonclient.utils import InferenceServerException
-
-from .channel import triton_client
-from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER
+from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER, Client
 from .errors import PreposError, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
@@ -212,13 +209,8 @@ class RoutedClient:
                        ", ".join(hosts))
 
     def _is_ready(self, replica: str) -> bool:
-        health = triton_client(replica)
-        try:
-            return bool(health.is_model_ready(self.model, headers=self.headers, client_timeout=1.0))
-        except InferenceServerException:
-            return False
-        finally:
-            health.close()
+        with Client(replica, self.model, timeout_s=1.0, headers=self.headers) as health:
+            return health.is_ready()
 
     def close(self) -> None:
         """Close every session of this client that is still open."""

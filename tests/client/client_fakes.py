@@ -171,6 +171,9 @@ class FakeTriton:
             else:
                 self.callback(result=item, error=None)
 
+    def is_server_live(self, headers=None, client_timeout=None):
+        return True  # a server that is down shows in is_model_ready (see `ready`)
+
     def is_model_ready(self, model_name, model_version="", headers=None, client_timeout=None):
         self.num_ready_checks += 1
         return True if self.ready is None else self.ready()
