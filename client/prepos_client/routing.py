@@ -158,34 +158,39 @@ class RoutedClient:
         Sessions already on it stay there until a request to it fails;
         sessions opened later go to the smaller ring's owners.
         """
-        with self._lock:
-            self._weights.pop(replica, None)
-            self._left.pop(replica, None)
-        return self._leave(replica)
+        return self._leave(replica, for_good=True)
 
     def add_replica(self, replica: str, weight: int = 1) -> None:
         """Put `replica` on the ring (last in host order) with `weight`, for sessions opened from now on."""
         with self._lock:
             self._weights[replica] = weight
             self._left.pop(replica, None)
-            self._ring = self._ring.with_host(replica, weight)
+            self._rebuild()
 
     def lose_replica(self, replica: str) -> bool:
         """Take `replica` out of the ring because it could not be reached or is draining: it rejoins once it
         reports the model ready again. True if it was on the ring."""
-        with self._lock:
-            if replica in self._weights:
-                self._left[replica] = time.monotonic()
-        return self._leave(replica)
+        return self._leave(replica, for_good=False)
 
-    def _leave(self, replica: str) -> bool:
+    def _leave(self, replica: str, *, for_good: bool) -> bool:
         with self._lock:
-            if replica not in self._ring.hosts:
-                return False
-            self._ring = self._ring.without(replica)
-            hosts = self._ring.hosts
-        logger.warning("replica %s left the ring; %d left: %s", replica, len(hosts), ", ".join(hosts))
-        return True
+            was_on = replica in self._ring.hosts
+            if for_good:
+                self._weights.pop(replica, None)
+                self._left.pop(replica, None)
+            elif replica in self._weights:
+                self._left[replica] = time.monotonic()
+            hosts = self._rebuild()
+        if was_on:
+            logger.warning("replica %s left the ring; %d left: %s", replica, len(hosts), ", ".join(hosts))
+        return was_on
+
+    def _rebuild(self) -> tuple[str, ...]:
+        """Make the ring over every replica given or added that has not left, in that order; returns its hosts.
+        Callers hold the lock."""
+        live = {replica: weight for replica, weight in self._weights.items() if replica not in self._left}
+        self._ring = HashRing(live, min_ring_size=self._ring.min_ring_size, max_ring_size=self._ring.max_ring_size)
+        return self._ring.hosts
 
     def _readmit(self) -> None:
         """Ask each replica that left the ring, and was not asked within ``readmit_interval_s``, whether it is
@@ -201,10 +206,7 @@ class RoutedClient:
         with self._lock:
             for replica in back:
                 self._left.pop(replica, None)
-            live = set(self._ring.hosts) | set(back)
-            self._ring = HashRing({replica: weight for replica, weight in self._weights.items() if replica in live},
-                                  min_ring_size=self._ring.min_ring_size, max_ring_size=self._ring.max_ring_size)
-            hosts = self._ring.hosts
+            hosts = self._rebuild()
         logger.warning("replica %s ready again: back on the ring; %d on it: %s", ", ".join(back), len(hosts),
                        ", ".join(hosts))
 
