@@ -7,7 +7,7 @@ times, from the moment the launcher found it ready (its HTTP health endpoint, po
 those calls had its answer. Each answer must come from the session's journal (path ``rebuild``).
 
 Two cases, alternating trial by trial: the client's gRPC connection as prepos makes it (reconnect attempts at
-most a second apart, ``prepos_client.channel``) and with gRPC's default backoff (tritonclient's own channel
+most half a second apart, ``prepos_client.channel``) and with gRPC's default backoff (tritonclient's own channel
 arguments, attempts up to two minutes apart). Prints every call's delay and the median and p99 per case.
 
     python loadtest/restart_trials.py [--trials 3] [--sessions 4] [--outage-s 20]

@@ -1,4 +1,4 @@
-"""The gRPC connection every prepos client object opens: tritonclient's, reconnecting within a second."""
+"""The gRPC connection every prepos client object opens: tritonclient's, reconnecting within half a second."""
 
 from __future__ import annotations
 
