@@ -31,6 +31,11 @@ def start_server(tmp_dir: Path, env: dict[str, str] | None = None, repositories=
     return server.__enter__()
 
 
+def ports_of(server: TritonServer) -> tuple[int, int, int]:
+    """A server's HTTP, gRPC and metrics ports, to start another on the same ones (``start_server(ports=...)``)."""
+    return server.options.http_port, server.options.grpc_port, server.options.metrics_port
+
+
 def kill_hard(server) -> None:
     """SIGKILL the server and its backend stub processes (ours: started by this test)."""
     parent = psutil.Process(server.process.pid)

@@ -23,7 +23,7 @@ from prepos.journal import SessionJournal
 from prepos_client.ring import HashRing
 from prepos_client.routing import RoutedClient
 
-from .conftest import kill_hard, start_server
+from .conftest import kill_hard, ports_of, start_server
 from .test_server import SYSTEM, Conversation, check_answer, eventually
 
 pytestmark = pytest.mark.integration
@@ -205,7 +205,7 @@ def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
             for thread in threads:
                 thread.join(300)
             # The step's end: the replica starts again on its ports, rejoins the ring, and takes new sessions.
-            ports = (stopping.options.http_port, stopping.options.grpc_port, stopping.options.metrics_port)
+            ports = ports_of(stopping)
             restarted = start_server(tmp_path / "replica-b-again", {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")},
                                      ports=ports)
             try:

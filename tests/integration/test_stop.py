@@ -22,7 +22,7 @@ from prepos.launcher import REPO_ROOT, ServerOptions, prepare_backend_dir, serve
 from prepos.supervise import DRAIN_ENV, STOP_GRACE_S
 from prepos_client import Client, PreposError
 
-from .conftest import ENGINE_DIR, free_loopback_ports, start_server
+from .conftest import ENGINE_DIR, free_loopback_ports, ports_of, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -130,7 +130,7 @@ def test_calls_made_while_the_only_server_restarts_wait_for_it_and_go_on_once(tm
     journal_dir = tmp_path / "journal"
     env = {"PREPOS_JOURNAL_DIR": str(journal_dir)}
     server = start_server(tmp_path / "first", env=env)
-    ports = (server.options.http_port, server.options.grpc_port, server.options.metrics_port)
+    ports = ports_of(server)
     client = Client(server.grpc_url, timeout_s=300, wait_for_ready=True)
     answers: dict = {}
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.conftest import start_server
+from integration.conftest import ports_of, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -106,7 +106,7 @@ def test_with_wait_for_ready_a_restart_of_the_server_fails_no_request(tmp_path):
     go on from their journals."""
     env = {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")}
     first = start_server(tmp_path / "first", env=env)
-    ports = (first.options.http_port, first.options.grpc_port, first.options.metrics_port)
+    ports = ports_of(first)
     command = [sys.executable, "-m", "prepos_loadtest.run", "--host", first.grpc_url, "--out", str(tmp_path / "out"),
                "--stop-timeout", "30", "--workload", "monitor", "--users", "2", "--spawn-rate", "2", "--run-time",
                "25s", "--think-scale", "0.2", "--workload-sessions", "4", "--wait-for-ready",
