@@ -25,8 +25,11 @@ without one it refuses the request (`PreposError` naming `resume`): the
 session's state was lost with its replica.
 
 A replica draining before a stop (see the README, "Stopping the server") ends
-its sessions, keeping their journals, and refuses to reopen them: the session
-moves the same way, and resumes on its new owner from the shared journal.
+its sessions, keeping their journals, and refuses to reopen them; once the
+drain is done Triton unloads the model and refuses every request for it
+("... has no available versions"). Neither refusal changed anything there:
+the session moves the same way, and resumes on its new owner from the shared
+journal.
 
 A replica that left the ring so rejoins it once it reports the model ready
 again (a restart, a rolling update), as Envoy's health checks bring an
@@ -53,7 +56,7 @@ from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER, Client
 from .errors import PreposError, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
-from .session import Session, check_session_id, new_session_id, says_draining
+from .session import Session, check_session_id, new_session_id, server_away
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ READMIT_INTERVAL_S = 2.0
 
 @dataclass(frozen=True)
 class Failover:
-    """A session moved because its replica could not be reached."""
+    """A session moved because its replica could not be reached or was stopping (`reason`: the error it gave)."""
 
     session_id: str | int
     from_replica: str
@@ -84,7 +87,7 @@ class RoutedClient:
         model, timeout_s, headers, token: as for `Client` (the same token on every replica).
         min_ring_size, max_ring_size: as the chart's `router.ringHash`.
         readmit_interval_s: how often, at most, a replica that left the ring because it could not be reached or
-            was draining is asked whether it is ready again (when a session is placed); once it is, it rejoins.
+            was stopping is asked whether it is ready again (when a session is placed); once it is, it rejoins.
 
     Raises:
         ValueError, TypeError: bad replicas or ring sizes (see `HashRing`).
@@ -168,7 +171,7 @@ class RoutedClient:
             self._rebuild()
 
     def lose_replica(self, replica: str) -> bool:
-        """Take `replica` out of the ring because it could not be reached or is draining: it rejoins once it
+        """Take `replica` out of the ring because it could not be reached or is stopping: it rejoins once it
         reports the model ready again. True if it was on the ring."""
         return self._leave(replica, for_good=False)
 
@@ -231,10 +234,13 @@ class RoutedClient:
         self.close()
 
 
-def _moves(error: PreposError) -> bool:
-    """Whether an error moves a session off its replica: the replica cannot be reached, or it is draining
-    before a stop (it refused to open or resume the session)."""
-    return isinstance(error, PreposUnavailable) or says_draining(error)
+def _why_moves(error: PreposError) -> str | None:
+    """Why an error moves a session off its replica, None when it does not: the replica cannot be reached, or
+    it refused the request because it is stopping (draining before the stop, then no longer serving the model:
+    Triton unloads it once told to stop), which changed nothing there."""
+    if isinstance(error, PreposUnavailable):
+        return "unreachable"
+    return server_away(error)
 
 
 class RoutedSession:
@@ -242,13 +248,13 @@ class RoutedSession:
 
     Same calls as `Session` (`append`, `generate`, `ask`, `settle`, `close`, `detach`).
     A call whose replica cannot be reached (`PreposUnavailable`), or is
-    draining before a stop (it ended the session, its journal kept, and refuses
-    to reopen it), removes that replica from the client's ring, moves the
-    session to its new owner and is sent again there (resuming the session if
-    it was opened), once per replica lost; it raises that error only when no
-    replica is left. Every
-    other error is raised as `Session` raises it. `replica` is where the
-    session is now; `failovers` lists its moves.
+    stopping (draining: it ended the session, its journal kept, and refuses to
+    reopen it; or no longer serving the model), removes that replica from the
+    client's ring, moves the session to its new owner and is sent again there
+    (resuming the session if it was opened), once per replica lost; it raises
+    that error only when no replica is left. Every other error is raised as
+    `Session` raises it. `replica` is where the session is now; `failovers`
+    lists its moves.
     """
 
     def __init__(self, client: RoutedClient, session_id: str | int, *, resume: bool):
@@ -338,9 +344,10 @@ class RoutedSession:
             try:
                 result = send(session)
             except PreposError as error:
-                if not _moves(error):
+                why = _why_moves(error)
+                if why is None:
                     raise
-                self._fail_over(session, error)
+                self._fail_over(session, error, why)
                 continue
             self._opened = self._opened or accepted
             return session, result
@@ -351,9 +358,10 @@ class RoutedSession:
             try:
                 first = next(chunks)
             except PreposError as error:
-                if not _moves(error):
+                why = _why_moves(error)
+                if why is None:
                     raise
-                self._fail_over(session, error)
+                self._fail_over(session, error, why)
                 session, chunks = self._call_with_session(send, accepted=False)
                 continue
             break
@@ -361,7 +369,7 @@ class RoutedSession:
         yield first
         yield from chunks
 
-    def _fail_over(self, session: Session, error: PreposError) -> None:
+    def _fail_over(self, session: Session, error: PreposError, why: str) -> None:
         """Move the session off `session`'s replica, or raise `error` when no replica is left."""
         lost = session.url
         self._client.lose_replica(lost)
@@ -374,7 +382,5 @@ class RoutedSession:
         except LookupError:
             raise error from None
         self.failovers.append(Failover(self.session_id, lost, replica, str(error)))
-        logger.warning("session %s: replica %s %s (%s); moved to %s", self.session_id, lost,
-                       "unreachable" if isinstance(error, PreposUnavailable) else "draining before a stop", error,
-                       replica)
+        logger.warning("session %s: replica %s %s (%s); moved to %s", self.session_id, lost, why, error, replica)
         self._session = self._open(replica)

@@ -131,7 +131,7 @@ def says_draining(error: PreposError) -> bool:
     return error.field == "START" and "is draining" in error.message
 
 
-def _server_away(error: PreposError) -> str | None:
+def server_away(error: PreposError) -> str | None:
     """Why a refusal shows that the server is stopping, restarting or down, such that the request changed nothing:
     None when it does not show that.
 
@@ -513,7 +513,7 @@ class Session:
                 router.forget(request_id)
                 self._stop_stream()
                 failure = router.failure or from_triton(error)
-                why = _server_away(failure) if self.wait_for_ready else None
+                why = server_away(failure) if self.wait_for_ready else None
                 if why is None or not self._wait_until_ready(deadline, waits, why):
                     raise failure from None
                 waits += 1  # nothing was sent: send it on a new stream now that the server is ready
@@ -573,14 +573,14 @@ class Session:
         - the server refused a START because it is draining before a stop: sent again on a new stream, once (the
           old one is pinned to that server, and holding it delays its stop), which a router in front of several
           replicas takes to another; with a journal they share, the session resumes there;
-        - with `wait_for_ready`, the server is stopping, restarting or not reachable (:func:`_server_away`): sent
+        - with `wait_for_ready`, the server is stopping, restarting or not reachable (:func:`server_away`): sent
           again on a new stream once the server reports the model ready, as often as that happens within the
           call's time limit; a request that had not opened the session goes with START and `resume`.
 
         Only a request sent alone, and the session's latest, within its own time limit: pipelined requests are
         refused the same way, and sending one again could put it before another. Returns the request sent again,
         or None; after the first refusal the next call reopens the session either way."""
-        away = _server_away(error)
+        away = server_away(error)
         if error.status is None and not inflight.opens_session and _says_not_open(error):
             self._needs_start = self._resume = self._reopening = True
             kind = "reopen"

@@ -125,6 +125,33 @@ def test_a_draining_replica_leaves_the_ring_and_its_session_resumes_on_the_new_o
     assert first.sequence_start and first.inputs["resume"].tolist() == [True]
 
 
+@pytest.mark.parametrize("refusal", [
+    "Request for unknown model: 'prepos' has no available versions",  # drained, then the model unloaded
+    "Server is stopping, scheduler for model has stopped accepting new inference requests",  # stopped, no drain
+])
+def test_a_replica_no_longer_serving_the_model_leaves_the_ring_and_its_session_resumes_on_the_new_owner(
+        replicas, refusal):
+    client = RoutedClient(REPLICAS, timeout_s=2)
+    stopped = REPLICAS[0]
+    (moving,) = session_ids_on(stopped, client.ring, 1)
+    session = client.session(moving)
+    session.ask("one")
+    replicas.errors[stopped] = InferenceServerException(msg=refusal)
+    answer = session.ask("two")
+    owner = HashRing(REPLICAS).without(stopped).lookup(moving)
+    assert answer.text == "two" and session.replica == owner and stopped not in client.replicas
+    assert [(f.from_replica, f.to_replica, f.reason) for f in session.failovers] == [(stopped, owner, refusal)]
+    assert [r.sequence_start for r in replicas.requests(stopped, moving)] == [True, False]
+    (first,) = replicas.requests(owner, moving)
+    assert first.sequence_start and first.inputs["resume"].tolist() == [True]
+    # A model name the replica does not serve is the caller's mistake: it moves nothing.
+    other = client.session(session_ids_on(REPLICAS[1], client.ring, 1)[0])
+    replicas.errors[REPLICAS[1]] = InferenceServerException(msg="Request for unknown model: 'prepos2' is not found")
+    with pytest.raises(PreposError, match="is not found"):
+        other.ask("one")
+    assert not other.failovers and REPLICAS[1] in client.replicas
+
+
 def test_a_session_lost_before_it_opened_opens_on_the_new_owner(replicas):
     client = RoutedClient(REPLICAS[:2], timeout_s=2)
     (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
