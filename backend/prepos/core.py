@@ -172,9 +172,9 @@ class Core:
         return cls(config, model_dir, metrics_sink)
 
     def parse(self, inputs: Mapping[str, np.ndarray], *, session_id: str | int, request_id: str | None,
-              arrival_s: float, timeout_s: float | None = None, drain: bool = False) -> Request:
+              arrival_s: float, timeout_s: float | None = None) -> Request:
         """Validate one request's input arrays (raises ProtocolError); ``timeout_s`` (the client's request
-        timeout) sets the request's deadline; ``drain``: an END the drain sent (:mod:`prepos.drain`)."""
+        timeout) sets the request's deadline."""
         return parse_request(
             inputs,
             session_id=session_id,
@@ -183,7 +183,6 @@ class Core:
             default_max_tokens=self.config.scheduler.default_max_tokens,
             arrival_s=arrival_s,
             timeout_s=timeout_s,
-            drain=drain,
         )
 
     def submit(self, request: Request | Rejection, sink: ResponseSink, *, inline: bool = False) -> None:

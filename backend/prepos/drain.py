@@ -1,20 +1,22 @@
-"""Draining before a stop: every session is ended, its journal kept, so that Triton exits without waiting.
+"""Draining before a stop: every session is ended, its journal kept, so that a stop loses no accepted turn.
 
-Triton counts each open session (a live sequence) as an in-flight request and, on SIGTERM, waits its whole exit
-timeout for them; an idle session ends only at its idle timeout, far later, so that wait was spent for nothing.
-A drain ends them first. It begins when the drain file (``scheduler.drain_file``) appears: the launcher writes it
-on Ctrl-C or SIGTERM, and so does ``prepos.supervise`` (the image's entrypoint) on SIGTERM. Then:
+It begins when the drain file (``scheduler.drain_file``) appears: the launcher writes it on Ctrl-C or SIGTERM, and
+so does ``prepos.supervise`` (the image's entrypoint) on SIGTERM. Then:
 
 - the model takes the file up (removes it), which tells the writer that a drain is under way;
 - every START, a resume too, is refused with UNAVAILABLE (the client resumes the session elsewhere or later);
-- every open session is ended by an END the model sends itself through Triton (so that the sequence ends there
-  too), marked with the request parameter :data:`DRAIN_PARAMETER`: the END keeps the session's journal, and the
-  requests its client sent before it are served first, in order;
-- every START refused meanwhile gets such an END too (Triton holds a sequence slot for it);
-- once the ENDs of the sessions open at the drain, and of the STARTs refused by the time those are all sent, are
-  answered, ``<drain file>.drained`` is written (a :class:`DrainReport` as JSON); later refused STARTs, which
-  changed nothing, do not hold it back. Whoever stops the server waits for it; Triton then finds no accepted
-  turn in flight.
+- every open session is ended by a drain END the model queues itself (:func:`drain_end`), after the requests its
+  client sent before it, which are served in full; that END closes the session keeping its journal;
+- once every such END is answered, ``<drain file>.drained`` is written (a :class:`DrainReport` as JSON). Whoever
+  stops the server waits for it; then no accepted turn is in flight, and every session is in its journal.
+
+The drain END is queued within the model, not sent through Triton (Business Logic Scripting): a BLS request the
+model sent itself while its engine loop streamed answers could block together with the loop's response sends
+until the server was killed (seen under load, Triton 2.51). So Triton's sequences stay open after a drain; Triton,
+which counts them as in flight, would wait its exit timeout for them, and whoever stops a drained server kills it
+shortly after SIGTERM (``prepos.supervise``): nothing is in flight by then. A request a client sends later for a
+drained session reaches the model, which answers that the session is not open; the client's START with
+``resume`` is then refused as draining.
 
 Without a journal (``journal.dir`` empty) a drained session is gone, as it would be after any stop.
 """
@@ -27,15 +29,14 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Protocol
 
+from prepos.protocol import ProtocolError, Request, ResponseChunk, ResponseSink
+
 log = logging.getLogger("prepos.drain")
 
-DRAIN_PARAMETER = "prepos_drain"
-"""Request parameter of the END a drain sends: that END keeps the session's journal."""
 DRAINED_SUFFIX = ".drained"
 """Appended to the drain file's name: the file written once the drain has ended every session."""
 POLL_S = 0.1
@@ -47,8 +48,8 @@ class DrainReport:
     """What the ``.drained`` file says once every drain END is answered."""
 
     num_ended: int  # sessions ended by their drain END
-    num_failed: int  # drain ENDs not served (Triton no longer held the sequence, say)
-    num_open: int  # sessions still open when it was written (a failed END's)
+    num_failed: int  # drain ENDs refused (the session was closed meanwhile, say)
+    num_open: int  # sessions still open when it was written
     seconds: float  # from the drain file's appearance
 
     def to_json(self) -> str:
@@ -71,6 +72,8 @@ class Drainable(Protocol):
 
     def drain(self) -> None: ...
 
+    def submit(self, request: Request, sink: ResponseSink) -> None: ...
+
     @property
     def open_sessions(self) -> int: ...
 
@@ -79,27 +82,51 @@ def drained_path(drain_file: Path) -> Path:
     return drain_file.with_name(drain_file.name + DRAINED_SUFFIX)
 
 
+class DrainEnd:
+    """Where the answer to a drain END queued within the model goes: the END is answered once this is set."""
+
+    def __init__(self) -> None:
+        self.error: ProtocolError | None = None
+        self._answered = threading.Event()
+
+    def send(self, chunk: ResponseChunk, final: bool) -> None:
+        if final:
+            self._answered.set()
+
+    def send_error(self, error: ProtocolError) -> None:
+        self.error = error
+        self._answered.set()
+
+    def cancelled(self) -> bool:
+        return False
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the END was answered within ``timeout_s``."""
+        return self._answered.wait(timeout_s)
+
+
+def drain_end(session_id: str | int) -> Request:
+    """The END a drain queues for a session: served after the requests its client sent before it, it closes the
+    session keeping its journal (``Request.drain``)."""
+    return Request(session_id=session_id, request_id=f"drain-{session_id}", start=False, end=True, role="user",
+                   max_tokens=0, arrival_s=time.perf_counter(), drain=True)
+
+
 class Drainer:
-    """Watches for the drain file and drains the scheduler when it appears.
+    """Watches for the drain file and drains the scheduler when it appears: each session open then gets a drain END
+    (:func:`drain_end`), and the report is written once every one is answered."""
 
-    ``end_session(session_id)`` sends the session an END with :data:`DRAIN_PARAMETER` and returns once it is
-    answered (or raises); up to ``workers`` run at a time, so that an END waiting behind a long answer holds up no
-    other session's."""
-
-    def __init__(self, drain_file: Path, scheduler: Drainable, end_session: Callable[[str | int], None], *,
-                 poll_s: float = POLL_S, workers: int = 8, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, drain_file: Path, scheduler: Drainable, *, poll_s: float = POLL_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.drain_file = drain_file
         self.drained_file = drained_path(drain_file)
         self._scheduler = scheduler
-        self._end_session = end_session
         self._poll_s = poll_s
         self._clock = clock
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prepos-drain")
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
-        self._count_lock = threading.Lock()
         self.num_ended = 0  # drain ENDs answered
-        self.num_failed = 0  # drain ENDs refused (Triton no longer held the sequence) or failed
+        self.num_failed = 0  # drain ENDs refused (the session closed by its client's own END meanwhile, say)
 
     def start(self) -> None:
         """Remove a drain file left by an earlier server (it would drain this one at once), then watch."""
@@ -118,7 +145,6 @@ class Drainer:
         self._stopped.set()
         if self._thread is not None:
             self._thread.join(5.0)
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         while not self._take_up():
@@ -128,30 +154,37 @@ class Drainer:
         log.info("drain file %s found: draining (STARTs are refused; every open session is ended, its journal "
                  "kept)", self.drain_file)
         self._scheduler.drain()
-        under_way: set[Future] = set()
-        awaited: set[Future] | None = None  # the ENDs the report waits for; None: not chosen yet
+        under_way: dict[str | int, DrainEnd] = {}
         reported = False
         while not self._stopped.is_set():
             listed = self._scheduler.drain_listed  # read first: then every listed id is in the queue already
             try:
-                under_way.add(self._pool.submit(self._end, self._scheduler.drain_ids.get(timeout=self._poll_s)))
+                self._send_end(under_way, self._scheduler.drain_ids.get(timeout=self._poll_s))
                 while True:  # and every id queued by now
-                    under_way.add(self._pool.submit(self._end, self._scheduler.drain_ids.get_nowait()))
+                    self._send_end(under_way, self._scheduler.drain_ids.get_nowait())
             except queue.Empty:
                 pass
             if self._take_up():  # asked again (a stop after a drain begun by hand, say): report again
-                reported, awaited = False, None
-            under_way = {future for future in under_way if not future.done()}
-            if reported or not listed:
-                continue
-            # The report waits for the ENDs of the sessions open at the drain and of every START refused by the
-            # time they are all queued, not for a moment with nothing queued: clients that keep trying to open
-            # or resume sessions would put that off without end. A START refused later changed nothing; its END
-            # (which frees Triton's sequence slot) is sent all the same.
-            awaited = set(under_way) if awaited is None else {future for future in awaited if not future.done()}
-            if not awaited:
+                reported = False
+            self._count_answered(under_way)
+            if listed and not under_way and not reported:
                 reported = True
                 self._report(self._clock() - began)
+
+    def _send_end(self, under_way: dict[str | int, DrainEnd], session_id: str | int) -> None:
+        under_way[session_id] = answered = DrainEnd()
+        self._scheduler.submit(drain_end(session_id), answered)
+
+    def _count_answered(self, under_way: dict[str | int, DrainEnd]) -> None:
+        for session_id, answered in list(under_way.items()):
+            if not answered.wait(0):
+                continue
+            del under_way[session_id]
+            if answered.error is None:
+                self.num_ended += 1
+            else:
+                self.num_failed += 1
+                log.info("drain: the END of session %r was refused (%s)", session_id, answered.error)
 
     def _take_up(self) -> bool:
         """Remove the drain file if it is there (the writer then knows the drain is under way, and waits for the
@@ -162,20 +195,10 @@ class Drainer:
         except OSError:
             return False
 
-    def _end(self, session_id: str | int) -> None:
-        try:
-            self._end_session(session_id)
-            with self._count_lock:
-                self.num_ended += 1
-        except Exception as err:  # noqa: BLE001 - one session's END failing stops no other's
-            with self._count_lock:
-                self.num_failed += 1
-            log.info("drain: the END of session %r was not served (%s)", session_id, err)
-
     def _report(self, took_s: float) -> None:
         report = DrainReport(num_ended=self.num_ended, num_failed=self.num_failed,
                              num_open=self._scheduler.open_sessions, seconds=round(took_s, 3))
-        log.info("drained in %.2f s: %d sessions ended, %d ENDs not served, %d sessions still open", took_s,
+        log.info("drained in %.2f s: %d sessions ended, %d ENDs refused, %d sessions still open", took_s,
                  report.num_ended, report.num_failed, report.num_open)
         tmp = self.drained_file.with_name(self.drained_file.name + ".tmp")
         try:

@@ -318,7 +318,8 @@ class TritonServer:
         env.pop(ACCESS_TOKEN_ENV, None)  # the server has it in its arguments; its backends need not see it
         handle = open(self.log_file, "wb")
         # Its own session: a terminal's Ctrl-C goes to this process alone, which drains the model before it stops
-        # tritonserver (one that got SIGINT itself would refuse the drain's ENDs, "Server not ready").
+        # tritonserver (one that got SIGINT itself would begin its exit before the drain, and refuse every request
+        # its clients send from then on).
         self.process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                         start_new_session=True)
         handle.close()
@@ -396,14 +397,14 @@ class TritonServer:
         except psutil.NoSuchProcess:
             return []
 
-    def stop(self, timeout_s: float | None = None) -> None:
+    def stop(self, timeout_s: float | None = None) -> bool:
         """Drain, SIGTERM, then SIGKILL if it has not exited within ``timeout_s`` in all (default: its exit timeout
         and ``prepos.supervise.STOP_GRACE_S`` more): :func:`prepos.supervise.stop_server`, with a drain once the
         server got ready. Backend stub processes still alive afterwards are killed too, also when tritonserver had
         already exited (killed or crashed): a stub can hang rather than follow a server that died under it, holding
-        the model and its KV."""
+        the model and its KV. Returns whether this stop drained the server."""
         if self.process is None:
-            return
+            return False
         import psutil
 
         stubs = {stub.pid: stub for stub in self._stubs}
@@ -430,6 +431,7 @@ class TritonServer:
             (log.info if drained else log.warning)("backend stub %d outlived tritonserver; killing it", stub.pid)
         _kill(alive)
         _wait_dead(alive, timeout_s=5.0)  # a killed stub is gone (or a zombie) when stop returns
+        return drained
 
     def __enter__(self) -> "TritonServer":
         self.start()

@@ -101,7 +101,7 @@ class Request:
     arrival_s: float = 0.0  # perf_counter() when the request reached the server
     deadline_s: float | None = None  # perf_counter() by which it must finish (the client's request timeout)
     resume: bool = False  # with START: continue the session this id names (reopen it from its journal if needed)
-    drain: bool = False  # an END sent by the server's own drain (prepos.drain): the session's journal is kept
+    drain: bool = False  # the END the server's own drain queues (prepos.drain.drain_end): the journal is kept
 
     @property
     def is_append(self) -> bool:
@@ -303,15 +303,13 @@ def parse_request(
     default_max_tokens: int,
     arrival_s: float = 0.0,
     timeout_s: float | None = None,
-    drain: bool = False,
 ) -> Request:
     """Validate one request's inputs and build a :class:`Request`.
 
     ``inputs`` maps input names (including the ``START``/``END`` controls) to
     arrays. Raises :class:`ProtocolError` naming the first bad input. Checks
     that need the model (token id range, context length, role framing) happen
-    where the session is served, with the same error type. ``drain``: the request parameter of an END the
-    server's drain sent (see :mod:`prepos.drain`); it keeps the session's journal.
+    where the session is served, with the same error type.
     """
     unknown = inputs.keys() - _KNOWN_NAMES
     if unknown:
@@ -387,5 +385,4 @@ def parse_request(
         arrival_s=arrival_s,
         deadline_s=arrival_s + timeout_s if timeout_s else None,
         resume=resume is not None and bool(resume),
-        drain=drain and end is not None and bool(end),
     )

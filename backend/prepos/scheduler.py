@@ -166,8 +166,7 @@ class Scheduler:
         self._draining = False  # set by drain(), from any thread
         self.drain_listed = False  # the loop has put the sessions open when the drain began in drain_ids
         self.drain_ids: queue.SimpleQueue[str | int] = queue.SimpleQueue()
-        """Sessions the drain must end with a request of its own (Triton holds their sequences): the sessions open
-        when it began, then every id whose START it refused."""
+        """The sessions open when the drain began, for it to end each one with a drain END of its own."""
 
     # --- other threads -------------------------------------------------
 
@@ -193,8 +192,8 @@ class Scheduler:
 
     def drain(self) -> None:
         """Begin draining before a stop (thread-safe): from now on every START (a resume too) is refused with
-        UNAVAILABLE, and the ids of the open sessions, then of each refused START, go to :attr:`drain_ids`, for the
-        caller to end each one by an END request with the drain marker (``Request.drain``), which keeps its
+        UNAVAILABLE, and the ids of the open sessions go to :attr:`drain_ids`, for the caller to end each one by
+        an END request with the drain marker (``Request.drain``, :func:`prepos.drain.drain_end`), which keeps its
         journal. Requests of open sessions are served as before, in order, up to that END."""
         self._draining = True
         self._wake.put(None)
@@ -275,8 +274,6 @@ class Scheduler:
 
     def _admit(self, request: Request | Rejection, sink: ResponseSink) -> None:
         if self._draining and request.start:
-            if not request.end:  # Triton holds the sequence this START opened until an END ends it
-                self.drain_ids.put(request.session_id)
             self._reject(sink, ProtocolError("START", DRAINING_MESSAGE, Status.UNAVAILABLE))
             return
         if isinstance(request, Rejection):

@@ -32,7 +32,9 @@ STOP_GRACE_S = 5.0
 """How long past its exit timeout a tritonserver that was not drained is given before it is killed."""
 DRAINED_EXIT_S = 3.0
 """How long after SIGTERM a drained tritonserver (nothing in flight, every session ended) is given to exit before
-it is killed: while a client still holds a stream, Triton 2.51 does not finish unloading the model."""
+it is killed: Triton still counts the drained sessions' sequences as in flight (the drain ends them within the
+model, see :mod:`prepos.drain`), and while a client still holds a stream, Triton 2.51 does not finish unloading
+the model."""
 TRITON_EXIT_TIMEOUT_S = 30.0
 """tritonserver's ``--exit-timeout-secs`` when its arguments do not set it."""
 DRAIN_ENV = "PREPOS_SCHEDULER_DRAIN_FILE"
@@ -58,7 +60,7 @@ def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_time
         drain_file, min(exit_timeout_s, timeout_s), alive=lambda: process.poll() is None)
     drained = report is not None and report.num_open == 0
     if report is not None and not drained:  # an END not served says nothing of that session's requests in flight
-        log.warning("the drain left %d sessions open (%d ENDs not served); stopping as without a drain",
+        log.warning("the drain left %d sessions open (%d ENDs refused); stopping as without a drain",
                     report.num_open, report.num_failed)
     if process.poll() is not None:
         return drained
@@ -68,8 +70,8 @@ def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_time
         process.wait(wait_s)
     except subprocess.TimeoutExpired:
         if drained:
-            log.info("tritonserver had not exited %.0f s after SIGTERM, drained (a client still holds a stream, "
-                     "and Triton 2.51 then does not unload the model); killing it: nothing was in flight", wait_s)
+            log.info("tritonserver had not exited %.0f s after SIGTERM, drained (it still counts the drained "
+                     "sessions' sequences); killing it: nothing was in flight", wait_s)
         else:
             log.warning("tritonserver had not exited %.0f s after SIGTERM (its exit timeout is %g s: Triton waits for "
                         "open sessions, and hangs past it while a client holds a stream); killing it, open sessions "

@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
 
-import numpy as np
 import pytest
-from prepos.config import LimitsConfig
-from prepos.drain import DrainReport, Drainer, drained_path, request_drain
+from prepos.drain import DrainReport, Drainer, drain_end, drained_path, request_drain
 from prepos.journal import SessionJournal
-from prepos.protocol import Status, end_reason, parse_request
+from prepos.protocol import ProtocolError, ResponseChunk, Status, end_reason
 from test_scheduler import Harness, open_session
 
 
@@ -42,23 +39,26 @@ def test_a_drain_refuses_starts_lists_the_open_sessions_and_its_end_keeps_their_
     h.sched.drain()
     h.sched.run_once()
     assert h.sched.drain_listed and sorted(drain_ids(h)) == ["s1", "s2"]
-    for resume in (False, True):  # a new session, and a resume, are refused; their ids are to be ended too
+    for resume in (False, True):  # a new session, and a resume, are refused (and hold nothing to end)
         refused = h.serve(h.request(f"new-{resume}", "hello", start=True, resume=resume))
         assert refused.error.status is Status.UNAVAILABLE and "draining" in str(refused.error)
         assert h.sched.store.get(f"new-{resume}") is None
-    assert drain_ids(h) == ["new-False", "new-True"]
-    both = h.serve(h.request("new-both", None, start=True, end=True, max_tokens=0))  # Triton ends that one itself
+    both = h.serve(h.request("new-both", None, start=True, end=True, max_tokens=0))
     assert both.error.status is Status.UNAVAILABLE and drain_ids(h) == []
 
     # A request of an open session sent before the drain's END is served as before, then the END closes it.
     before = h.submit(h.request("s1", "one more", max_tokens=0))
-    drain_end = h.request("s1", None, end=True, max_tokens=0, drain=True)
-    assert end_reason(drain_end) == "drain"
-    closed = h.submit(drain_end)
+    end = drain_end("s1")
+    assert end_reason(end) == "drain" and end.end and not end.start
+    closed = h.submit(end)
     while not closed.done:
         h.sched.run_once()
     assert before.chunks[-1].finish_reason == "appended" and closed.chunks[-1].finish_reason == "closed"
     assert h.sched.store.get("s1") is None and h.sched.open_sessions == 1
+    # A request its client sends later is refused as for a session not open (the client then resumes it, with
+    # START and `resume`, which is refused as draining: elsewhere, or after the restart).
+    later = h.serve(h.request("s1", "and now?", max_tokens=3))
+    assert later.error.field == "START" and later.error.status is Status.NOT_FOUND and "not open" in str(later.error)
     assert h.metrics.sink.get("prepos_sessions_drained_total") == 1
     assert sorted(journal.session_ids()) == ["s1", "s2"]  # kept: s1 resumes after the restart
     assert journal.recover("s1").token_log[: len(logs["s1"])] == logs["s1"]
@@ -72,19 +72,36 @@ def test_a_drain_refuses_starts_lists_the_open_sessions_and_its_end_keeps_their_
 
 
 class FakeScheduler:
-    """What a Drainer drives: ends sessions as the model would when their drain END reaches it."""
+    """What a Drainer drives: answers each drain END as the engine loop would, at once unless its session is in
+    ``held`` (an END waiting behind a long answer: ``answer`` sends it later) or ``refused``."""
 
-    def __init__(self, open_ids):
+    def __init__(self, open_ids, *, held=(), refused=()):
         self.open = set(open_ids)
+        self.held, self.refused = set(held), set(refused)
         self.drain_ids: queue.SimpleQueue = queue.SimpleQueue()
         self.drain_listed = False
         self.drained = threading.Event()
+        self.ends: dict = {}  # session id -> the sink of its drain END
+        self.lock = threading.Lock()
 
     def drain(self):
         self.drained.set()
         for sid in sorted(self.open):
             self.drain_ids.put(sid)
         self.drain_listed = True
+
+    def submit(self, request, sink):
+        assert request.end and request.drain and not request.start
+        with self.lock:
+            self.ends[request.session_id] = sink
+        if request.session_id in self.refused:
+            sink.send_error(ProtocolError("START", f"session {request.session_id!r} is closed", Status.NOT_FOUND))
+        elif request.session_id not in self.held:
+            self.answer(request.session_id)
+
+    def answer(self, sid):
+        self.open.discard(sid)
+        self.ends[sid].send(ResponseChunk("", (), "update", 1.0, "closed", 0.0, 0.0, 0.0), final=True)
 
     @property
     def open_sessions(self):
@@ -99,81 +116,57 @@ def wait_for(condition, timeout_s=10.0):
 
 
 def test_the_drainer_waits_for_its_file_ends_every_session_and_then_reports(tmp_path):
-    scheduler = FakeScheduler(["a", "b", "c"])
-    release = threading.Event()
-    ended = []
-
-    def end_session(sid):
-        if sid == "b":
-            release.wait(10)  # an END waiting behind a long answer
-        if sid == "c":
-            raise RuntimeError("Triton no longer holds the sequence")
-        ended.append(sid)
-        scheduler.open.discard(sid)
-
+    scheduler = FakeScheduler(["a", "b", "c"], held={"b"}, refused={"c"})
     drain_file = tmp_path / "drain"
-    drainer = Drainer(drain_file, scheduler, end_session, poll_s=0.01)
+    drainer = Drainer(drain_file, scheduler, poll_s=0.01)
     drainer.start()
     try:
         time.sleep(0.1)
         assert not scheduler.drained.is_set()  # nothing happens before the file appears
         drain_file.touch()
         wait_for(lambda: not drain_file.exists())  # taken up
-        wait_for(lambda: "a" in ended)
+        wait_for(lambda: set(scheduler.ends) == {"a", "b", "c"})
         time.sleep(0.1)
         assert not drained_path(drain_file).exists()  # b's END is still under way
-        release.set()
+        scheduler.answer("b")
         wait_for(drained_path(drain_file).exists)
         report = DrainReport.from_json(drained_path(drain_file).read_text())
         assert (report.num_ended, report.num_failed, report.num_open) == (2, 1, 1)
-        scheduler.drain_ids.put("late")  # a START refused after the report is ended too
-        wait_for(lambda: "late" in ended)
         drained_path(drain_file).unlink()
         drain_file.touch()  # asked again (a stop after a drain begun by hand): taken up and reported again
         wait_for(drained_path(drain_file).exists)
-        assert DrainReport.from_json(drained_path(drain_file).read_text()).num_ended == 3
+        assert DrainReport.from_json(drained_path(drain_file).read_text()).num_ended == 2
         assert not drain_file.exists()
     finally:
         drainer.stop()
 
 
-def test_a_steady_stream_of_refused_starts_does_not_hold_the_report_back(tmp_path):
-    """Clients that keep trying to open or resume sessions while the server drains (a load test, or clients that
-    wait for the server) have their refused STARTs queued for an END without a pause: the report waits for the ENDs
-    of the sessions open at the drain and of the ids queued by then, not for a quiet moment."""
-    scheduler = FakeScheduler(["a", "b"])
-    ended = []
-
-    def end_session(sid):
-        time.sleep(0.005)  # an END's round trip through Triton
-        ended.append(sid)
-        scheduler.open.discard(sid)
-
-    stop_refusing = threading.Event()
-
-    def refuse_starts():  # a refused START every 2 ms, faster than the drainer looks for new ids
-        for number in itertools.count():
-            if stop_refusing.wait(0.002):
-                return
-            if scheduler.drained.is_set():
-                scheduler.drain_ids.put(f"refused-{number}")
-
+def test_a_drain_ends_sessions_with_answers_streaming_after_those_answers(tmp_path):
+    """The engine loop running, as in the server: each session's drain END is queued behind the answer its client
+    asked for, which is streamed in full first; the report comes once every END is answered."""
+    journal_dir = tmp_path / "journal"
+    h = journaled(tmp_path, journal_dir)
+    for sid in ("s1", "s2", "s3"):
+        open_session(h, sid=sid)
+    h.sched.start()
     drain_file = tmp_path / "drain"
-    drainer = Drainer(drain_file, scheduler, end_session, poll_s=0.05)
-    refusing = threading.Thread(target=refuse_starts)
-    refusing.start()
+    drainer = Drainer(drain_file, h.sched, poll_s=0.01)
     drainer.start()
     try:
+        answers = {sid: h.submit(h.request(sid, f"a long question of {sid}", max_tokens=40)) for sid in ("s1", "s2", "s3")}
         drain_file.touch()
-        wait_for(drained_path(drain_file).exists, timeout_s=5)
+        wait_for(drained_path(drain_file).exists)
         report = DrainReport.from_json(drained_path(drain_file).read_text())
-        assert report.num_open == 0 and {"a", "b"} <= set(ended) and report.seconds < 3
-        num_ended = len(ended)
-        wait_for(lambda: len(ended) > num_ended + 10)  # STARTs refused after the report are still ended
+        assert (report.num_ended, report.num_failed, report.num_open) == (3, 0, 0)
+        for sid, answer in answers.items():
+            assert answer.done and answer.error is None, sid
+            assert answer.chunks[-1].finish_reason in ("length", "stop"), sid
+            assert h.sched.store.get(sid) is None
+        assert sorted(h.sched._residency._journal.session_ids()) == ["s1", "s2", "s3"]
+        assert h.metrics.sink.get("prepos_sessions_drained_total") == 3
     finally:
-        stop_refusing.set()
-        refusing.join()
         drainer.stop()
+        h.sched.stop()
 
 
 def test_a_drain_file_left_by_an_earlier_server_is_removed_at_start(tmp_path):
@@ -181,7 +174,7 @@ def test_a_drain_file_left_by_an_earlier_server_is_removed_at_start(tmp_path):
     drain_file.touch()
     drained_path(drain_file).write_text("{}")
     scheduler = FakeScheduler(["a"])
-    drainer = Drainer(drain_file, scheduler, lambda sid: None, poll_s=0.01)
+    drainer = Drainer(drain_file, scheduler, poll_s=0.01)
     drainer.start()
     try:
         time.sleep(0.1)
@@ -198,7 +191,7 @@ def test_request_drain_returns_the_report_or_none_when_nobody_takes_the_file_up(
     assert time.monotonic() - began < 3 and not drain_file.exists()  # no model watching: gave up, cleaned up
 
     scheduler = FakeScheduler(["a"])
-    drainer = Drainer(drain_file, scheduler, lambda sid: scheduler.open.discard(sid), poll_s=0.01)
+    drainer = Drainer(drain_file, scheduler, poll_s=0.01)
     drainer.start()
     try:
         report = request_drain(drain_file, 5.0, alive=lambda: True, pickup_s=1.0, poll_s=0.01)
@@ -209,23 +202,13 @@ def test_request_drain_returns_the_report_or_none_when_nobody_takes_the_file_up(
 
 def test_request_drain_gives_up_when_the_drain_is_not_done_in_time(tmp_path):
     drain_file = tmp_path / "drain"
-    scheduler = FakeScheduler(["a"])
-    release = threading.Event()
-    drainer = Drainer(drain_file, scheduler, lambda sid: release.wait(10), poll_s=0.01)
+    scheduler = FakeScheduler(["a"], held={"a"})
+    drainer = Drainer(drain_file, scheduler, poll_s=0.01)
     drainer.start()
     try:
         assert request_drain(drain_file, 0.3, alive=lambda: True, poll_s=0.01) is None
     finally:
-        release.set()
         drainer.stop()
-
-
-@pytest.mark.parametrize("drain", [False, True])
-def test_only_an_end_carries_the_drain_marker(tmp_path, drain):
-    inputs = {"START": np.array([0], dtype=np.int32), "END": np.array([int(drain)], dtype=np.int32)}
-    request = parse_request(inputs, session_id="s", request_id="r", limits=LimitsConfig(), default_max_tokens=8,
-                            drain=True)
-    assert request.drain is drain
 
 
 @pytest.mark.parametrize("text", ["", "[]", '{"num_ended": 1}', '{"num_ended": 1, "num_failed": 0, "num_open": 0, '

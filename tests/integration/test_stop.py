@@ -112,6 +112,54 @@ def test_a_drain_ends_every_session_once_served_and_they_resume_after_the_restar
         server.stop()
 
 
+def test_a_stop_while_answers_stream_is_drained_once_they_are_served(tmp_path):
+    """Sessions asking one answer after another when the stop comes: the drain ends each session after the
+    answer under way, which arrives in full; the next one is refused as draining; the stop is a drained one.
+    (The drain's END was once sent through Triton, and blocked together with the model's response sends: one
+    such stop in four was not drained.)"""
+    server = start_server(tmp_path, env={"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")},
+                          exit_timeout_s=EXIT_TIMEOUT_S)
+    client = Client(server.grpc_url, timeout_s=120)
+    num_sessions, streaming = 6, threading.Semaphore(0)
+    answers: dict[int, list[list]] = {index: [] for index in range(num_sessions)}
+    refusals: dict[int, PreposError] = {}
+
+    def converse(index: int) -> None:
+        session = client.session(f"streaming-{index}")
+        session.append(SYSTEM, role="system")
+        try:
+            while True:
+                answers[index].append(chunks := [])
+                for chunk in session.generate("Tell me a long story about a cat.", max_tokens=40, speculate=False):
+                    if not chunks and len(answers[index]) == 1:
+                        streaming.release()
+                    chunks.append(chunk)
+        except PreposError as error:
+            refusals[index] = error
+        session.detach()
+
+    threads = [threading.Thread(target=converse, args=(index,)) for index in range(num_sessions)]
+    try:
+        for thread in threads:
+            thread.start()
+        for _ in threads:
+            assert streaming.acquire(timeout=120)
+        time.sleep(2)  # answers and requests come and go
+        assert server.stop(), "not drained"
+        for thread in threads:
+            thread.join(60)
+        for index in range(num_sessions):
+            assert "draining" in str(refusals[index]), refusals[index]
+            *served, refused = answers[index]  # the last one's request was refused, unanswered
+            assert served and not refused, index
+            for chunks in served:
+                assert sum(len(chunk.token_ids) for chunk in chunks) == 40 and chunks[-1].finish_reason == "length"
+        assert len(list((tmp_path / "journal").iterdir())) == num_sessions
+    finally:
+        server.stop()
+        client.close()
+
+
 def open_sessions_until(url: str, stopped: threading.Event) -> None:
     """Open a session and ask it one question, again and again, until ``stopped``; refusals are expected."""
     with Client(url, timeout_s=5) as client:
@@ -250,7 +298,7 @@ def test_the_supervisor_drains_tritonserver_on_sigterm_and_exits_cleanly(tmp_pat
 
 def test_ctrl_c_in_a_terminal_drains_make_serve(tmp_path):
     """A terminal's Ctrl-C reaches the launcher's whole process group: tritonserver must not take it itself (it
-    would refuse the drain's ENDs) but be drained and stopped by the launcher."""
+    would begin its exit before the drain) but be drained and stopped by the launcher."""
     http, grpc, metrics = free_loopback_ports(3)
     env = {**os.environ, "PREPOS_ENGINE_DIR": str(ENGINE_DIR)}
     with open(tmp_path / "serve.log", "wb") as out:

@@ -19,7 +19,7 @@ except ImportError:  # running from a source checkout: model_repository/prepos/1
 
 from prepos.config import sequence_slots
 from prepos.core import Core
-from prepos.drain import DRAIN_PARAMETER, Drainer
+from prepos.drain import Drainer
 from prepos.heap import settle_heap
 from prepos.bridge import BRIDGE_PARAMETER, relayed_error_outputs
 from prepos.protocol import TRITON_ERROR_CODES, CancelPoll, ProtocolError, Rejection, ResponseChunk, control_flags
@@ -94,9 +94,8 @@ class TritonPythonModel:
                                          sequence_slots=sequence_slots(model_config))
         settle_heap()  # this process's startup objects leave the garbage collector's walks (see prepos.heap)
         self.core.start()
-        self.model_name = args["model_name"]
         drain_file = self.core.config.drain_file(model_dir)
-        self.drainer = Drainer(drain_file, self.core.scheduler, self._end_for_drain) if drain_file else None
+        self.drainer = Drainer(drain_file, self.core.scheduler) if drain_file else None
         if self.drainer is not None:
             self.drainer.start()
 
@@ -109,23 +108,12 @@ class TritonPythonModel:
             try:
                 timeout_us = request.timeout()  # the client's request timeout, 0 = none
                 parsed = self.core.parse(inputs, session_id=request.correlation_id(), request_id=request.request_id(),
-                                         arrival_s=arrival_s, timeout_s=timeout_us / 1e6 if timeout_us else None,
-                                         drain=DRAIN_PARAMETER in parameters)
+                                         arrival_s=arrival_s, timeout_s=timeout_us / 1e6 if timeout_us else None)
             except ProtocolError as err:
                 start, end = control_flags(inputs)
                 parsed = Rejection(request.correlation_id(), start, end, err)
             self.core.submit(parsed, sink, inline=True)
         return None
-
-    def _end_for_drain(self, session_id):
-        """End a session for the drain: an END through Triton, so that its sequence ends there too."""
-        request = pb_utils.InferenceRequest(
-            model_name=self.model_name, requested_output_names=["finish_reason"], inputs=[],
-            correlation_id=session_id, flags=pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
-            parameters={DRAIN_PARAMETER: True})
-        for response in request.exec(decoupled=True):
-            if response.has_error():
-                raise RuntimeError(response.error().message())
 
     def finalize(self):
         if self.drainer is not None:
