@@ -190,6 +190,19 @@ class SessionJournal:
         path.unlink(missing_ok=True)
         return True
 
+    def changed_elsewhere(self, session_id: str | int) -> bool:
+        """Whether another server has reopened, written or replaced the session's journal since this one last
+        wrote or read it (replicas sharing the directory): this server's copy of the session is then stale. False
+        when this server has no note of it, or the journal is gone."""
+        path = self.path(session_id)
+        left_as = self._left_as.get(path)
+        if left_as is None:
+            return False
+        try:
+            return _identity(path.stat()) != left_as
+        except FileNotFoundError:
+            return False
+
     # --- reading -------------------------------------------------------
 
     def recover(self, session_id: str | int) -> RecoveredSession | None:

@@ -71,6 +71,8 @@ SPECS = (
     MetricSpec("prepos_sessions_recovered_total", "counter", "Sessions reopened from their journal"),
     MetricSpec("prepos_sessions_drained_total", "counter",
                "Sessions ended by a drain before a stop, their journals kept (see prepos.drain)"),
+    MetricSpec("prepos_sessions_taken_over_total", "counter",
+               "Sessions whose copy here was dropped for their journal, which another server wrote since"),
     MetricSpec("prepos_journals_expired_total", "counter",
                "Journals of sessions no client came back for, deleted after journal.expire_s"),
     MetricSpec("prepos_turns_dropped_total", "counter", "Turns dropped from session logs by the context overflow policy"),
@@ -264,6 +266,9 @@ class Metrics:
 
     def session_drained(self) -> None:
         self.sink.inc("prepos_sessions_drained_total", {}, 1)
+
+    def session_taken_over(self) -> None:
+        self.sink.inc("prepos_sessions_taken_over_total", {}, 1)
 
     def journals_expired(self, count: int) -> None:
         self.sink.inc("prepos_journals_expired_total", {}, count)

@@ -91,6 +91,12 @@ class Residency:
                  len(session.token_log))
         return session
 
+    def taken_over(self, session: Session) -> bool:
+        """Whether another server has reopened or written the session's journal since this one last did: its
+        client moved there (a replica lost for a moment behind the router, say) and may have taken turns there,
+        so this server's copy is stale (:meth:`prepos.journal.SessionJournal.changed_elsewhere`)."""
+        return self._journal is not None and self._journal.changed_elsewhere(session.session_id)
+
     def close(self, session: Session, reason: str, *, keep_journal: bool = False,
               journal_if_unchanged: bool = False) -> None:
         """Forget the session: its KV is released (the engine may keep its opening turn's for later sessions to

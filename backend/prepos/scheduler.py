@@ -59,6 +59,7 @@ log = logging.getLogger("prepos.scheduler")
 
 HOUSEKEEPING_INTERVAL_S = 0.5
 IDLE_REASON = "idle timeout"  # why a session closed that had no request for the session idle timeout
+TAKEN_OVER_REASON = "taken over"  # why a session's stale copy was dropped: another server wrote its journal since
 
 DRAINING_MESSAGE = ("the server is draining before it stops: no session opens or resumes here now; resume the "
                     "session on another replica or once the server is back (a journaled session keeps its log)")
@@ -283,6 +284,9 @@ class Scheduler:
                 return
         try:
             existing = self.store.get(request.session_id)
+            if existing is not None and existing.task is None and (not request.start or request.resume) \
+                    and self._taken_over(existing):
+                existing = self._residency.recover(request.session_id)  # the journal's state, its turns taken elsewhere
             if request.start and existing is not None and (existing.ending or any(r.end for r, _ in existing.pending)):
                 session = existing  # the id is reused right after an END: it opens once that END is served
             elif request.start and request.resume:
@@ -303,6 +307,19 @@ class Scheduler:
         if session.task is None:
             session.task = self._serve_session(session)
             self._ready.append(session)
+
+    def _taken_over(self, session: Session) -> bool:
+        """Drop the session's copy here (keeping its journal) if another server has reopened or written its journal
+        since this one last did: it holds the session now, or its client came back here after taking turns there
+        (behind a router, a replica lost for a moment and back). Returns whether it was dropped."""
+        if not self._residency.taken_over(session):
+            return False
+        log.warning("session %r: its journal was reopened or written by another server since this one last wrote "
+                    "it; the copy here is stale and is dropped, the session goes on from its journal",
+                    session.session_id)
+        self._close(session, TAKEN_OVER_REASON)
+        self._metrics.session_taken_over()
+        return True
 
     def _open_or_resume(self, request: Request) -> Session:
         """The session a START opens: a new one, or (with ``resume``) the one its journal holds."""
@@ -625,7 +642,8 @@ class Scheduler:
         drained = reason == DRAIN_REASON
         # An idle session here may be open on another replica now (its client moved there and was reopened from
         # the shared journal): its journal is then that replica's.
-        self._residency.close(session, reason, keep_journal=drained, journal_if_unchanged=reason == IDLE_REASON)
+        self._residency.close(session, reason, keep_journal=drained or reason == TAKEN_OVER_REASON,
+                              journal_if_unchanged=reason == IDLE_REASON)
         if drained:
             self._metrics.session_drained()
 

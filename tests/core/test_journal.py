@@ -302,10 +302,14 @@ def test_a_journal_another_server_reopened_or_wrote_since_is_not_deleted_if_unch
     for sid in ("reopened", "written", "replaced", "untouched"):
         mine.create(sid)
         mine.append(sid, ENTRIES[0])
+    assert not any(mine.changed_elsewhere(sid) for sid in ("reopened", "written", "replaced", "untouched"))
     assert other.recover("reopened") is not None  # read back to reopen: touched
     other.recover("written")
     other.append("written", ENTRIES[1])
     other.replace("replaced", ENTRIES[:1])
+    assert [mine.changed_elsewhere(sid) for sid in ("reopened", "written", "replaced", "untouched")] == \
+        [True, True, True, False]
+    assert not other.changed_elsewhere("untouched")  # no note of it there: nothing to tell
     for sid in ("reopened", "written", "replaced"):
         assert not mine.delete(sid, only_if_unchanged=True) and mine.path(sid).exists()
     assert mine.delete("untouched", only_if_unchanged=True) and not mine.path("untouched").exists()

@@ -217,3 +217,36 @@ def test_an_idle_timeout_leaves_the_journal_of_a_session_another_replica_reopene
     answered = second.serve(second.request("moved", "and now?", max_tokens=2))
     assert answered.error is None  # its turn is journaled: the file is still there
     assert journal.recover("moved").num_entries == second.sched._residency._journal.recover("moved").num_entries
+
+
+def test_a_replica_whose_copy_of_a_session_went_stale_goes_on_from_the_journal(tmp_path):
+    """Two replicas on one journal directory. A session's client moved to the second (reopened there from the
+    journal, a turn taken there) and came back to the first, which still held it (behind a router, a replica lost
+    for a moment and back). The first must not answer from its stale copy, nor write its turn after it: it drops
+    its copy and goes on from the journal, as if it had never held the session; it answers what the second would."""
+    journal_dir = tmp_path / "journal"
+    first = restarted(tmp_path, journal_dir)
+    open_session(first, sid="moved")
+    open_session(first, sid="stays")
+    first.serve(first.request("moved", "first question", max_tokens=2))
+    first.serve(first.request("stays", "first question", max_tokens=2))
+    first.idle()
+    second = restarted(tmp_path, journal_dir)
+    assert second.serve(second.request("moved", "taken elsewhere", start=True, resume=True, max_tokens=3)).error is None
+    log = second.log("moved")  # the journal's, the turn taken on the second replica included
+
+    back = first.serve(first.request("moved", "and back here?", max_tokens=4))  # no START: its client's stream
+    assert back.error is None and back.path == "rebuild"
+    prompt = [*log, *first.framing.entry_ids["user"], *first.tok.encode("and back here?"), *first.framing.cue_ids]
+    assert back.ids == [t for t in first.reference(prompt, 4) if t != IM_END]
+    assert first.log("moved")[: len(log)] == log
+    assert first.metrics.sink.get("prepos_sessions_taken_over_total") == 1
+    journal = SessionJournal(journal_dir, fsync=False)
+    assert [t for turn in journal.recover("moved").turns for t in turn] == first.log("moved")
+    # A session no other server touched is served from its copy here, as before.
+    assert first.serve(first.request("stays", "and now?", max_tokens=2)).path != "rebuild"
+    assert first.metrics.sink.get("prepos_sessions_taken_over_total") == 1
+    # And the second replica, whose copy is now the stale one, goes on from the journal in turn.
+    again = second.serve(second.request("moved", "and there again?", max_tokens=2))
+    assert again.error is None and again.path == "rebuild" and second.log("moved")[: len(first.log("moved"))] == \
+        first.log("moved")
