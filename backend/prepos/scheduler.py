@@ -541,7 +541,9 @@ class Scheduler:
                     successor.task = self._serve_session(successor)
                     self._ready.append(successor)
                     return
-                self._reject(sink, ProtocolError("START", f"session {session.session_id!r} is closed", Status.NOT_FOUND))
+                self._reject(sink, ProtocolError("START", f"session {session.session_id!r} is not open: it was closed "
+                                                 "while this request waited; send START with its first request",
+                                                 Status.NOT_FOUND))
                 continue
             if isinstance(request, Rejection):
                 self._reject(sink, request.error)

@@ -51,9 +51,13 @@ def test_a_drain_refuses_starts_lists_the_open_sessions_and_its_end_keeps_their_
     end = drain_end("s1")
     assert end_reason(end) == "drain" and end.end and not end.start
     closed = h.submit(end)
-    while not closed.done:
+    behind = h.submit(h.request("s1", "sent after the drain's END", max_tokens=3))
+    while not behind.done:
         h.sched.run_once()
     assert before.chunks[-1].finish_reason == "appended" and closed.chunks[-1].finish_reason == "closed"
+    # One that came behind the END is refused as for a session not open, which the client resumes elsewhere.
+    assert behind.error.field == "START" and behind.error.status is Status.NOT_FOUND
+    assert "is not open" in str(behind.error)
     assert h.sched.store.get("s1") is None and h.sched.open_sessions == 1
     # A request its client sends later is refused as for a session not open (the client then resumes it, with
     # START and `resume`, which is refused as draining: elsewhere, or after the restart).
@@ -95,7 +99,7 @@ class FakeScheduler:
         with self.lock:
             self.ends[request.session_id] = sink
         if request.session_id in self.refused:
-            sink.send_error(ProtocolError("START", f"session {request.session_id!r} is closed", Status.NOT_FOUND))
+            sink.send_error(ProtocolError("START", f"session {request.session_id!r} is not open", Status.NOT_FOUND))
         elif request.session_id not in self.held:
             self.answer(request.session_id)
 
