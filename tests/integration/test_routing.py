@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from prepos.journal import SessionJournal
+from prepos_client import Client
 from prepos_client.ring import HashRing
 from prepos_client.routing import RoutedClient
 
@@ -160,6 +161,34 @@ def test_a_draining_replicas_sessions_move_to_the_other_replica_without_an_error
                 check_answer(reference_model, conversations[session_id], answer, "user", "And another?", 8)
             assert client.replicas == (staying.grpc_url,)
         assert SessionJournal(tmp_path / "journal").session_ids() == []  # ended on the replica that stayed
+
+
+def test_a_session_that_moved_and_came_back_goes_on_from_its_journal_not_from_the_stale_copy(
+        tmp_path, engine_manifest, tokenizer, reference_model):
+    """Behind the router, a replica lost for a moment and back: its session's client took a turn on the other
+    replica (reopened there from the shared journal) and comes back on its first stream. The first replica still
+    holds the session, without that turn: it must drop its copy and answer from the journal, turn included."""
+    with two_replicas([tmp_path / f"replica-{name}" for name in "ab"], tmp_path / "journal") as started:
+        first, second = started
+        conv = Conversation(engine_manifest, tokenizer)
+        with Client(first.grpc_url, timeout_s=120) as here, Client(second.grpc_url, timeout_s=120) as there:
+            session = here.session("came-back")
+            session.append(SYSTEM, role="system")
+            conv.append("system", SYSTEM)
+            check_answer(reference_model, conv, session.ask("Name a fruit.", max_tokens=6, speculate=False),
+                         "user", "Name a fruit.", 6)
+            moved = there.session("came-back", resume=True)
+            answer = moved.ask("Name a colour.", max_tokens=6, speculate=False)
+            assert answer.path == "rebuild"
+            check_answer(reference_model, conv, answer, "user", "Name a colour.", 6)
+            moved.detach()
+
+            answer = session.ask("Name an animal.", max_tokens=6, speculate=False)  # no START: its old stream
+            assert answer.path == "rebuild"
+            check_answer(reference_model, conv, answer, "user", "Name an animal.", 6)
+            eventually(lambda: first.metric("prepos_sessions_taken_over_total") == 1)
+            session.close()
+        assert SessionJournal(tmp_path / "journal").session_ids() == []
 
 
 def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
