@@ -97,31 +97,32 @@ def _branch(nodes: list[onnx.NodeProto], name: str, output: str) -> onnx.GraphPr
     return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(output, TensorProto.INT64, [1])])
 
 
-def _full_sampling(p: str) -> onnx.GraphProto:
-    """The draw over the top ``s_k`` tokens in the contract's order (a whole sort with no top-k cut). Node outputs
-    are prefixed with ``p``: the graph is used in two branches. Reads the outer scope (see _sampling_branch)."""
+def _draw(p: str, size: str) -> list[onnx.NodeProto]:
+    """The draw over ``p + "sorted"``, the ``size`` most likely tokens' probabilities in the contract's order (TopK's,
+    of ``s_qn``): node outputs are prefixed with ``p`` (the nodes stand in more than one branch), among them
+    ``index_raw`` (how many of the kept tokens' cumulative masses are at most the draw's target), ``index`` (the
+    drawn position, at most the last kept), ``num_pos`` (positive probabilities) and ``cumn`` (the cumulative
+    mass, normalised). Reads the outer scope (see _sampling_branch)."""
     n = helper.make_node
-    nodes = [
-        n("TopK", ["s_qn", "s_k"], [p + "sorted", p + "order"], axis=0, largest=1, sorted=1),
+    return [
         # top_p cut: keep = 1 + #(normalised cumulative mass < top_p), only when top_p < 1
         n("CumSum", [p + "sorted", "axis0_scalar"], [p + "cum"]),
         n("ReduceSum", [p + "sorted", "axis0"], [p + "cut_sum"], keepdims=1),
-        n("Where", ["s_uncut", "s_mass", p + "cut_sum"], [p + "mass"]),  # the same sum as the head's, uncut
+        n("Where", ["s_uncut", "s_mass", p + "cut_sum"], [p + "mass"]),  # the same sum on every path, uncut
         n("Div", [p + "cum", p + "mass"], [p + "cumn"]),
         n("Less", [p + "cumn", "top_p"], [p + "below"]),
         n("Cast", [p + "below"], [p + "below_i"], to=TensorProto.INT64),
         n("ReduceSum", [p + "below_i", "axis0"], [p + "num_below"], keepdims=1),
         n("Add", [p + "num_below", "one_i"], [p + "keep_p"]),
-        n("Min", [p + "keep_p", "s_k"], [p + "keep_p_capped"]),
-        n("Where", ["s_p_cut", p + "keep_p_capped", "s_k"], [p + "keep_cut"]),
-        # never past the last positive probability: masked tokens are never answers
+        n("Where", ["s_p_cut", p + "keep_p", size], [p + "keep_cut"]),
+        # never past the last positive probability (masked tokens are never answers), nor so past the size
         n("Greater", [p + "sorted", "zero_f"], [p + "pos"]),
         n("Cast", [p + "pos"], [p + "pos_i"], to=TensorProto.INT64),
         n("ReduceSum", [p + "pos_i", "axis0"], [p + "num_pos"], keepdims=1),
         n("Max", [p + "num_pos", "one_i"], [p + "num_pos1"]),
         n("Min", [p + "keep_cut", p + "num_pos1"], [p + "keep"]),
         # invert the kept mass at uniform: index = #(cumulative <= u * total), capped at keep - 1; the total is
-        # the kept prefix's cumulative mass, or (uncut, no top_p) the vocabulary's sum, as the head reads it
+        # the kept prefix's cumulative mass, or (uncut, no top_p) the vocabulary's sum, the same on every path
         n("Slice", [p + "cum", "zero_i", p + "keep", "axis0"], [p + "cum2"]),
         n("Slice", [p + "cum2", "minus_one_i", "int64_max", "axis0"], [p + "kept_total"]),
         n("Where", ["s_whole", "s_mass", p + "kept_total"], [p + "total2"]),
@@ -131,6 +132,16 @@ def _full_sampling(p: str) -> onnx.GraphProto:
         n("ReduceSum", [p + "le_i", "axis0"], [p + "index_raw"], keepdims=1),
         n("Sub", [p + "keep", "one_i"], [p + "last"]),
         n("Min", [p + "index_raw", p + "last"], [p + "index"]),
+    ]
+
+
+def _full_sampling(p: str) -> onnx.GraphProto:
+    """The draw over the top ``s_k`` tokens in the contract's order (a whole sort with no top-k cut). Node outputs
+    are prefixed with ``p``: the graph is used in two branches."""
+    n = helper.make_node
+    nodes = [
+        n("TopK", ["s_qn", "s_k"], [p + "sorted", p + "order"], axis=0, largest=1, sorted=1),
+        *_draw(p, "s_k"),
         n("Gather", [p + "order", p + "index"], [p + "id"], axis=0),
     ]
     return _branch(nodes, p + "sample", p + "id")
@@ -139,37 +150,17 @@ def _full_sampling(p: str) -> onnx.GraphProto:
 def _head_sampling(head: int) -> onnx.GraphProto:
     """The draw from the ``head`` most likely tokens (no top-k cut, vocabulary larger than the head), where the
     cut and the draw both fall inside them; else the whole sort. TopK puts equal values in index order, so the
-    head is the whole order's first ``head`` entries, and the sums below are the whole path's: the answer does
-    not depend on which path found it."""
+    head is the whole order's first ``head`` entries, and the sums of the draw are the whole path's: the answer
+    does not depend on which path found it."""
     n = helper.make_node
     nodes = [
         _const("h_size", [head], np.int64),
         n("TopK", ["s_qn", "h_size"], ["h_sorted", "h_order"], axis=0, largest=1, sorted=1),
-        n("CumSum", ["h_sorted", "axis0_scalar"], ["h_cum"]),
-        n("Greater", ["h_sorted", "zero_f"], ["h_pos"]),
-        n("Cast", ["h_pos"], ["h_pos_i"], to=TensorProto.INT64),
-        n("ReduceSum", ["h_pos_i", "axis0"], ["h_num_pos"], keepdims=1),
-        n("Max", ["h_num_pos", "one_i"], ["h_num_pos1"]),
+        *_draw("h_", "h_size"),
         n("Less", ["h_num_pos", "h_size"], ["h_all_pos"]),  # every positive probability is in the head
         # top_p: decided in the head when its cumulative share reaches top_p
-        n("Div", ["h_cum", "s_mass"], ["h_cumn"]),
         n("Slice", ["h_cumn", "minus_one_i", "int64_max", "axis0"], ["h_cumn_last"]),
         n("GreaterOrEqual", ["h_cumn_last", "top_p"], ["h_p_inside"]),
-        n("Less", ["h_cumn", "top_p"], ["h_below"]),
-        n("Cast", ["h_below"], ["h_below_i"], to=TensorProto.INT64),
-        n("ReduceSum", ["h_below_i", "axis0"], ["h_num_below"], keepdims=1),
-        n("Add", ["h_num_below", "one_i"], ["h_keep_p"]),
-        n("Where", ["s_p_cut", "h_keep_p", "h_size"], ["h_keep_cut"]),
-        n("Min", ["h_keep_cut", "h_num_pos1"], ["h_keep"]),
-        n("Slice", ["h_cum", "zero_i", "h_keep", "axis0"], ["h_cum2"]),
-        n("Slice", ["h_cum2", "minus_one_i", "int64_max", "axis0"], ["h_kept_total"]),
-        n("Where", ["s_p_cut", "h_kept_total", "s_mass"], ["h_total2"]),
-        n("Mul", ["uniform", "h_total2"], ["h_target"]),
-        n("LessOrEqual", ["h_cum2", "h_target"], ["h_le"]),
-        n("Cast", ["h_le"], ["h_le_i"], to=TensorProto.INT64),
-        n("ReduceSum", ["h_le_i", "axis0"], ["h_index_raw"], keepdims=1),
-        n("Sub", ["h_keep", "one_i"], ["h_last"]),
-        n("Min", ["h_index_raw", "h_last"], ["h_index"]),
         # decided: with top_p, its cut inside the head; without, the draw inside it (or no token past it)
         n("Less", ["h_index_raw", "h_size"], ["h_draw_inside"]),
         n("Or", ["h_draw_inside", "h_all_pos"], ["h_no_p_decided"]),
