@@ -286,7 +286,9 @@ class Scheduler:
             existing = self.store.get(request.session_id)
             if existing is not None and existing.task is None and (not request.start or request.resume) \
                     and self._taken_over(existing):
-                existing = self._residency.recover(request.session_id)  # the journal's state, its turns taken elsewhere
+                # Go on from the journal's state, its turns taken elsewhere included; a drain leaves it be (reading
+                # it back would count as reopening it, and make the server that holds it now reread it in turn).
+                existing = None if request.drain else self._residency.recover(request.session_id)
             if request.start and existing is not None and (existing.ending or any(r.end for r, _ in existing.pending)):
                 session = existing  # the id is reused right after an END: it opens once that END is served
             elif request.start and request.resume:

@@ -250,3 +250,23 @@ def test_a_replica_whose_copy_of_a_session_went_stale_goes_on_from_the_journal(t
     again = second.serve(second.request("moved", "and there again?", max_tokens=2))
     assert again.error is None and again.path == "rebuild" and second.log("moved")[: len(first.log("moved"))] == \
         first.log("moved")
+
+
+def test_a_drain_leaves_the_journal_of_a_session_another_server_took_over_untouched(tmp_path):
+    from prepos.drain import drain_end
+
+    journal_dir = tmp_path / "journal"
+    first = restarted(tmp_path, journal_dir)
+    open_session(first, sid="moved")
+    first.serve(first.request("moved", "first question", max_tokens=2))
+    second = restarted(tmp_path, journal_dir)
+    assert second.serve(second.request("moved", "taken elsewhere", start=True, resume=True, max_tokens=2)).error is None
+    journal = second.sched._residency._journal
+    left_as = journal.path("moved").stat()
+    first.sched.drain()
+    ended = first.serve(drain_end("moved"))
+    assert ended.error is not None and first.sched.store.get("moved") is None  # nothing of it held here now
+    after = journal.path("moved").stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (left_as.st_ino, left_as.st_size, left_as.st_mtime_ns)
+    assert not journal.changed_elsewhere("moved")  # the server that holds it goes on with its copy
+    assert second.serve(second.request("moved", "and now?", max_tokens=2)).path != "rebuild"
