@@ -340,16 +340,12 @@ class TritonServer:
                 if taken:
                     raise PortInUseError(self.options.host, taken, exited)
                 raise RuntimeError(exited)
-            # Until our own process listens, whatever answers on these ports is another server.
-            if not self.unbound_endpoints():
-                try:
-                    with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=1) as response:
-                        ready = response.status == 200
-                    if ready:  # the metrics endpoint too: scrapers and tests read it right away
-                        with urllib.request.urlopen(self.metrics_url, timeout=1):
-                            self._stubs = self._descendants()
-                            self._ready = True
-                            return
+            if self._reports_ready():
+                try:  # the metrics endpoint too: scrapers and tests read it right away
+                    with urllib.request.urlopen(self.metrics_url, timeout=1):
+                        self._stubs = self._descendants()
+                        self._ready = True
+                        return
                 except OSError:
                     pass
             if time.monotonic() - last_report > 10:
@@ -397,12 +393,25 @@ class TritonServer:
         except psutil.NoSuchProcess:
             return []
 
+    def _reports_ready(self) -> bool:
+        """Whether this server's own process listens on every endpoint's port (until then, whatever answers there
+        is another server) and its health endpoint says ready."""
+        if self.unbound_endpoints():
+            return False
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
     def stop(self, timeout_s: float | None = None) -> bool:
         """Drain, SIGTERM, then SIGKILL if it has not exited within ``timeout_s`` in all (default: its exit timeout
         and ``prepos.supervise.STOP_GRACE_S`` more): :func:`prepos.supervise.stop_server`, with a drain once the
         server got ready. Backend stub processes still alive afterwards are killed too, also when tritonserver had
         already exited (killed or crashed): a stub can hang rather than follow a server that died under it, holding
-        the model and its KV. Returns whether this stop drained the server."""
+        the model and its KV. Returns whether this stop drained the server. A server not yet seen ready
+        (``wait_ready``) is drained too when it reports ready now: a stop right after it got ready (a SIGTERM
+        between two looks) would otherwise wait Triton's exit timeout for any session opened meanwhile."""
         if self.process is None:
             return False
         import psutil
@@ -412,7 +421,8 @@ class TritonServer:
         if self.process.poll() is None:
             stubs.update((stub.pid, stub) for stub in self._descendants())
             try:
-                drained = stop_server(self.process, drain_file=self.drain_file if self._ready else None,
+                ready = self._ready or self._reports_ready()
+                drained = stop_server(self.process, drain_file=self.drain_file if ready else None,
                                       exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s)
             except BaseException:  # a second Ctrl-C, say: stop now, stubs too, rather than leave them running
                 self.process.kill()

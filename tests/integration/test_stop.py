@@ -18,7 +18,8 @@ import pytest
 
 from prepos.drain import drained_path
 from prepos.journal import SessionJournal
-from prepos.launcher import REPO_ROOT, ServerOptions, prepare_backend_dir, server_command, server_environment
+from prepos.launcher import (REPO_ROOT, ServerOptions, TritonServer, prepare_backend_dir, server_command,
+                             server_environment)
 from prepos.supervise import DRAIN_ENV, STOP_GRACE_S
 from prepos_client import Client, PreposError
 
@@ -158,6 +159,35 @@ def test_a_stop_while_answers_stream_is_drained_once_they_are_served(tmp_path):
     finally:
         server.stop()
         client.close()
+
+
+def test_a_stop_right_after_the_server_got_ready_drains_it(tmp_path):
+    """A stop before the launcher saw the server ready (a SIGTERM between two of its looks) still drains a server
+    that reports ready by then, rather than leave Triton its exit timeout."""
+    http, grpc, metrics = free_loopback_ports(3)
+    server = TritonServer(ServerOptions(http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=tmp_path,
+                                        exit_timeout_s=EXIT_TIMEOUT_S),
+                          env={"PREPOS_ENGINE_DIR": str(ENGINE_DIR), "PREPOS_JOURNAL_DIR": str(tmp_path / "journal")})
+    server.start()
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # the server's readiness as a client sees it, not through wait_ready
+            assert server.process.poll() is None and time.monotonic() < deadline, server.log_tail()
+            try:
+                with urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        with Client(server.grpc_url) as client:
+            session = client.session("opened-at-once")
+            session.append(SYSTEM, role="system")
+            session.detach()
+        assert server.stop(), "not drained"
+        assert len(list((tmp_path / "journal").iterdir())) == 1
+    finally:
+        server.stop()
 
 
 def open_sessions_until(url: str, stopped: threading.Event) -> None:
