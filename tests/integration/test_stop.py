@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -42,6 +43,21 @@ def end_if_running(process: subprocess.Popen) -> None:
         for child in reversed(alive_processes(process.pid)):
             child.kill()
         process.wait()
+
+
+def wait_until_ready(http_port: int, process: subprocess.Popen, log_tail: Callable[[], str]) -> None:
+    """Poll the server's HTTP health endpoint until it says ready; fail with ``log_tail()`` if ``process`` exits
+    or 240 s pass."""
+    deadline = time.monotonic() + 240
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, log_tail()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
 
 
 def test_a_drain_ends_every_session_once_served_and_they_resume_after_the_restart(tmp_path):
@@ -170,16 +186,8 @@ def test_a_stop_right_after_the_server_got_ready_drains_it(tmp_path):
                           env={"PREPOS_ENGINE_DIR": str(ENGINE_DIR), "PREPOS_JOURNAL_DIR": str(tmp_path / "journal")})
     server.start()
     try:
-        deadline = time.monotonic() + 240
-        while True:  # the server's readiness as a client sees it, not through wait_ready
-            assert server.process.poll() is None and time.monotonic() < deadline, server.log_tail()
-            try:
-                with urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.2)
+        # The server's readiness as a client sees it, not through wait_ready.
+        wait_until_ready(server.options.http_port, server.process, server.log_tail)
         with Client(server.grpc_url) as client:
             session = client.session("opened-at-once")
             session.append(SYSTEM, role="system")
@@ -293,17 +301,7 @@ def test_the_supervisor_drains_tritonserver_on_sigterm_and_exits_cleanly(tmp_pat
                                       stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     client = None
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert supervisor.poll() is None, (tmp_path / "supervised.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "not ready"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.5)
+        wait_until_ready(http, supervisor, lambda: (tmp_path / "supervised.log").read_text()[-3000:])
         client = Client(f"127.0.0.1:{grpc}")
         held = client.session("held")  # open, its stream held: Triton 2.51 alone would not exit
         held.append(SYSTEM, role="system")
