@@ -192,6 +192,18 @@ def test_notes_name_the_entry_point_and_the_session_header(chart):
     assert SESSION_HEADER in notes
 
 
+@pytest.mark.parametrize(("journal", "says"), [
+    ({}, "only when that replica comes back"),
+    ({"existingClaim": "prepos-journals"}, "on the replica that takes them over"),
+    ({"enabled": False}, "are lost"),
+])
+def test_notes_say_what_becomes_of_a_removed_replicas_sessions(chart, journal, says):
+    notes = render_files(chart, with_minimal(journal=journal))["prepos/templates/NOTES.txt"]
+    assert "first drains it" in notes and says in notes
+    assert sum(phrase in notes for phrase in ("only when that replica comes back", "takes them over",
+                                              "are lost")) == 1
+
+
 # --- bad values ---------------------------------------------------------------------------
 
 
