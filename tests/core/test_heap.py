@@ -31,7 +31,8 @@ def test_settling_takes_living_objects_out_of_the_walks_and_leaves_later_garbage
     startup = cycle()
     assert any(obj is startup for obj in gc.get_objects())
     settled = settle_heap()
-    assert settled.num_frozen == gc.get_freeze_count() > 0
+    # What it froze, less any frozen object another thread of this process has freed since (none joins the frozen).
+    assert 0 < gc.get_freeze_count() <= settled.num_frozen
     assert not any(obj is startup for obj in gc.get_objects())  # no generation holds it: no collection walks it
 
     later = cycle()
