@@ -284,8 +284,8 @@ class Scheduler:
                 return
         try:
             existing = self.store.get(request.session_id)
-            if existing is not None and existing.task is None and (not request.start or request.resume) \
-                    and self._taken_over(existing):
+            if existing is not None and existing.task is None and isinstance(request, Request) \
+                    and (not request.start or request.resume) and self._taken_over(existing):
                 # Go on from the journal's state, its turns taken elsewhere included; a drain leaves it be (reading
                 # it back would count as reopening it, and make the server that holds it now reread it in turn).
                 existing = None if request.drain else self._residency.recover(request.session_id)

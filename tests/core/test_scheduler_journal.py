@@ -270,3 +270,24 @@ def test_a_drain_leaves_the_journal_of_a_session_another_server_took_over_untouc
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (left_as.st_ino, left_as.st_size, left_as.st_mtime_ns)
     assert not journal.changed_elsewhere("moved")  # the server that holds it goes on with its copy
     assert second.serve(second.request("moved", "and now?", max_tokens=2)).path != "rebuild"
+
+
+def test_a_malformed_request_to_a_stale_copy_is_refused_for_itself_and_the_next_goes_on_from_the_journal(tmp_path):
+    from prepos.protocol import ProtocolError, Rejection
+
+    journal_dir = tmp_path / "journal"
+    first = restarted(tmp_path, journal_dir)
+    open_session(first, sid="moved")
+    first.serve(first.request("moved", "first question", max_tokens=2))
+    second = restarted(tmp_path, journal_dir)
+    assert second.serve(second.request("moved", "taken elsewhere", start=True, resume=True, max_tokens=2)).error is None
+    refused = CollectSink()
+    first.sched.submit(Rejection("moved", start=False, end=False, error=ProtocolError("temperature", "bad")), refused)
+    for _ in range(100):
+        if refused.done:
+            break
+        first.sched.run_once()
+    assert refused.error.field == "temperature"
+    back = first.serve(first.request("moved", "and back here?", max_tokens=2))
+    assert back.error is None and back.path == "rebuild" and first.log("moved")[: len(second.log("moved"))] == \
+        second.log("moved")
