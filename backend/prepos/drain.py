@@ -31,9 +31,10 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from prepos.protocol import ProtocolError, Request, ResponseChunk, ResponseSink
+if TYPE_CHECKING:  # prepos.supervise imports this module, and runs on the standard library alone
+    from prepos.protocol import ProtocolError, Request, ResponseChunk, ResponseSink
 
 log = logging.getLogger("prepos.drain")
 
@@ -108,6 +109,8 @@ class DrainEnd:
 def drain_end(session_id: str | int) -> Request:
     """The END a drain queues for a session: served after the requests its client sent before it, it closes the
     session keeping its journal (``Request.drain``)."""
+    from prepos.protocol import Request  # here: see the imports
+
     return Request(session_id=session_id, request_id=f"drain-{session_id}", start=False, end=True, role="user",
                    max_tokens=0, arrival_s=time.perf_counter(), drain=True)
 

@@ -110,3 +110,14 @@ def test_a_server_that_exits_by_itself_has_its_status_passed_on(tmp_path):
 ])
 def test_the_exit_timeout_is_read_from_the_servers_arguments(args, expected):
     assert exit_timeout_of(args) == expected
+
+
+def test_the_supervisor_runs_on_the_standard_library_alone():
+    """The image installs prepos without its dependencies for the entrypoint: importing the supervisor, and the
+    drain it asks for, must load no third-party package."""
+    check = ("import sys; before = set(sys.modules); import prepos.supervise, prepos.drain; "
+             "added = {m.split('.')[0] for m in set(sys.modules) - before}; "
+             "print(sorted(added - set(sys.stdlib_module_names) - {'prepos'}))")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
