@@ -252,15 +252,22 @@ def test_a_replica_whose_copy_of_a_session_went_stale_goes_on_from_the_journal(t
         first.log("moved")
 
 
-def test_a_drain_leaves_the_journal_of_a_session_another_server_took_over_untouched(tmp_path):
-    from prepos.drain import drain_end
-
+def moved_to_a_second_server(tmp_path):
+    """Two servers on one journal directory; session "moved" took a turn on the first, then was reopened on the
+    second and took a turn there. Returns both Harnesses."""
     journal_dir = tmp_path / "journal"
     first = restarted(tmp_path, journal_dir)
     open_session(first, sid="moved")
     first.serve(first.request("moved", "first question", max_tokens=2))
     second = restarted(tmp_path, journal_dir)
     assert second.serve(second.request("moved", "taken elsewhere", start=True, resume=True, max_tokens=2)).error is None
+    return first, second
+
+
+def test_a_drain_leaves_the_journal_of_a_session_another_server_took_over_untouched(tmp_path):
+    from prepos.drain import drain_end
+
+    first, second = moved_to_a_second_server(tmp_path)
     journal = second.sched._residency._journal
     left_as = journal.path("moved").stat()
     first.sched.drain()
@@ -275,12 +282,7 @@ def test_a_drain_leaves_the_journal_of_a_session_another_server_took_over_untouc
 def test_a_malformed_request_to_a_stale_copy_is_refused_for_itself_and_the_next_goes_on_from_the_journal(tmp_path):
     from prepos.protocol import ProtocolError, Rejection
 
-    journal_dir = tmp_path / "journal"
-    first = restarted(tmp_path, journal_dir)
-    open_session(first, sid="moved")
-    first.serve(first.request("moved", "first question", max_tokens=2))
-    second = restarted(tmp_path, journal_dir)
-    assert second.serve(second.request("moved", "taken elsewhere", start=True, resume=True, max_tokens=2)).error is None
+    first, second = moved_to_a_second_server(tmp_path)
     refused = CollectSink()
     first.sched.submit(Rejection("moved", start=False, end=False, error=ProtocolError("temperature", "bad")), refused)
     for _ in range(100):
