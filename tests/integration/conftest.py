@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from prepos.launcher import REPO_ROOT, ServerOptions, TritonServer
+from prepos.launcher import REPO_ROOT, PortInUseError, ServerOptions, TritonServer
 from prepos_loadtest.repository import free_loopback_ports
 
 ENGINE_DIR = REPO_ROOT / "engines" / "smollm2-135m-instruct"
@@ -22,13 +22,21 @@ def start_server(tmp_dir: Path, env: dict[str, str] | None = None, repositories=
     more ServerOptions fields."""
     if not (ENGINE_DIR / "prepos_engine.json").is_file():
         pytest.fail(f"{ENGINE_DIR} is missing: run `make engine` (make test builds it first)")
-    http, grpc, metrics = ports or free_loopback_ports(3)
-    options = ServerOptions(
-        model_repositories=tuple(repositories or (REPO_ROOT / "model_repository",)),
-        http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=tmp_dir, ready_timeout_s=240, **options,
-    )
-    server = TritonServer(options, env={"PREPOS_ENGINE_DIR": str(ENGINE_DIR), **(env or {})})
-    return server.__enter__()
+    for attempt in range(3):
+        http, grpc, metrics = ports or free_loopback_ports(3)
+        server_options = ServerOptions(
+            model_repositories=tuple(repositories or (REPO_ROOT / "model_repository",)),
+            http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=tmp_dir, ready_timeout_s=240, **options,
+        )
+        server = TritonServer(server_options, env={"PREPOS_ENGINE_DIR": str(ENGINE_DIR), **(env or {})})
+        try:
+            return server.__enter__()
+        except PortInUseError:
+            # Free ports are chosen from the ephemeral range, which every client connection draws from too: one
+            # may be taken between the choice and the server's bind (seen once). Chosen ports get another choice.
+            if ports is not None or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def ports_of(server: TritonServer) -> tuple[int, int, int]:
