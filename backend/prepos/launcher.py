@@ -14,22 +14,15 @@ moves it (``--http-port``, ``--grpc-port``, ``--metrics-port``). It reports the
 server ready only once its own ``tritonserver`` process listens on all three, so
 a health probe answered by another server on the same port never counts.
 
-Access token: with ``--access-token-file FILE`` or the environment variable
-``PREPOS_ACCESS_TOKEN``, Triton rejects every call of the protocols in
-``RESTRICTED_PROTOCOLS`` (inference and repository control included; health
-and metadata stay open for probes) that does not carry the header
-``prepos-access-token`` with the token: that name on HTTP, and
-``triton-grpc-protocol-prepos-access-token`` on gRPC (Triton prefixes
-restricted gRPC headers so). Triton takes
-the token as a command-line argument; the launcher masks it in everything it
-logs and keeps it out of the server's environment.
+Access token (``--access-token-file FILE`` or ``PREPOS_ACCESS_TOKEN``): see
+``prepos.access_token``. The launcher masks it in everything it logs and keeps
+it out of the server's environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import logging
 import os
 import signal
@@ -42,6 +35,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prepos.access_token import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER,
+                                 RESTRICTED_PROTOCOLS, masked, resolve_access_token, restriction_arguments)
+from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.supervise import DRAIN_ENV, drain_file_from, stop_server
 
 log = logging.getLogger("prepos.launcher")
@@ -49,14 +45,6 @@ log = logging.getLogger("prepos.launcher")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
-ACCESS_TOKEN_ENV = "PREPOS_ACCESS_TOKEN"
-ACCESS_TOKEN_HEADER = "prepos-access-token"
-GRPC_ACCESS_TOKEN_HEADER = f"triton-grpc-protocol-{ACCESS_TOKEN_HEADER}"  # how gRPC clients must send it
-RESTRICTED_PROTOCOLS = ("inference", "model-repository", "model-config", "shared-memory", "statistics", "trace",
-                        "logging")
-"""Triton protocol groups (gRPC) / APIs (HTTP) that need the access token; ``health`` and ``metadata`` stay open."""
-MIN_TOKEN_LENGTH = 16
-_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +75,7 @@ class ServerOptions:
 
     def __post_init__(self) -> None:
         """Raise ValueError naming the flag of a value tritonserver would refuse or misread."""
-        ports = {field: getattr(self, field) for _, field in _ENDPOINT_FIELDS}
+        ports = {field: getattr(self, field) for _, field in ENDPOINT_FIELDS}
         for field, port in ports.items():
             if not 1 <= port <= 65535:
                 raise ValueError(f"--{field.replace('_', '-')}: expected a port in 1-65535, got {port}")
@@ -101,60 +89,6 @@ class ServerOptions:
                              f"and {self.log_verbose}")
         if not self.host:
             raise ValueError("--host: expected an address to bind, e.g. 127.0.0.1")
-
-
-@dataclasses.dataclass(frozen=True)
-class Endpoint:
-    """One port the server listens on, and the launcher flag that sets it."""
-
-    name: str  # HTTP, gRPC, metrics
-    port: int
-    flag: str  # --http-port
-
-
-_ENDPOINT_FIELDS = (("HTTP", "http_port"), ("gRPC", "grpc_port"), ("metrics", "metrics_port"))
-
-
-def endpoints(options: ServerOptions) -> tuple[Endpoint, ...]:
-    """The server's endpoints; all three bind ``options.host`` (Triton's metrics address follows the HTTP one)."""
-    return tuple(Endpoint(name, getattr(options, field), "--" + field.replace("_", "-"))
-                 for name, field in _ENDPOINT_FIELDS)
-
-
-class PortInUseError(RuntimeError):
-    """Ports the server is to listen on are held by another process."""
-
-    def __init__(self, host: str, taken: tuple[Endpoint, ...], detail: str = ""):
-        self.host = host
-        self.taken = taken
-        many = len(taken) > 1
-        ports = ", ".join(f"{e.port} ({e.name}, {e.flag})" for e in taken)
-        flags = " ".join(f"{e.flag} N" for e in taken)
-        super().__init__(
-            f"{'ports' if many else 'port'} {ports} on {host} {'are' if many else 'is'} already in use by another "
-            f"process (another prepos or Triton server?): stop it, or move prepos to a free port with {flags} "
-            f"(make serve SERVE_ARGS=\"{flags}\")" + (f"\n{detail}" if detail else ""))
-
-
-def _port_taken(host: str, port: int) -> bool:
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror:
-        return False  # an address that does not resolve is Triton's to report
-    with socket.socket(family, kind, proto) as probe:
-        # Servers set SO_REUSEADDR, and so does the probe: a port a stopped server left in TIME_WAIT is free.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as err:
-            return err.errno == errno.EADDRINUSE  # other bind errors (a foreign address, say) are Triton's to report
-    return False
-
-
-def taken_endpoints(options: ServerOptions) -> tuple[Endpoint, ...]:
-    """The endpoints whose port another socket already holds on ``options.host`` (checked by binding it)."""
-    return tuple(e for e in endpoints(options) if _port_taken(options.host, e.port))
 
 
 def _pytriton_dir() -> Path:
@@ -199,41 +133,6 @@ def server_environment() -> dict[str, str]:
     paths = [str(REPO_ROOT / "backend"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
-
-
-def resolve_access_token(options: ServerOptions, environ: dict[str, str] | None = None) -> str | None:
-    """The access token from ``options.access_token``, else its file, else ``PREPOS_ACCESS_TOKEN``; None when
-    none is set. Raises ValueError (never showing the token) when it is unusable."""
-    environ = os.environ if environ is None else environ
-    if options.access_token:
-        token, source = options.access_token, "access_token"
-    elif options.access_token_file:
-        try:
-            token, source = Path(options.access_token_file).read_text().strip(), options.access_token_file
-        except OSError as err:
-            raise ValueError(f"access token file: {err.strerror or err} ({options.access_token_file})") from None
-        if not token:
-            raise ValueError(f"access token file {options.access_token_file} is empty")
-    elif environ.get(ACCESS_TOKEN_ENV):
-        token, source = environ[ACCESS_TOKEN_ENV].strip(), ACCESS_TOKEN_ENV
-    else:
-        return None
-    if len(token) < MIN_TOKEN_LENGTH:
-        raise ValueError(f"access token from {source}: {len(token)} characters; use at least {MIN_TOKEN_LENGTH}")
-    if not set(token) <= _TOKEN_CHARS:
-        raise ValueError(f"access token from {source}: use only letters, digits and -._~+/= (base64 or hex)")
-    return token
-
-
-def restriction_arguments(token: str) -> list[str]:
-    """Triton flags that require ``ACCESS_TOKEN_HEADER: token`` on the restricted protocols (gRPC and HTTP)."""
-    restriction = f"{','.join(RESTRICTED_PROTOCOLS)}:{ACCESS_TOKEN_HEADER}={token}"
-    return [f"--grpc-restricted-protocol={restriction}", f"--http-restricted-api={restriction}"]
-
-
-def masked(text: str, token: str | None) -> str:
-    """``text`` with the token replaced, for anything that is printed or logged."""
-    return text.replace(token, "***") if token else text
 
 
 def server_command(options: ServerOptions, backend_dir: Path, access_token: str | None = None) -> list[str]:

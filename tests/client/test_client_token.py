@@ -31,8 +31,8 @@ def test_cli_reads_the_token_from_the_environment_or_the_flag(monkeypatch):
 
 
 def test_the_header_name_matches_the_servers():
-    from prepos import launcher
+    from prepos import access_token
 
-    assert (ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER) == (launcher.ACCESS_TOKEN_HEADER,
-                                                               launcher.GRPC_ACCESS_TOKEN_HEADER)
+    assert (ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER) == (access_token.ACCESS_TOKEN_HEADER,
+                                                               access_token.GRPC_ACCESS_TOKEN_HEADER)
     assert GRPC_ACCESS_TOKEN_HEADER == "triton-grpc-protocol-prepos-access-token"  # what Triton 2.51 checks

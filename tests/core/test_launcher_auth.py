@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from prepos.launcher import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, RESTRICTED_PROTOCOLS, ServerOptions, TritonServer,
-                             add_arguments, masked, options_from_args, resolve_access_token, server_command)
+from prepos.access_token import ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, RESTRICTED_PROTOCOLS, masked, resolve_access_token
+from prepos.launcher import ServerOptions, TritonServer, add_arguments, options_from_args, server_command
 from prepos_loadtest.repository import free_loopback_ports
 
 TOKEN = "s3cr3t-token-0123456789abcdef"

@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from prepos import launcher
-from prepos.launcher import PortInUseError, ServerOptions, TritonServer, taken_endpoints
+from prepos.launcher import ServerOptions, TritonServer
+from prepos.ports import PortInUseError, taken_endpoints
 from prepos_loadtest.repository import free_loopback_ports
 
 PORT_FIELDS = ("http_port", "grpc_port", "metrics_port")

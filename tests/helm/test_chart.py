@@ -575,7 +575,7 @@ def test_auth_wiring_only_when_enabled(chart):
 
 def test_auth_groups_are_the_launchers_by_default(chart):
     """The chart and `prepos serve --access-token-file` restrict the same protocol groups under the same header."""
-    from prepos.launcher import ACCESS_TOKEN_HEADER, RESTRICTED_PROTOCOLS
+    from prepos.access_token import ACCESS_TOKEN_HEADER, RESTRICTED_PROTOCOLS
 
     defaults = yaml.safe_load((Path(__file__).resolve().parents[2] / "helm" / "prepos" / "values.yaml").read_text())
     assert tuple(defaults["auth"]["protocols"]) == RESTRICTED_PROTOCOLS
@@ -583,7 +583,7 @@ def test_auth_groups_are_the_launchers_by_default(chart):
 
 
 def test_production_values_restrict_every_group_the_launcher_does(chart, production_values):
-    from prepos.launcher import RESTRICTED_PROTOCOLS
+    from prepos.access_token import RESTRICTED_PROTOCOLS
 
     (c,) = [c for c in one(render(chart, production_values), "StatefulSet")["spec"]["template"]["spec"]["containers"]
             if any("restricted" in arg for arg in c.get("args", []))]

@@ -10,7 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from prepos.launcher import REPO_ROOT, PortInUseError, ServerOptions, TritonServer
+from prepos.launcher import REPO_ROOT, ServerOptions, TritonServer
+from prepos.ports import PortInUseError
 from prepos_loadtest.repository import free_loopback_ports
 
 ENGINE_DIR = REPO_ROOT / "engines" / "smollm2-135m-instruct"

@@ -19,7 +19,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from prepos.launcher import ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER, ServerOptions, TritonServer
+from prepos.access_token import ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER
+from prepos.launcher import ServerOptions, TritonServer
 from prepos_client import Client, PreposError
 from prepos_loadtest.repository import free_loopback_ports
 
