@@ -33,7 +33,7 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client, PreposTimeout  # noqa: E402
-from prepos_client import session as prepos_session  # noqa: E402
+from prepos_client import deadlines  # noqa: E402
 from prepos_loadtest.repository import trial_server  # noqa: E402
 from prepos_loadtest.twins import accepted_after_all, differing_answers  # noqa: E402
 
@@ -110,14 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margin-ms", type=float, default=None,
                         help="the most a call's time limit exceeds the deadline it sends the server; negative: the "
                              "server gets more time than the client waits (default: the client's, "
-                             f"{prepos_session.SERVER_DEADLINE_MARGIN_S * 1e3:g} ms)")
+                             f"{deadlines.SERVER_DEADLINE_MARGIN_S * 1e3:g} ms)")
     args = parser.parse_args(argv)
     if args.trials < 1 or args.sessions < 1 or args.actions < 1:
         parser.error("--trials, --sessions and --actions must be at least 1")
     if args.margin_ms is not None:
         if not math.isfinite(args.margin_ms):
             parser.error(f"--margin-ms must be a finite number of milliseconds, got {args.margin_ms}")
-        prepos_session.SERVER_DEADLINE_MARGIN_S = args.margin_ms / 1e3
+        deadlines.SERVER_DEADLINE_MARGIN_S = args.margin_ms / 1e3
     if not (ENGINE_DIR / "prepos_engine.json").is_file():
         parser.error(f"no engine in {ENGINE_DIR} (make engine builds it)")
     interrupt_on_sigterm()  # a SIGTERM stops the running trial's server on the way out

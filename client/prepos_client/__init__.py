@@ -11,7 +11,8 @@
 from .errors import PreposError, PreposTimeout, PreposUnavailable, parse_field
 from .protocol import Answer, Chunk, Update, build_inputs, parse_chunk
 from .client import DEFAULT_MODEL, DEFAULT_URL, Client
-from .session import SESSION_HEADER, Session, new_session_id
+from .session import SESSION_HEADER, Session
+from .session_ids import new_session_id
 
 __all__ = [
     "Answer",

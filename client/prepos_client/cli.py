@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from .client import DEFAULT_MODEL, DEFAULT_URL, Client
 from .errors import PreposError, PreposTimeout, PreposUnavailable
 from .protocol import Answer, Chunk, Update
-from .session import Session, check_timeout
+from .deadlines import check_timeout
+from .session import Session
 
 logger = logging.getLogger("prepos")
 

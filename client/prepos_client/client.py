@@ -11,7 +11,9 @@ from tritonclient.utils import InferenceServerException
 
 from .channel import triton_client
 from .errors import PreposError, PreposTimeout, PreposUnavailable, from_triton
-from .session import Session, check_timeout, new_session_id
+from .deadlines import check_timeout
+from .session import Session
+from .session_ids import new_session_id
 
 logger = logging.getLogger(__name__)
 

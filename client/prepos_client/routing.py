@@ -56,7 +56,9 @@ from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER, Client
 from .errors import PreposError, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
-from .session import Session, check_session_id, new_session_id, server_away
+from .refusals import server_away
+from .session import Session
+from .session_ids import check_session_id, new_session_id
 
 logger = logging.getLogger(__name__)
 

@@ -2,216 +2,35 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
-import math
 import queue
 import random
-import threading
 import time
-import uuid
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
 from .channel import triton_client
+from .deadlines import check_timeout, server_timeout_us
 from .errors import PreposError, PreposTimeout, from_triton
-from .protocol import (Answer, Chunk, Update, build_inputs, is_final_response, new_text_decoder, parse_chunk,
+from .inflight import Inflight, final_delivery, next_delivery
+from .lifetime import close_when_dropped, streaming_sessions
+from .protocol import (Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk,
                        resume_input)
+from .refusals import server_away, says_not_open
+from .session_ids import check_session_id
 from .stream import ResponseRouter
 
 logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "prepos-session-id"
 
-# tritonclient sends an integer sequence id as an int64 request parameter.
-_MAX_INT_SESSION_ID = 2**63 - 1
-
-# How long the END of a session still open at interpreter exit may take.
-_EXIT_CLOSE_TIMEOUT_S = 2.0
-
-_streaming_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
-
-
-def _close_sessions_at_exit() -> None:
-    for session in list(_streaming_sessions):
-        session.wait_for_ready = False  # a server that is down does not hold up the exit for every session
-        try:
-            session.close(timeout_s=min(session.timeout_s, _EXIT_CLOSE_TIMEOUT_S))
-        except PreposError as error:
-            logger.warning("closing session %s at exit failed: %s", session.session_id, error)
-
-
-# tritonclient's stream thread is not a daemon thread, and atexit handlers run
-# only after such threads are joined: a session left open would hang
-# interpreter exit. threading._register_atexit runs before that join.
-getattr(threading, "_register_atexit", atexit.register)(_close_sessions_at_exit)
-
-
-# A Session dropped without close or detach is often in a reference cycle (an exception it raised holds its frames),
-# so the garbage collector finalizes it, on whatever thread happens to allocate. tritonclient's own finalizer would
-# then stop the stream by joining its thread: that blocks the collecting thread until the server ends the stream,
-# and deadlocks it when it is starting a thread itself (the collection runs under threading's shutdown lock, which
-# the join takes too). Such a connection goes to a thread of its own instead, which cancels the stream and closes
-# it. The thread is started with the first Session: starting it from a finalizer could deadlock the same way.
-_abandoned: queue.SimpleQueue = queue.SimpleQueue()
-_closer_started = threading.Lock()
-_closer: threading.Thread | None = None
-
-
-def _close_abandoned() -> None:
-    while True:
-        triton = _abandoned.get()
-        try:
-            triton.stop_stream(cancel_requests=True)
-            triton.close()
-        except Exception:  # the connection is dropped either way
-            logger.debug("closing the connection of a dropped session failed", exc_info=True)
-        del triton  # its finalizer, now with nothing to join, runs here
-
-
-def _start_closer() -> None:
-    global _closer
-    with _closer_started:
-        if _closer is None:
-            _closer = threading.Thread(target=_close_abandoned, name="prepos-dropped-sessions", daemon=True)
-            _closer.start()
-
-
-def new_session_id() -> str:
-    """A fresh random opaque session id."""
-    return uuid.uuid4().hex
-
-
-def check_timeout(timeout_s: float) -> float:
-    """Return `timeout_s` if it is a time limit: seconds > 0, or infinity for none.
-
-    Raises:
-        ValueError: zero, negative or NaN (a call would time out before its request was sent, or never compare).
-        TypeError: not a number.
-    """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)):
-        raise TypeError(f"timeout_s: expected seconds as a number, got {type(timeout_s).__name__}")
-    if not timeout_s > 0:  # NaN fails this too
-        raise ValueError(f"timeout_s: expected seconds > 0 (inf for no limit), got {timeout_s!r}")
-    return float(timeout_s)
-
-
-def check_session_id(session_id: str | int) -> str | int:
-    """Return `session_id` if the server and a gRPC header can carry it.
-
-    Raises:
-        ValueError: an empty or non-printable-ASCII string (it also travels
-            as the `prepos-session-id` header), or an int outside
-            [1, 2**63 - 1] (0 means "no sequence" to Triton).
-        TypeError: neither str nor int.
-    """
-    if isinstance(session_id, bool) or not isinstance(session_id, (str, int, np.integer)):
-        raise TypeError(f"session_id: expected str or int, got {type(session_id).__name__}")
-    if isinstance(session_id, str):
-        if not session_id or not all(" " <= char <= "~" for char in session_id):
-            raise ValueError(f"session_id: expected a non-empty printable ASCII string, got {session_id!r}")
-        return session_id
-    if not 1 <= int(session_id) <= _MAX_INT_SESSION_ID:
-        raise ValueError(f"session_id: an integer id must be in [1, 2**63 - 1], got {session_id}")
-    return int(session_id)
-
-
-def _says_not_open(error: PreposError) -> bool:
-    """Whether a refusal says the session is not open: Triton's, for a sequence it does not hold, or prepos's."""
-    return "must specify the START flag" in error.message or (error.field == "START" and "is not open" in error.message)
-
-
-def says_draining(error: PreposError) -> bool:
-    """Whether a refusal of a START says the server is draining before it stops (see prepos.drain)."""
-    return error.field == "START" and "is draining" in error.message
-
-
-def server_away(error: PreposError) -> str | None:
-    """Why a refusal shows that the server is stopping, restarting or down, such that the request changed nothing:
-    None when it does not show that.
-
-    - the server is draining before a stop (prepos refused the START);
-    - Triton has unloaded the model, as it does once it is told to stop ("unknown model ... has no available
-      versions"; not "... is not found", the answer for a model name it does not serve, which waiting would not
-      mend), or is stopping and takes no new request ("stopped accepting new inference requests", when it was
-      stopped without a drain): the request was refused before any model saw it;
-    - gRPC found no server to connect to ("failed to connect to all addresses"): the request never left the
-      client; or a router in front (the chart's Envoy) found none to send it to ("no healthy upstream", or
-      "reset reason: connection failure": its connection to the replica failed). A stream that broke after it
-      connected says something else, and what became of its requests cannot be known.
-    """
-    if error.status is None:
-        if says_draining(error):
-            return "draining before a stop"
-        if "has no available versions" in error.message or "stopped accepting new inference requests" in error.message:
-            return "not serving the model (stopping or starting)"
-    elif error.status == "StatusCode.UNAVAILABLE" and any(words in error.message for words in _NOT_CONNECTED):
-        return "not reachable"
-    return None
-
-
-_NOT_CONNECTED = ("failed to connect", "no healthy upstream", "reset reason: connection failure")
-
-
 _WAIT_FIRST_S = 0.05  # the first pause of a call waiting for its server to be ready again; doubled after each look
 _WAIT_MAX_S = 0.5  # the longest pause between two looks at the server's readiness
 
 
 _ENDED_ANYWAY = "the request carried END, so the session is closed"  # Triton ends the sequence whatever happens
-
-
-@dataclass
-class _Inflight:
-    request_id: str
-    deliveries: queue.SimpleQueue
-    sent_at: float
-    deadline: float  # perf_counter time after which the caller stops waiting
-    opens_session: bool
-    closes_session: bool
-    timed_out: PreposTimeout | None = None  # what the caller got when its own time limit ran out first
-    inputs: list = field(default_factory=list)  # as sent (but START and `resume`), to send again (_send_again)
-    sent_again: tuple[str, ...] = ()  # why it (as an earlier request) was sent again already (see _send_again)
-    waits: int = 0  # how many times its call waited for the server to be ready again (see _send_again)
-    alone: bool = False  # no other request of the session was in flight when it was sent
-
-
-def _next_delivery(deliveries: queue.SimpleQueue, deadline: float):
-    """The next delivery, waiting until `deadline` (perf_counter time); raises queue.Empty after it."""
-    if deadline == math.inf:
-        return deliveries.get()  # an infinite timeout overflows the queue's clock
-    return deliveries.get(timeout=max(0.0, deadline - time.perf_counter()))
-
-
-def _outcome(inflight: _Inflight, deadline: float):
-    """The delivery that decides a request, its final response or its error, waiting until `deadline`
-    (perf_counter time); raises queue.Empty after it. Chunks before the last one decide nothing: only the final
-    response accepts the turn."""
-    while True:
-        delivery = _next_delivery(inflight.deliveries, deadline)
-        if delivery.error is not None or is_final_response(delivery.result):
-            return delivery
-
-
-SERVER_DEADLINE_MARGIN = 0.1
-"""The server's deadline for a call comes this share of its time limit (at most ``SERVER_DEADLINE_MARGIN_S``)
-before the client's: the server accepts no turn past its deadline, and a final response it sends by then has that
-long to travel back before the client gives up, so a call that raised PreposTimeout did not change the session."""
-SERVER_DEADLINE_MARGIN_S = 0.05
-
-
-def server_timeout_us(timeout_s: float) -> int | None:
-    """Triton's request timeout (microseconds) for a call limited to ``timeout_s``: the limit less the margin for
-    the final response's way back (:data:`SERVER_DEADLINE_MARGIN`); None (no limit) for an infinite or
-    non-positive one."""
-    if not math.isfinite(timeout_s) or timeout_s <= 0:
-        return None
-    margin = min(timeout_s * SERVER_DEADLINE_MARGIN, SERVER_DEADLINE_MARGIN_S)
-    return max(1, int((timeout_s - margin) * 1e6))
 
 
 class Session:
@@ -274,16 +93,14 @@ class Session:
         self._headers = {**(headers or {}), SESSION_HEADER: str(self.session_id)}
         self._needs_start = True
         self._resume = resume  # until a request has opened the session, START goes with `resume`
-        self._unsettled: list[_Inflight] = []  # requests the caller gave up on, whose outcome is still to come
+        self._unsettled: list[Inflight] = []  # requests the caller gave up on, whose outcome is still to come
         self._opening_unknown = False  # an opening request's answer was lost with its stream: opened, or not
         self._reopening = False  # the server said it does not hold the session: START and `resume` reopen it
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
         self._triton = triton_client(url)
-        _start_closer()
-        self._dropped = weakref.finalize(self, _abandoned.put, self._triton)
-        self._dropped.atexit = False  # at exit _close_sessions_at_exit ends what is still open
+        self._dropped = close_when_dropped(self, self._triton)
 
     @property
     def closed(self) -> bool:
@@ -472,7 +289,7 @@ class Session:
         timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         return timeout_s, time.perf_counter() + timeout_s
 
-    def _send(self, inputs: list[InferInput], *, end: bool, timeout_s: float, deadline: float) -> _Inflight:
+    def _send(self, inputs: list[InferInput], *, end: bool, timeout_s: float, deadline: float) -> Inflight:
         """Queue a request on the session's stream. Its time limit goes with it as Triton's request timeout: the
         server stops the request a little before the client gives up (:func:`server_timeout_us`), so one the
         client gave up on does not take effect. A request that timed out on the client is settled first, within the
@@ -519,14 +336,14 @@ class Session:
                 waits += 1  # nothing was sent: send it on a new stream now that the server is ready
                 continue
             self._needs_start = False
-            return _Inflight(request_id, deliveries, sent_at, deadline, opens_session, end, inputs=inputs,
+            return Inflight(request_id, deliveries, sent_at, deadline, opens_session, end, inputs=inputs,
                              alone=alone, waits=waits)
 
-    def _receive(self, inflight: _Inflight, timeout_s: float) -> Iterator[Chunk]:
+    def _receive(self, inflight: Inflight, timeout_s: float) -> Iterator[Chunk]:
         decoder = new_text_decoder()
         while True:
             try:
-                delivery = _next_delivery(inflight.deliveries, inflight.deadline)
+                delivery = next_delivery(inflight.deliveries, inflight.deadline)
             except queue.Empty:
                 if inflight.opens_session or not inflight.closes_session:
                     # Its outcome (the server's deadline error, or a final response already on its way) is still
@@ -563,7 +380,7 @@ class Session:
                 self._settle(inflight, None)
                 return
 
-    def _send_again(self, inflight: _Inflight, error: PreposError) -> _Inflight | None:
+    def _send_again(self, inflight: Inflight, error: PreposError) -> Inflight | None:
         """Send a refused request again, for refusals that changed nothing:
 
         - the server does not hold the session (its sequence was ended: by the server's drain before a stop, which
@@ -581,7 +398,7 @@ class Session:
         refused the same way, and sending one again could put it before another. Returns the request sent again,
         or None; after the first refusal the next call reopens the session either way."""
         away = server_away(error)
-        if error.status is None and not inflight.opens_session and _says_not_open(error):
+        if error.status is None and not inflight.opens_session and says_not_open(error):
             self._needs_start = self._resume = self._reopening = True
             kind = "reopen"
         elif away == "draining before a stop" and inflight.opens_session and "new stream" not in inflight.sent_again:
@@ -638,7 +455,7 @@ class Session:
             except InferenceServerException:
                 pass  # not reachable yet
 
-    def _settle(self, inflight: _Inflight, error: PreposError | None) -> PreposError | None:
+    def _settle(self, inflight: Inflight, error: PreposError | None) -> PreposError | None:
         """Update the session's state for the outcome of a request: its final response (``error`` None) or error.
         Returns the error to raise in place of ``error``, if another."""
         if error is None:
@@ -648,7 +465,7 @@ class Session:
                 self._release()
             return None
         replaced = None
-        if not inflight.opens_session and error.status is None and _says_not_open(error):
+        if not inflight.opens_session and error.status is None and says_not_open(error):
             # Not sent again (see _send_again): the next request carries START and `resume`.
             return PreposError(f"session {self.session_id} is not open on the server (ended by a drain before a "
                                "stop, by its idle timeout, or by an END from elsewhere); this request changed "
@@ -686,7 +503,7 @@ class Session:
         while self._unsettled and not self._closed:
             inflight = self._unsettled[0]
             try:
-                delivery = _outcome(inflight, deadline)
+                delivery = final_delivery(inflight, deadline)
             except queue.Empty:
                 opening = ", which was to open the session," if inflight.opens_session else ""
                 raise PreposTimeout(
@@ -700,16 +517,16 @@ class Session:
             self._record_late_outcome(inflight, delivery.error)
         return settled
 
-    def _record_delivered_outcome(self, inflight: _Inflight) -> None:
+    def _record_delivered_outcome(self, inflight: Inflight) -> None:
         """Record the outcome of a request the caller gave up on if it has already arrived (the session is being
         released: a request that ends it is answered after every earlier one)."""
         try:
-            delivery = _outcome(inflight, time.perf_counter())
+            delivery = final_delivery(inflight, time.perf_counter())
         except queue.Empty:
             return
         self._record_late_outcome(inflight, delivery.error)
 
-    def _record_late_outcome(self, inflight: _Inflight, error: PreposError | None) -> None:
+    def _record_late_outcome(self, inflight: Inflight, error: PreposError | None) -> None:
         if error is None:
             inflight.timed_out.accepted = True
             logger.warning("session %s: request %s timed out on the client but was accepted after all; its turn is "
@@ -733,7 +550,7 @@ class Session:
         except InferenceServerException as error:
             raise from_triton(error) from None
         self._router = router
-        _streaming_sessions.add(self)
+        streaming_sessions.add(self)
         return router
 
     def _stop_stream(self) -> None:
@@ -749,7 +566,7 @@ class Session:
         for inflight in self._unsettled:
             self._record_delivered_outcome(inflight)
         self._unsettled = []
-        _streaming_sessions.discard(self)
+        streaming_sessions.discard(self)
         try:
             self._stop_stream()
         finally:

@@ -9,7 +9,8 @@ import pytest
 from client_fakes import (DRAINING, NO_JOURNAL, SentRequest, SessionRules, echo_responder, make_result,
                           unavailable)
 from prepos_client import Client, PreposError, PreposTimeout, PreposUnavailable, Session
-from prepos_client.session import SESSION_HEADER, check_session_id
+from prepos_client.session import SESSION_HEADER
+from prepos_client.session_ids import check_session_id
 from tritonclient.utils import InferenceServerException
 
 
@@ -473,7 +474,7 @@ def test_after_a_lost_stream_an_opened_session_resumes_with_start(fake_triton):
 
 
 def test_the_servers_request_timeout_is_the_calls_time_limit_less_the_way_back():
-    from prepos_client.session import server_timeout_us
+    from prepos_client.deadlines import server_timeout_us
 
     # a tenth of the limit, at most 50 ms, for the final response to reach the client before it gives up
     assert server_timeout_us(60.0) == 59_950_000 and server_timeout_us(0.05) == 45_000

@@ -1,0 +1,38 @@
+"""A call's time limit, and the server's deadline made from it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def check_timeout(timeout_s: float) -> float:
+    """Return `timeout_s` if it is a time limit: seconds > 0, or infinity for none.
+
+    Raises:
+        ValueError: zero, negative or NaN (a call would time out before its request was sent, or never compare).
+        TypeError: not a number.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)):
+        raise TypeError(f"timeout_s: expected seconds as a number, got {type(timeout_s).__name__}")
+    if not timeout_s > 0:  # NaN fails this too
+        raise ValueError(f"timeout_s: expected seconds > 0 (inf for no limit), got {timeout_s!r}")
+    return float(timeout_s)
+
+
+SERVER_DEADLINE_MARGIN = 0.1
+"""The server's deadline for a call comes this share of its time limit (at most ``SERVER_DEADLINE_MARGIN_S``)
+before the client's: the server accepts no turn past its deadline, and a final response it sends by then has that
+long to travel back before the client gives up, so a call that raised PreposTimeout did not change the session."""
+SERVER_DEADLINE_MARGIN_S = 0.05
+
+
+def server_timeout_us(timeout_s: float) -> int | None:
+    """Triton's request timeout (microseconds) for a call limited to ``timeout_s``: the limit less the margin for
+    the final response's way back (:data:`SERVER_DEADLINE_MARGIN`); None (no limit) for an infinite or
+    non-positive one."""
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        return None
+    margin = min(timeout_s * SERVER_DEADLINE_MARGIN, SERVER_DEADLINE_MARGIN_S)
+    return max(1, int((timeout_s - margin) * 1e6))

@@ -1,0 +1,45 @@
+"""A request on its way: what the session keeps of it until its outcome is known."""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+from dataclasses import dataclass, field
+
+from .errors import PreposTimeout
+from .protocol import is_final_response
+
+
+@dataclass
+class Inflight:
+    """A request a session sent whose outcome (final response or error) it has not recorded yet."""
+
+    request_id: str
+    deliveries: queue.SimpleQueue
+    sent_at: float
+    deadline: float  # perf_counter time after which the caller stops waiting
+    opens_session: bool
+    closes_session: bool
+    timed_out: PreposTimeout | None = None  # what the caller got when its own time limit ran out first
+    inputs: list = field(default_factory=list)  # as sent (but START and `resume`), to send again (_send_again)
+    sent_again: tuple[str, ...] = ()  # why it (as an earlier request) was sent again already (see _send_again)
+    waits: int = 0  # how many times its call waited for the server to be ready again (see _send_again)
+    alone: bool = False  # no other request of the session was in flight when it was sent
+
+
+def next_delivery(deliveries: queue.SimpleQueue, deadline: float):
+    """The next delivery, waiting until `deadline` (perf_counter time); raises queue.Empty after it."""
+    if deadline == math.inf:
+        return deliveries.get()  # an infinite timeout overflows the queue's clock
+    return deliveries.get(timeout=max(0.0, deadline - time.perf_counter()))
+
+
+def final_delivery(inflight: Inflight, deadline: float):
+    """The delivery that decides a request, its final response or its error, waiting until `deadline`
+    (perf_counter time); raises queue.Empty after it. Chunks before the last one decide nothing: only the final
+    response accepts the turn."""
+    while True:
+        delivery = next_delivery(inflight.deliveries, deadline)
+        if delivery.error is not None or is_final_response(delivery.result):
+            return delivery

@@ -1,0 +1,73 @@
+"""What becomes of sessions a program leaves open: closed at interpreter exit, or, when dropped without close
+or detach, their connection closed on a thread of their own."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+
+from .errors import PreposError
+
+logger = logging.getLogger(__name__)
+
+# How long the END of a session still open at interpreter exit may take.
+_EXIT_CLOSE_TIMEOUT_S = 2.0
+
+streaming_sessions: weakref.WeakSet = weakref.WeakSet()  # sessions with a stream open: closed at exit
+
+
+def _close_sessions_at_exit() -> None:
+    for session in list(streaming_sessions):
+        session.wait_for_ready = False  # a server that is down does not hold up the exit for every session
+        try:
+            session.close(timeout_s=min(session.timeout_s, _EXIT_CLOSE_TIMEOUT_S))
+        except PreposError as error:
+            logger.warning("closing session %s at exit failed: %s", session.session_id, error)
+
+
+# tritonclient's stream thread is not a daemon thread, and atexit handlers run
+# only after such threads are joined: a session left open would hang
+# interpreter exit. threading._register_atexit runs before that join.
+getattr(threading, "_register_atexit", atexit.register)(_close_sessions_at_exit)
+
+
+# A Session dropped without close or detach is often in a reference cycle (an exception it raised holds its frames),
+# so the garbage collector finalizes it, on whatever thread happens to allocate. tritonclient's own finalizer would
+# then stop the stream by joining its thread: that blocks the collecting thread until the server ends the stream,
+# and deadlocks it when it is starting a thread itself (the collection runs under threading's shutdown lock, which
+# the join takes too). Such a connection goes to a thread of its own instead, which cancels the stream and closes
+# it. The thread is started with the first Session: starting it from a finalizer could deadlock the same way.
+_abandoned: queue.SimpleQueue = queue.SimpleQueue()
+_closer_started = threading.Lock()
+_closer: threading.Thread | None = None
+
+
+def _close_abandoned() -> None:
+    while True:
+        triton = _abandoned.get()
+        try:
+            triton.stop_stream(cancel_requests=True)
+            triton.close()
+        except Exception:  # the connection is dropped either way
+            logger.debug("closing the connection of a dropped session failed", exc_info=True)
+        del triton  # its finalizer, now with nothing to join, runs here
+
+
+def _start_closer() -> None:
+    global _closer
+    with _closer_started:
+        if _closer is None:
+            _closer = threading.Thread(target=_close_abandoned, name="prepos-dropped-sessions", daemon=True)
+            _closer.start()
+
+
+def close_when_dropped(session, triton) -> weakref.finalize:
+    """Have ``triton`` (the session's connection) stopped and closed on the closer thread if ``session`` is
+    collected while still open; the caller detaches the returned finalizer once it closed the connection itself."""
+    _start_closer()
+    dropped = weakref.finalize(session, _abandoned.put, triton)
+    dropped.atexit = False  # at exit _close_sessions_at_exit ends what is still open
+    return dropped
