@@ -15,7 +15,7 @@ import numpy as np
 
 from prepos.config import ConfigError, EngineConfig, MemoryConfig, PreposConfig, check_sequence_slots, read_config
 from prepos.engines.base import Engine
-from prepos.engines.openmp import release_calling_thread
+from prepos.engines.openmp import cpu_quota, default_num_threads, release_calling_thread
 from prepos.heap import CollectorPauses
 from prepos.metrics import BufferedSink, Metrics, MetricsSink
 from prepos.protocol import Rejection, Request, ResponseSink, parse_request
@@ -52,10 +52,22 @@ def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int =
         from prepos.engines.torch_llama import TorchLlamaEngine
 
         return TorchLlamaEngine(str(engine_dir), device=config.device, dtype=config.dtype,
-                                num_threads=config.num_threads or None, cpu_kernels=config.cpu_kernels,
+                                num_threads=config.num_threads or engine_threads(), cpu_kernels=config.cpu_kernels,
                                 kv_block_tokens=config.page_tokens, share_prefixes=config.share_prefixes,
                                 kept_prefixes=config.kept_prefixes)
     raise ConfigError(f"engine.name: unknown engine {config.name!r}; use torch or trtllm")
+
+
+def engine_threads() -> int:
+    """The torch engine's thread count where ``engine.num_threads`` is 0: torch's default, lowered to the
+    process's CPU quota (a Kubernetes CPU limit) where one is set."""
+    import torch
+
+    torch_default, quota = torch.get_num_threads(), cpu_quota()
+    threads = default_num_threads(torch_default, quota)
+    log.info("engine threads: %d (torch's default %d; CPU quota %s)", threads, torch_default,
+             "none" if quota is None else f"{quota:g}")
+    return threads
 
 
 def check_device(device: str) -> None:

@@ -8,12 +8,19 @@ after loading there are two pools: on a 2-core machine a decode step on the loop
 longer than the same step on the loading thread, and the GEMM alone about 25% longer.
 :func:`release_calling_thread` gives the loading thread's pool back once the loop runs, and keeps any later
 parallel region on that thread (a scan answered inline, say) to the thread itself.
+
+Torch's default thread count is the machine's physical cores, whatever CPU quota the process's cgroup sets (a
+Kubernetes CPU limit). Threads past the quota are throttled together at each period's end: every barrier then
+waits for a thread that may not run for the rest of the period. :func:`default_num_threads` lowers the default
+to the quota.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+from pathlib import Path
 
 import torch
 
@@ -38,3 +45,58 @@ def release_calling_thread() -> bool:
         pause.argtypes = [ctypes.c_int]
         pause(OMP_PAUSE_SOFT)
     return True
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+def cpu_quota(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
+    """The CPUs the process's cgroup may use (its CFS quota over its period), the lowest along its path to the
+    root; None when no quota is set or none can be read. Reads cgroup v2 (``cpu.max``) or v1
+    (``cpu/cpu.cfs_quota_us`` and ``cpu.cfs_period_us``)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    v2 = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), None)
+    v1 = next((line.split(":", 2)[2] for line in lines
+               if len(line.split(":", 2)) == 3 and "cpu" in line.split(":", 2)[1].split(",")), None)
+    quotas = []
+    for folder in _ancestors(cgroup_root, v2 if v2 is not None else "/"):
+        quotas.append(_v2_quota(folder / "cpu.max"))
+    for folder in _ancestors(cgroup_root / "cpu", v1 if v1 is not None else "/"):
+        quotas.append(_v1_quota(folder))
+    found = [q for q in quotas if q is not None]
+    return min(found) if found else None
+
+
+def _ancestors(root: Path, path: str) -> list[Path]:
+    # In a container with its own cgroup namespace the path is "/": the root folder is the container's cgroup.
+    parts = [part for part in path.strip().split("/") if part and part != ".."]
+    return [root.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _v2_quota(cpu_max: Path) -> float | None:
+    try:
+        quota, _, period = cpu_max.read_text().strip().partition(" ")
+        return int(quota) / int(period) if quota != "max" and int(period) > 0 and int(quota) > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None  # -1: no quota
+
+
+def default_num_threads(torch_default: int, quota: float | None) -> int:
+    """The engine's intra-op thread count where ``engine.num_threads`` is 0: torch's default, but no more than
+    the CPU quota allows (rounded down, at least one)."""
+    if quota is None:
+        return torch_default
+    return max(1, min(torch_default, math.floor(quota)))
