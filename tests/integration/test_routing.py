@@ -41,8 +41,10 @@ def journal_dir(tmp_path_factory):
 @contextmanager
 def two_replicas(run_dirs: list[Path], journal_dir: Path) -> Iterator[list]:
     """Two real replicas on one journal directory, started at once (both load the model together); stopped on
-    the way out."""
-    env = {"PREPOS_JOURNAL_DIR": str(journal_dir)}
+    the way out. Each runs its engine on one thread: two replicas with a thread per core each, beside the
+    clients, left this 2-core machine's OpenMP barriers waiting on descheduled threads (a drain of three
+    6-token answers took 10-13 s at times)."""
+    env = {"PREPOS_JOURNAL_DIR": str(journal_dir), "PREPOS_ENGINE_NUM_THREADS": "1"}
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(start_server, run_dir, env) for run_dir in run_dirs]
     started = [f.result() for f in futures if f.exception() is None]
