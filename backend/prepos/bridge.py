@@ -147,6 +147,9 @@ def bridge_target(inputs: Mapping[str, np.ndarray], parameters: str = "{}", requ
             given = "start" if start is not None else "end"
             raise ProtocolError(given, "needs session_id (without it the request is a one-turn session, "
                                        "opened and closed by itself)")
+        if inputs.get("resume") is not None:
+            raise ProtocolError("resume", "needs session_id: the session to resume (without it the request is a "
+                                          "new one-turn session, which has nothing to resume)")
         return Target(ONE_TURN_PREFIX + uuid.uuid4().hex, True, True, bool(stream), timeout_us)
     return Target(session_id, bool(start), bool(end), bool(stream), timeout_us)
 

@@ -35,6 +35,7 @@ def test_a_named_session_gets_only_the_flags_the_request_sets():
 @pytest.mark.parametrize("inputs, field, problem", [
     ({"start": _bool(True)}, "start", "needs session_id"),
     ({"end": _bool(False)}, "end", "needs session_id"),
+    ({"resume": _bool(True), "text_input": _b("x")}, "resume", "needs session_id: the session to resume"),
     ({"session_id": _b("")}, "session_id", "empty"),
     ({"session_id": _b("a", "b")}, "session_id", "expected one value"),
     ({"session_id": np.array([5], np.int32)}, "session_id", "expected BYTES"),

@@ -149,6 +149,7 @@ BAD_INPUTS = [
     ("stop", dict(text_input=_b("hi"), stop=_b(b"\x80"))),
     # unknown role
     ("role", dict(text_input=_b("hi"), role=_b("wizard"))),
+    ("role", dict(text_input=_b("hi"), role=_b(""))),  # not the default: an absent role is `user`
 ]
 
 
