@@ -45,6 +45,7 @@ from prepos.kv_writes import WriteReportingEngine
 from prepos.metrics import Metrics
 from prepos.policies import IDLE_POLICIES
 from prepos.protocol import DRAIN_REASON, ProtocolError, Rejection, Request, ResponseSink, Status
+from prepos.queued_deadlines import QueuedDeadlines
 from prepos.residency import Residency
 from prepos.scan import ScanFn
 from prepos.serving import EngineStep, PrefillStep, RequestServer
@@ -151,6 +152,7 @@ class Scheduler:
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one token per submit: wakes the loop
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
         self._ready: deque[Session] = deque()
+        self._queued_deadlines = QueuedDeadlines()  # requests waiting behind their session's earlier ones
         self._batched: list[tuple[Session, EngineStep]] = []  # requests waiting for the next batch of engine steps
         self._round_left = 0  # steps of other ready sessions still due before that batch runs
         self._idle: dict[str | int, Session] = {}  # idle sessions that are not positioned
@@ -255,6 +257,9 @@ class Scheduler:
             self.drain_listed = True  # after the ids: the drain is done once they are ended
         self._admit_queued()  # first: a session with a request waiting is not idle
         now = self._clock()
+        if self._queued_deadlines.due(now):
+            for session, request, sink in self._queued_deadlines.expired(now):
+                self._server.expire_queued(session, request, sink)
         if now >= self._next_housekeeping:  # also under sustained load: gauges stay fresh, idle sessions close
             self._housekeeping(now)
         if self._batched and (not self._ready or self._round_left <= 0):
@@ -302,6 +307,11 @@ class Scheduler:
         except ProtocolError as err:
             self._reject(sink, err)
             return
+        if session.task is not None and isinstance(request, Request) and request.deadline_s is not None \
+                and not (request.start or request.end):
+            # It waits behind the session's earlier requests: answered once its deadline passes, not when reached.
+            # (A START or END keeps its place: it opens or closes the session, which Triton does whatever happens.)
+            self._queued_deadlines.watch(session, request, sink)
         session.pending.append((request, sink))
         self._idle.pop(session.session_id, None)
         if self._drop_background(session):
@@ -503,6 +513,7 @@ class Scheduler:
             if self._expired(session, now):
                 self._close(session, IDLE_REASON)
         self._residency.expire_journals()  # hourly
+        self._queued_deadlines.prune()
         self._metrics.sessions({state.value: n for state, n in self.store.count_by_state().items()})
         self._metrics.kv(self._residency.kv.used_bytes, self._residency.kv.budget_bytes, self._engine.kept_prefix_bytes())
         self._publish_reuse()

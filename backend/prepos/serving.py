@@ -48,6 +48,12 @@ class _Abandoned(Exception):
         self.error = error
 
 
+def _deadline_passed() -> _Abandoned:
+    return _Abandoned("deadline", ProtocolError(
+        "timeout", "the request's deadline passed before it finished; its turn was not accepted",
+        Status.DEADLINE_EXCEEDED))
+
+
 @dataclass(kw_only=True)
 class EngineStep:
     """A request's next engine call, yielded to the engine loop, which runs it together with the other sessions'
@@ -130,9 +136,7 @@ class RequestServer:
         except ProtocolError as err:
             self._reject(sink, err)
         except _Abandoned as abandoned:
-            self._metrics.request_abandoned(abandoned.reason)
-            log.info("session %r request %r stopped: %s", session.session_id, request.request_id, abandoned)
-            sink.send_error(abandoned.error)
+            self._abandon(session, request, sink, abandoned)
         except KVCapacityError as err:
             log.error("session %r request %r: %s", session.session_id, request.request_id, err)
             self._reject(sink, ProtocolError("model", f"no KV memory left for this session ({err})",
@@ -146,12 +150,20 @@ class RequestServer:
         elif not served and request.start and not session.token_log:
             self._close_session(session, "its START request was rejected")
 
+    def expire_queued(self, session: Session, request: Request, sink: ResponseSink) -> None:
+        """Answer a request whose deadline passed while it waited behind its session's earlier requests (taken out
+        of the queue by the caller) as one reached after its deadline: the deadline error, nothing changed."""
+        self._abandon(session, request, sink, _deadline_passed())
+
+    def _abandon(self, session: Session, request: Request, sink: ResponseSink, abandoned: _Abandoned) -> None:
+        self._metrics.request_abandoned(abandoned.reason)
+        log.info("session %r request %r stopped: %s", session.session_id, request.request_id, abandoned)
+        sink.send_error(abandoned.error)
+
     def _check_alive(self, request: Request, sink: ResponseSink, cancel_check: bool = True) -> None:
         """Raise _Abandoned when the request's deadline has passed or (``cancel_check``) its client went away."""
         if request.deadline_s is not None and self._clock() > request.deadline_s:
-            raise _Abandoned("deadline", ProtocolError(
-                "timeout", "the request's deadline passed before it finished; its turn was not accepted",
-                Status.DEADLINE_EXCEEDED))
+            raise _deadline_passed()
         if cancel_check and sink.cancelled():
             raise _Abandoned("cancelled", ProtocolError(
                 "request", "cancelled by the client; its turn was not accepted", Status.CANCELLED))

@@ -104,6 +104,42 @@ def test_a_request_past_its_deadline_stops_with_a_deadline_error(tmp_path):
     assert len(h.engine.calls) == calls  # expired before it started: no engine work
 
 
+def test_a_request_waiting_behind_a_long_answer_is_answered_when_its_deadline_passes(tmp_path):
+    """A request queued behind its session's long answer gets its deadline error once the deadline passes, while
+    that answer still streams, not when its turn comes; the requests behind it keep their order."""
+    h = Harness(tmp_path, token_time_s=0.001, step_time_s=0.005, logits_fn=endless_logits, preposition=False)
+    open_session(h)
+    long = h.submit(h.request("s1", "count to fifty", max_tokens=50))
+    h.sched.run_once()
+    short = h.submit(dataclasses.replace(h.request("s1", "quick?", max_tokens=2), deadline_s=h.clock() + 0.05))
+    later = h.submit(h.request("s1", "", max_tokens=0))  # an update without a deadline, behind both
+    while not short.done:
+        h.sched.run_once()
+    assert short.error is not None and short.error.status is Status.DEADLINE_EXCEEDED and short.error.field == "timeout"
+    assert not long.done and 0 < len(long.chunks) < 50  # answered while the long answer streams
+    assert h.metrics.sink.get("prepos_requests_abandoned_total", reason="deadline") == 1
+    run_until(h, later)
+    assert long.done and long.error is None and len(long.chunks) == 50 and later.error is None
+    # the log holds the long answer's turn and the update, as a twin's that never sent the expired request
+    open_session(h, sid="twin")
+    h.serve(h.request("twin", "count to fifty", max_tokens=50))
+    h.serve(h.request("twin", "", max_tokens=0))
+    assert h.log("s1") == h.log("twin")
+
+
+def test_a_queued_end_keeps_its_place_past_its_deadline(tmp_path):
+    """An END waiting behind an answer is not taken out of the queue at its deadline: it closes the session in
+    its turn (Triton ends the sequence whatever the answer), with the deadline error."""
+    h = Harness(tmp_path, token_time_s=0.001, step_time_s=0.005, logits_fn=endless_logits, preposition=False)
+    open_session(h)
+    long = h.submit(h.request("s1", "count to fifty", max_tokens=50))
+    h.sched.run_once()
+    end = h.submit(dataclasses.replace(h.request("s1", "", max_tokens=0, end=True), deadline_s=h.clock() + 0.01))
+    run_until(h, end)
+    assert long.done and long.error is None and len(long.chunks) == 50  # the END waited for the answer
+    assert end.error.status is Status.DEADLINE_EXCEEDED and h.sched.store.get("s1") is None
+
+
 def test_context_overflow_reject_names_the_input_and_changes_nothing(tmp_path):
     h = Harness(tmp_path, max_log_tokens=80)
     open_session(h, text="sys")
