@@ -867,7 +867,7 @@ def test_room_is_made_in_steps_of_its_own_after_requests_that_came_meanwhile(tmp
 
 
 def test_engine_block_reuse_is_published_as_counters(h):
-    from prepos.engines.trtllm import ReuseStats
+    from prepos.engines.trtllm_request import ReuseStats
     from prepos.scheduler import HOUSEKEEPING_INTERVAL_S
 
     stats = [ReuseStats(num_requests=2, reused_blocks=5, new_blocks=3, missed_blocks=1)]

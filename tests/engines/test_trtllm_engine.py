@@ -20,13 +20,12 @@ import torch
 
 from prepos.engines.trtllm import (
     LOGITS_PROCESSOR_NAME,
-    Retention,
     TrtllmEngine,
     TrtllmEngineDirError,
     TrtllmRequestError,
     TrtllmUnavailable,
-    build_request,
 )
+from prepos.engines.trtllm_request import Retention, build_request
 
 TPB = 16
 VOCAB = 64

@@ -101,6 +101,7 @@ import torch
 
 from prepos.engines.base import Engine, EngineInfo, check_decode_batch, check_prefill_batch, common_prefix_length
 from prepos.engines.trtllm_dir import BUILD_FILE, TRTLLM_SUBDIR, TrtllmBuild, TrtllmEngineDirError, TrtllmModel
+from prepos.engines.trtllm_request import ReuseRecord, ReuseStats, Retention, build_request
 
 log = logging.getLogger(__name__)
 
@@ -119,47 +120,6 @@ class TrtllmRequestError(RuntimeError):
     """The executor failed a session's request; the message names the session and the executor's error."""
 
 
-# ---- requests ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Retention:
-    """KV retention every request asks for: ``priority`` (0-100, higher is evicted later) for ``duration_s``."""
-
-    priority: int = 80
-    duration_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or not 0 <= self.priority <= 100:
-            raise ValueError(f"retention_priority must be an integer in [0, 100], got {self.priority!r}")
-        if not self.duration_s > 0:
-            raise ValueError(f"retention_s must be > 0, got {self.duration_s!r}")
-
-
-def build_request(tle: Any, token_ids: Sequence[int], *, retention: Retention, logits_post_processor: str | None,
-                  return_perf_metrics: bool, client_id: int | None = None) -> Any:
-    """The executor request for one prefill of ``token_ids``: the engine contract's request construction.
-
-    The prompt is the whole sequence and one token is generated (its logits are the
-    decision point's distribution; the token is discarded). The prompt's token range gets
-    ``retention``. The logits come through the named post-processor, or, with
-    ``logits_post_processor=None``, as the result's generation logits. ``tle`` is
-    ``tensorrt_llm.bindings.executor`` or a fake with the same names.
-    """
-    ids = [int(t) for t in token_ids]
-    duration = datetime.timedelta(seconds=retention.duration_s)
-    prompt_range = tle.KvCacheRetentionConfig.TokenRangeRetentionConfig(
-        token_start=0, token_end=len(ids), priority=retention.priority, duration_ms=duration)
-    retention_config = tle.KvCacheRetentionConfig(
-        [prompt_range], decode_retention_priority=retention.priority, decode_duration_ms=duration)
-    output = {"exclude_input_from_output": True, "return_generation_logits": logits_post_processor is None}
-    if return_perf_metrics:
-        output["return_perf_metrics"] = True
-    return tle.Request(ids, 1, streaming=False, output_config=tle.OutputConfig(**output),
-                       kv_cache_retention_config=retention_config,
-                       logits_post_processor_name=logits_post_processor, client_id=client_id)
-
-
 def import_executor_module() -> Any:
     """``tensorrt_llm.bindings.executor``, or :class:`TrtllmUnavailable` saying where to get it."""
     try:
@@ -168,43 +128,6 @@ def import_executor_module() -> Any:
         raise TrtllmUnavailable(f"engine.name trtllm needs TensorRT-LLM, which this Python cannot import ({err}); "
                                 f"run prepos in {CONTAINER_HINT}, or use engine.name torch") from None
     return executor
-
-
-# ---- reuse statistics -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReuseRecord:
-    """KV block reuse of one request, as the executor reported it."""
-
-    session_id: str
-    prompt_tokens: int
-    reused_blocks: int
-    new_blocks: int
-    expected_reused_blocks: int  # full blocks of what the engine believed the session had cached
-    source: str  # "request" (per-request metrics), "iteration" (iteration stats) or "none"
-
-    @property
-    def missed_blocks(self) -> int:
-        """Expected blocks the executor did not reuse: evicted, or never stored."""
-        return max(0, self.expected_reused_blocks - self.reused_blocks)
-
-
-@dataclass(frozen=True)
-class ReuseStats:
-    """Cumulative block reuse since the engine started, and the last request's record."""
-
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    reused_blocks: int = 0
-    new_blocks: int = 0
-    missed_blocks: int = 0
-    last: ReuseRecord | None = None
-
-    def add(self, record: ReuseRecord) -> ReuseStats:
-        return ReuseStats(self.num_requests + 1, self.prompt_tokens + record.prompt_tokens,
-                          self.reused_blocks + record.reused_blocks, self.new_blocks + record.new_blocks,
-                          self.missed_blocks + record.missed_blocks, record)
 
 
 # ---- the engine --------------------------------------------------------------------------------
