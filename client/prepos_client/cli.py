@@ -175,6 +175,7 @@ def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -
         if keep_open:
             session.detach()
         else:
+            session.wait_for_ready = False  # leaving on an error: END is tried once, not waited for
             with contextlib.suppress(PreposError):
                 session.close()
         raise

@@ -95,13 +95,15 @@ def test_an_unreachable_server_exits_3_with_a_clear_message(capsys):
     assert "cannot reach prepos at 127.0.0.1:1: is `make serve` running?" in err
 
 
-def test_wait_for_ready_waits_out_the_time_limit_for_a_server_that_is_down(capsys):
+def test_wait_for_ready_waits_out_the_time_limit_for_a_server_that_is_down(capsys, caplog):
     assert cli.connect(parse(["ask", "x", "--wait-for-ready"])).wait_for_ready
     assert not cli.connect(parse(["ask", "x"])).wait_for_ready
     began = time.monotonic()
     code = cli.main(["ask", "hello", "--url", "127.0.0.1:1", "--timeout", "1", "--wait-for-ready"])
     assert code == cli.EXIT_UNREACHABLE and 1 <= time.monotonic() - began < 10
     assert "cannot reach prepos at 127.0.0.1:1" in capsys.readouterr().err
+    waits = [r for r in caplog.records if "waiting for it to be ready" in r.getMessage()]
+    assert len(waits) == 1  # the END on the way out is tried once, not waited for
 
 
 def test_the_console_entry_point_exits_3_when_unreachable():
