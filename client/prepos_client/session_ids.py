@@ -8,6 +8,7 @@ import numpy as np
 
 # tritonclient sends an integer sequence id as an int64 request parameter.
 _MAX_INT_SESSION_ID = 2**63 - 1
+MAX_SESSION_ID_CHARS = 128  # Triton refuses a longer string correlation id
 
 
 def new_session_id() -> str:
@@ -20,7 +21,8 @@ def check_session_id(session_id: str | int) -> str | int:
 
     Raises:
         ValueError: an empty or non-printable-ASCII string (it also travels
-            as the `prepos-session-id` header), or an int outside
+            as the `prepos-session-id` header), one longer than 128
+            characters (Triton's limit), or an int outside
             [1, 2**63 - 1] (0 means "no sequence" to Triton).
         TypeError: neither str nor int.
     """
@@ -29,6 +31,9 @@ def check_session_id(session_id: str | int) -> str | int:
     if isinstance(session_id, str):
         if not session_id or not all(" " <= char <= "~" for char in session_id):
             raise ValueError(f"session_id: expected a non-empty printable ASCII string, got {session_id!r}")
+        if len(session_id) > MAX_SESSION_ID_CHARS:
+            raise ValueError(f"session_id: {len(session_id)} characters; at most {MAX_SESSION_ID_CHARS} allowed "
+                             "(Triton's limit for a string correlation id)")
         return session_id
     if not 1 <= int(session_id) <= _MAX_INT_SESSION_ID:
         raise ValueError(f"session_id: an integer id must be in [1, 2**63 - 1], got {session_id}")

@@ -430,10 +430,11 @@ def test_a_stream_that_died_before_sending_raises_its_error(fake_triton):
     assert fake_triton[0].stop_calls == [False]
 
 
-@pytest.mark.parametrize("session_id", ["", "sé", "a\nb", 0, -1, 2**63, True, 1.5])
+@pytest.mark.parametrize("session_id", ["", "sé", "a\nb", "x" * 129, 0, -1, 2**63, True, 1.5])
 def test_session_ids_the_server_cannot_carry_are_refused(session_id):
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises((ValueError, TypeError), match="session_id"):
         check_session_id(session_id)
+    assert check_session_id("x" * 128) == "x" * 128  # Triton's longest
 
 
 def test_a_missing_session_id_becomes_a_fresh_random_one(fake_triton):
