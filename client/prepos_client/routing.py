@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER, Client
+from .deadlines import check_timeout
 from .errors import PreposError, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
@@ -110,7 +111,7 @@ class RoutedClient:
         readmit_interval_s: float = READMIT_INTERVAL_S,
     ):
         self.model = model
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
         self.headers = dict(headers or {})
         if token:
             self.headers[GRPC_ACCESS_TOKEN_HEADER] = token

@@ -343,3 +343,9 @@ def test_a_replica_removed_by_hand_is_not_asked_back(replicas):
 def test_a_readmit_interval_that_is_not_positive_is_refused(interval):
     with pytest.raises(ValueError, match="readmit_interval_s"):
         RoutedClient(REPLICAS, readmit_interval_s=interval)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), "5"])
+def test_a_bad_timeout_is_refused_when_the_client_is_made(timeout_s):
+    with pytest.raises((ValueError, TypeError), match="timeout_s"):
+        RoutedClient(REPLICAS, timeout_s=timeout_s)
