@@ -96,9 +96,9 @@ def build_inputs(
     if choices is not None:
         inputs.append(_bytes_input("choices", _str_list("choices", choices, allow_str=False)))
     if temperature is not None:
-        inputs.append(_scalar_input("temperature", np.float32(temperature)))
+        inputs.append(_scalar_input("temperature", np.float32(_number("temperature", temperature))))
     if top_p is not None:
-        inputs.append(_scalar_input("top_p", np.float32(top_p)))
+        inputs.append(_scalar_input("top_p", np.float32(_number("top_p", top_p))))
     if top_k is not None:
         inputs.append(_int32_input("top_k", [top_k]))
     if seed is not None:
@@ -106,9 +106,9 @@ def build_inputs(
     if stop is not None:
         inputs.append(_bytes_input("stop", _str_list("stop", stop, allow_str=True)))
     if speculate is not None:
-        inputs.append(_scalar_input("speculate", np.bool_(bool(speculate))))
+        inputs.append(_scalar_input("speculate", np.bool_(_require_bool("speculate", speculate))))
     if gate_threshold is not None:
-        inputs.append(_scalar_input("gate_threshold", np.float32(gate_threshold)))
+        inputs.append(_scalar_input("gate_threshold", np.float32(_number("gate_threshold", gate_threshold))))
     return inputs
 
 
@@ -116,6 +116,19 @@ def resume_input() -> InferInput:
     """The `resume` input: with START, reopen the session this id names (from the server's journal when the
     server does not hold it) instead of starting a new one."""
     return _scalar_input("resume", np.bool_(True))
+
+
+def _number(name: str, value: object) -> float:
+    # a str ("0.5") or a bool would be read as a number by numpy: the caller's mistake, named here
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _require_bool(name: str, value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {type(value).__name__}")
+    return bool(value)
 
 
 def _require_str(name: str, value: object) -> str:

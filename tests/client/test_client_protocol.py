@@ -136,6 +136,17 @@ def test_choices_must_be_a_list_but_stop_may_be_one_string():
     assert decode_input(by_name(build_inputs(stop="\n"))["stop"]).tolist() == [b"\n"]
 
 
+@pytest.mark.parametrize("kwargs, name", [
+    ({"temperature": "hot"}, "temperature"), ({"temperature": "0.5"}, "temperature"), ({"top_p": True}, "top_p"),
+    ({"gate_threshold": "high"}, "gate_threshold"), ({"speculate": "no"}, "speculate"), ({"speculate": 1}, "speculate"),
+])
+def test_numbers_and_flags_of_the_wrong_kind_are_named(kwargs, name):
+    with pytest.raises(TypeError, match=f"^{name}: expected"):
+        build_inputs(**kwargs)
+    ok = by_name(build_inputs(temperature=np.float64(0.5), top_p=1, gate_threshold=0.9, speculate=np.bool_(False)))
+    assert decode_input(ok["top_p"]).tolist() == [1.0] and decode_input(ok["speculate"]).tolist() == [False]
+
+
 def test_text_must_be_str():
     with pytest.raises(TypeError, match="text_input"):
         build_inputs(b"bytes")
