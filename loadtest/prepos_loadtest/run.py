@@ -324,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     locustfile, extra_env = _choose_locustfile(args, parser)
 
     out = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--out {out}: cannot make the output folder ({err.strerror or err})")
     for stale in [*out.glob(f"{CSV_PREFIX}_*.csv"), out / REPORT_NAME, out / "summary.json"]:
         stale.unlink(missing_ok=True)
     env = {**os.environ, **extra_env}

@@ -128,3 +128,12 @@ def test_only_the_user_module_imports_locust():
             "assert not {'locust', 'gevent'} & set(sys.modules), sorted({'locust', 'gevent'} & set(sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=run.LOADTEST_DIR, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_an_output_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--host", "127.0.0.1:9", "--out", str(blocker / "out")])
+    assert exit_info.value.code == 2
+    assert f"--out {blocker / 'out'}: cannot make the output folder" in capsys.readouterr().err
