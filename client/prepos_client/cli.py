@@ -116,7 +116,8 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_session_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
     """--session-id and --continue."""
-    parser.add_argument("--session-id", required=required, help="session id (default: a fresh random one)")
+    parser.add_argument("--session-id", required=required,
+                        help="session id" if required else "session id (default: a fresh random one)")
     parser.add_argument(
         "--continue",
         dest="resume",
@@ -126,7 +127,10 @@ def add_session_arguments(parser: argparse.ArgumentParser, *, required: bool = F
 
 
 def _comma_list(value: str) -> list[str]:
-    return [item for item in value.split(",") if item]
+    items = value.split(",")
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"an empty entry in {value!r}: give entries separated by single commas")
+    return items
 
 
 # Flag -> argparse options; each becomes a keyword of Session.generate when set.

@@ -51,6 +51,8 @@ class Client:
         token: str | None = None,
         wait_for_ready: bool = False,
     ):
+        if not isinstance(url, str) or not url:
+            raise TypeError(f"url: expected host:port as a str, got {url!r}")
         self.url = url
         self.wait_for_ready = bool(wait_for_ready)
         self.model = model

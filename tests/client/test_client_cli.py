@@ -68,7 +68,8 @@ def test_url_defaults_to_the_environment(monkeypatch):
 @pytest.mark.parametrize(
     "argv",
     [["append", "x"], ["ask"], ["ask", "x", "--max-tokens", "many"], ["ask", "x", "--bogus"], ["bogus"], ["close"],
-     ["ask", "x", "--timeout", "0"], ["ask", "x", "--timeout", "-1"], ["ask", "x", "--timeout", "nan"]],
+     ["ask", "x", "--timeout", "0"], ["ask", "x", "--timeout", "-1"], ["ask", "x", "--timeout", "nan"],
+     ["ask", "x", "--choices", "a,,b"], ["ask", "x", "--choices", "a,"]],
 )
 def test_usage_errors_exit_2(argv):
     with pytest.raises(SystemExit) as raised:

@@ -437,6 +437,12 @@ def test_session_ids_the_server_cannot_carry_are_refused(session_id):
     assert check_session_id("x" * 128) == "x" * 128  # Triton's longest
 
 
+@pytest.mark.parametrize("url", [None, "", 8001])
+def test_a_url_that_is_no_address_is_named(url):
+    with pytest.raises(TypeError, match="url: expected host:port"):
+        Client(url)
+
+
 def test_a_missing_session_id_becomes_a_fresh_random_one(fake_triton):
     client = Client("127.0.0.1:9")
     first, second = client.session(), client.session()
