@@ -122,7 +122,8 @@ def add_session_arguments(parser: argparse.ArgumentParser, *, required: bool = F
         "--continue",
         dest="resume",
         action="store_true",
-        help="the session is already open on the server: do not send START",
+        help="go on with a session opened earlier (left open with --keep-open, or before a restart): START is sent "
+        "with resume, so the server continues the session it holds or reopens it from its journal",
     )
 
 

@@ -67,7 +67,9 @@ class Client:
         """Open a `Session` (on the server with its first request).
 
         `session_id` None picks a fresh random id. `resume=True` continues a
-        session that is already open on the server: no START is sent.
+        session opened earlier (by another process, or before a restart): its
+        first request carries START with the `resume` input, so the server goes
+        on with the session it holds or reopens it from its journal.
         """
         session = Session(
             self.url,
