@@ -151,7 +151,7 @@ class RoutedClient:
         """Open a `RoutedSession` on its replica (on the server with its first request).
 
         `session_id` None picks a fresh random id; `resume=True` continues a
-        session already open on the servers (no START is sent).
+        session opened earlier (START is sent with `resume`, as for `Client.session`).
         """
         session = RoutedSession(self, new_session_id() if session_id is None else session_id, resume=resume)
         with self._lock:
