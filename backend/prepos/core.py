@@ -52,18 +52,28 @@ def create_engine(config: EngineConfig, engine_dir: Path, kv_budget_bytes: int =
         from prepos.engines.torch_llama import TorchLlamaEngine
 
         return TorchLlamaEngine(str(engine_dir), device=config.device, dtype=config.dtype,
-                                num_threads=config.num_threads or engine_threads(), cpu_kernels=config.cpu_kernels,
+                                num_threads=engine_threads(config.num_threads), cpu_kernels=config.cpu_kernels,
                                 kv_block_tokens=config.page_tokens, share_prefixes=config.share_prefixes,
                                 kept_prefixes=config.kept_prefixes)
     raise ConfigError(f"engine.name: unknown engine {config.name!r}; use torch or trtllm")
 
 
-def engine_threads() -> int:
-    """The torch engine's thread count where ``engine.num_threads`` is 0: torch's default, lowered to the
-    process's CPU quota (a Kubernetes CPU limit) where one is set."""
+def engine_threads(configured: int = 0) -> int:
+    """The torch engine's thread count: ``engine.num_threads`` where set (``configured``), else torch's default
+    lowered to the process's CPU quota (a Kubernetes CPU limit) where one is set. A configured count above the
+    CPUs the process may use is kept, with a warning: its threads would wait on each other at every barrier."""
+    import os
+
     import torch
 
     torch_default, quota = torch.get_num_threads(), cpu_quota()
+    if configured:
+        usable = min(len(os.sched_getaffinity(0)), int(quota) if quota is not None else os.cpu_count() or 1)
+        if configured > max(1, usable):
+            log.warning("engine.num_threads %d is more than the %d CPUs this process may use (CPU quota %s): "
+                        "threads past them wait for each other at every parallel step", configured, max(1, usable),
+                        "none" if quota is None else f"{quota:g}")
+        return configured
     threads = default_num_threads(torch_default, quota)
     log.info("engine threads: %d (torch's default %d; CPU quota %s)", threads, torch_default,
              "none" if quota is None else f"{quota:g}")

@@ -103,3 +103,15 @@ def test_the_torch_engine_runs_on_the_quotas_threads(monkeypatch, tied):
         assert torch.get_num_threads() == 2  # a count set in the config wins
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_configured_thread_count_above_the_usable_cpus_is_kept_with_a_warning(monkeypatch, caplog):
+    from prepos import core
+
+    monkeypatch.setattr(core, "cpu_quota", lambda: 2.0)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})  # the quota is the tighter bound
+    with caplog.at_level("WARNING", logger="prepos.core"):
+        assert core.engine_threads(8) == 8
+        assert core.engine_threads(2) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "engine.num_threads 8 is more than the 2 CPUs" in warnings[0]
