@@ -15,7 +15,7 @@ import numpy as np
 
 from prepos.config import ConfigError, EngineConfig, MemoryConfig, PreposConfig, check_sequence_slots, read_config
 from prepos.engines.base import Engine
-from prepos.engines.openmp import cpu_quota, default_num_threads, release_calling_thread
+from prepos.engines.openmp import cpu_quota, default_num_threads, release_calling_thread, usable_cpus
 from prepos.heap import CollectorPauses
 from prepos.metrics import BufferedSink, Metrics, MetricsSink
 from prepos.protocol import Rejection, Request, ResponseSink, parse_request
@@ -62,21 +62,18 @@ def engine_threads(configured: int = 0) -> int:
     """The torch engine's thread count: ``engine.num_threads`` where set (``configured``), else torch's default
     lowered to the process's CPU quota (a Kubernetes CPU limit) where one is set. A configured count above the
     CPUs the process may use is kept, with a warning: its threads would wait on each other at every barrier."""
-    import os
-
     import torch
 
-    torch_default, quota = torch.get_num_threads(), cpu_quota()
+    quota = cpu_quota()
+    shown = "none" if quota is None else f"{quota:g}"
     if configured:
-        usable = min(len(os.sched_getaffinity(0)), int(quota) if quota is not None else os.cpu_count() or 1)
-        if configured > max(1, usable):
+        if configured > (usable := usable_cpus(quota)):
             log.warning("engine.num_threads %d is more than the %d CPUs this process may use (CPU quota %s): "
-                        "threads past them wait for each other at every parallel step", configured, max(1, usable),
-                        "none" if quota is None else f"{quota:g}")
+                        "threads past them wait for each other at every parallel step", configured, usable, shown)
         return configured
+    torch_default = torch.get_num_threads()
     threads = default_num_threads(torch_default, quota)
-    log.info("engine threads: %d (torch's default %d; CPU quota %s)", threads, torch_default,
-             "none" if quota is None else f"{quota:g}")
+    log.info("engine threads: %d (torch's default %d; CPU quota %s)", threads, torch_default, shown)
     return threads
 
 

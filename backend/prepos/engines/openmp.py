@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -92,6 +93,13 @@ def _v1_quota(folder: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return quota / period if quota > 0 and period > 0 else None  # -1: no quota
+
+
+def usable_cpus(quota: float | None) -> int:
+    """The CPUs the process may run on at once: those of its CPU affinity, no more than ``quota`` (rounded
+    down) where one is set; at least one."""
+    cpus = len(os.sched_getaffinity(0))
+    return max(1, cpus if quota is None else min(cpus, math.floor(quota)))
 
 
 def default_num_threads(torch_default: int, quota: float | None) -> int:
