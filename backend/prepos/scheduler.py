@@ -14,17 +14,10 @@ has had one step, the waiting prefills run as one batch
 (``Engine.prefill_batch``), then the waiting decodes
 (``Engine.decode_batch``): one read of the weights for all of each. Pre-positioning
 is a generator that yields after each layer of each chunk of at most
-``chunk_tokens`` tokens. Before every step the loop admits new requests, and a
-foreground step always goes before background work: a new request waits at
-most one layer of one chunk (or one foreground step of another session).
-
-Between background steps the idle policy may prefer another session (with
-``most_recent``, the one just served). At a chunk boundary the running
-pre-positioning goes back to the candidates (its KV holds every finished
-chunk); inside a chunk it is set aside whole and resumed once the preferred
-one is positioned, so a long pre-positioning neither delays a short one by a
-chunk nor loses the layers it has done. One pre-positioning at most is set
-aside at a time.
+``chunk_tokens`` tokens (:mod:`prepos.background`, which also audits gated
+answers). Before every step the loop admits new requests, and a foreground step
+always goes before background work: a new request waits at most one layer of
+one chunk (or one foreground step of another session).
 """
 
 from __future__ import annotations
@@ -34,22 +27,21 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from prepos.background import BackgroundWork
 from prepos.config import GateConfig, SchedulerConfig
-from prepos.engines.base import Engine, KVCapacityError, common_prefix_length
+from prepos.engines.base import Engine
 from prepos.gate import Gate
-from prepos.gate_watch import Audit, GateWatch
+from prepos.gate_watch import GateWatch
 from prepos.kv_writes import WriteReportingEngine
 from prepos.metrics import Metrics
-from prepos.policies import IDLE_POLICIES
 from prepos.protocol import DRAIN_REASON, ProtocolError, Rejection, Request, ResponseSink, Status
 from prepos.queued_deadlines import QueuedDeadlines
 from prepos.residency import Residency
 from prepos.scan import ScanFn
 from prepos.serving import EngineStep, PrefillStep, RequestServer
-from prepos.session import Positioned, Session
+from prepos.session import Session
 from prepos.template import Framing, Tokenizer
 from prepos.turns import TurnBuilder
 
@@ -64,22 +56,6 @@ TAKEN_OVER_REASON = "taken over"  # why a session's stale copy was dropped: anot
 
 DRAINING_MESSAGE = ("the server is draining before it stops: no session opens or resumes here now; resume the "
                     "session on another replica or once the server is back (a journaled session keeps its log)")
-RESERVE_FRACTION = 16  # a positioned session's KV keeps room for this fraction more of its length (see _reserve_ahead)
-RESERVE_MIN_TOKENS = 512  # below it a growth's copy costs little (about 1 ms at 576 tokens here), and room costs memory
-_CHUNK_BOUNDARY = object()  # what a pre-positioning task yields between chunks (engine steps yield None)
-
-
-@dataclass
-class _Background:
-    """A background task of one session: its pre-positioning, or the audit of its gated answer."""
-
-    session: Session
-    task: Iterator[object]
-    positioning: bool
-    at_chunk_boundary: bool = False
-
-    def stop(self) -> None:
-        self.task.close()
 
 
 def batches(steps: list[EngineStep], size: int, max_tokens: int | None = None) -> Iterator[list[EngineStep]]:
@@ -121,9 +97,7 @@ class Scheduler:
     ):
         engine = WriteReportingEngine(engine, self._kv_written)  # what every component below gets
         self._engine = engine
-        self._framing = framing
         self._config = config
-        self._scan = scan
         self._metrics = metrics
         self._clock = clock
         self._max_context = engine.info.max_context
@@ -135,19 +109,21 @@ class Scheduler:
             engine=engine, metrics=metrics, max_sessions=max_sessions, kv_budget_bytes=kv_budget_bytes,
             eviction_policy=eviction_policy, journal=journal, clock=clock, journal_expire_s=journal_expire_s,
         )
-        self._residency.on_evict = self._stop_work_for
         self.store = self._residency.store
-        self._watch = GateWatch(gate_config, metrics)
-        self._audits: deque[Audit] = deque()
+        self._watch = GateWatch(gate_config, metrics)  # the gate's audits: the requests' and the background's
+        spec_delta = gate_config.speculative_delta
+        self._background = BackgroundWork(
+            engine=engine, framing=framing, turns=self._turns, config=config, scan=scan, metrics=metrics,
+            residency=self._residency, watch=self._watch,
+            speculative_delta_ids=tuple(tokenizer.encode(spec_delta)) if spec_delta else (),
+        )
+        self._residency.on_evict = self._background.stop_work_for
         self._server = RequestServer(
             engine=engine, tokenizer=tokenizer, framing=framing, turns=self._turns, gate=Gate(gate_config), scan=scan,
             metrics=metrics, residency=self._residency, config=config, clock=clock, journaled=journal is not None,
             close_session=self._close, reject=self._reject,
-            watch=self._watch, request_audit=self._audits.append,
+            watch=self._watch, request_audit=self._background.audits.append,
         )
-        self._idle_policy = IDLE_POLICIES[config.idle_policy]()
-        spec_delta = gate_config.speculative_delta
-        self._speculative_delta_ids = tuple(tokenizer.encode(spec_delta)) if spec_delta else ()
         self._inbox: queue.SimpleQueue[tuple[Request | Rejection, ResponseSink]] = queue.SimpleQueue()
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # one token per submit: wakes the loop
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
@@ -155,11 +131,6 @@ class Scheduler:
         self._queued_deadlines = QueuedDeadlines()  # requests waiting behind their session's earlier ones
         self._batched: list[tuple[Session, EngineStep]] = []  # requests waiting for the next batch of engine steps
         self._round_left = 0  # steps of other ready sessions still due before that batch runs
-        self._idle: dict[str | int, Session] = {}  # idle sessions that are not positioned
-        self._went_idle = False  # a session joined _idle since the policy last chose
-        self._prep: _Background | None = None  # the background task the loop steps
-        self._paused: _Background | None = None  # a pre-positioning set aside inside a chunk, resumed next
-        self._stepping_prep = False
         self._background_after_s = 0.0  # no background work before this time (see background_delay_ms)
         self._next_housekeeping = 0.0
         self._reuse_seen = (0, 0, 0)  # engine block-reuse counters already published (reused, new, missed)
@@ -237,7 +208,7 @@ class Scheduler:
                 self._metrics.flush()  # idle: publish what the requests just served recorded
                 # Sleep until a submit, the end of the background grace, or the next housekeeping.
                 pause = HOUSEKEEPING_INTERVAL_S
-                if self._idle or self._prep is not None or self._paused is not None:
+                if self._background.waiting:
                     pause = min(pause, max(1e-4, self._background_after_s - self._clock()))
                 try:
                     self._wake.get(timeout=pause)
@@ -268,7 +239,7 @@ class Scheduler:
         if self._ready:
             self._step_foreground()
             return True
-        return self._step_prepositioning()
+        return self._step_background()
 
     def _admit_queued(self) -> None:
         while True:
@@ -313,8 +284,7 @@ class Scheduler:
             # (A START or END keeps its place: it opens or closes the session, which Triton does whatever happens.)
             self._queued_deadlines.watch(session, request, sink)
         session.pending.append((request, sink))
-        self._idle.pop(session.session_id, None)
-        if self._drop_background(session):
+        if self._background.drop(session):
             self._metrics.prepositioning_ended("preempted")
         if session.task is None:
             session.task = self._serve_session(session)
@@ -424,46 +394,13 @@ class Scheduler:
         self._background_after_s = now + self._config.background_delay_ms / 1e3
         return now - began
 
-    def _step_prepositioning(self) -> bool:
+    def _step_background(self) -> bool:
         if self._clock() < self._background_after_s:
             return False
-        if self._prep is None and self._paused is not None:
-            self._prep, self._paused = self._paused, None  # resumed where it was set aside
-        elif self._prep is None and self._start_audit():
-            pass
-        elif self._prep is None:
-            if not (self._config.preposition and self._config.retain_kv and self._idle):
-                return False
-            self._start_prepositioning(self._idle_policy.pick(list(self._idle.values())))
-        elif self._idle and self._prep.positioning and (self._went_idle or self._prep.at_chunk_boundary):
-            # The policy may prefer a session that went idle meanwhile (the one just served, say).
-            self._went_idle = False
-            current = self._prep
-            preferred = self._idle_policy.pick([*self._idle.values(), current.session])
-            if preferred is not current.session:
-                if current.at_chunk_boundary:  # back to the candidates: it goes on from its KV later
-                    current.stop()
-                    self._metrics.prepositioning_ended("preempted")
-                    self._idle[current.session.session_id] = current.session
-                    self._start_prepositioning(preferred)
-                elif self._paused is None:  # inside a chunk: set aside whole, resumed after the preferred one
-                    self._paused = current
-                    self._start_prepositioning(preferred)
-        background = self._prep
-        self._stepping_prep = True
         began = self._clock()
-        try:
-            background.at_chunk_boundary = next(background.task) is _CHUNK_BOUNDARY
-        except StopIteration:
-            self._prep = None
-        except KVCapacityError as err:  # the session stays as it was; it is served from its log when asked
-            log.warning("pre-positioning of session %r abandoned: %s", background.session.session_id, err)
-            self._prep = None
-            if background.positioning:
-                self._metrics.prepositioning_ended("abandoned")
-        finally:
-            self._stepping_prep = False
-            self._metrics.engine_time("background", self._clock() - began)
+        if not self._background.step():
+            return False
+        self._metrics.engine_time("background", self._clock() - began)
         return True
 
     def _kv_written(self, session_id: str | int) -> None:
@@ -473,39 +410,6 @@ class Scheduler:
         session = self.store.get(session_id)
         if session is not None:
             session.positioned = None
-
-    def _start_prepositioning(self, session: Session) -> None:
-        del self._idle[session.session_id]
-        self._prep = _Background(session, self._preposition(session), positioning=True)
-
-    def _start_audit(self) -> bool:
-        """Start the oldest audit whose session is still as the audited answer left it (others are void)."""
-        while self._audits:
-            audit = self._audits.popleft()
-            session = audit.session
-            if self.store.get(session.session_id) is session and len(session.token_log) == audit.log_length \
-                    and not session.pending and not session.serving:
-                self._prep = _Background(session, self._audit(audit), positioning=False)
-                return True
-        return False
-
-    def _audit(self, audit: Audit) -> Iterator[None]:
-        """Prefill the full path of an audited gated answer in the session's own KV (a prefix of its new log)
-        and compare its first decided token with the gated one."""
-        session = audit.session
-        # Positioned again first: the audit's prefill rewrites the KV, which drops that state; it is positioned
-        # again after the audit.
-        if session.positioned is not None:
-            self._metrics.prepositioning_ended("invalidated")
-            self._idle[session.session_id] = session
-        num_cached = common_prefix_length(self._engine.cached_token_ids(session.session_id), audit.prompt_ids)
-        logits = yield from self._engine.prefill_steps(session.session_id, list(audit.prompt_ids))
-        self._metrics.prefilled("background", max(1, len(audit.prompt_ids) - num_cached))
-        self._residency.note_kv(session, background=True)
-        if not session.has_kv:
-            return
-        full = self._scan(logits, allowed_ids=audit.trie.allowed_ids(audit.forced_ids) if audit.trie else None)
-        self._watch.record(audit, full.token_id)
 
     def _housekeeping(self, now: float) -> None:
         self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
@@ -572,88 +476,12 @@ class Scheduler:
                 session.last_active_s = self._clock()
                 self._residency.fit()
         if self.store.get(session.session_id) is session and session.token_log and not session.positioned_valid():
-            self._idle[session.session_id] = session
-            self._went_idle = True
+            self._background.went_idle(session)
 
-    # --- pre-positioning -----------------------------------------------
-
-    def _preposition(self, session: Session) -> Iterator[object]:
-        """Make the KV hold log + entry + speculative delta (empty, or the configured placeholder) + cue +
-        forced choice tokens; cache the distribution."""
-        log_length = len(session.token_log)
-        role = session.last_role
-        trie = self._turns.trie(session.last_choices)
-        forced = tuple(trie.leading_ids()) if trie else ()
-        spec = (*self._turns.turn_ids(session, role, self._speculative_delta_ids, self._framing.cue_ids), *forced)
-        target = [*session.token_log, *spec]
-        if len(target) + 1 > self._max_context:
-            return
-        done = self._engine.share_prefix(session.session_id, target)  # what it, or another session, holds
-        while True:
-            end = min(len(target), done + self._config.chunk_tokens) if done < len(target) else len(target)
-            # Yields between layers too: a foreground request waits at most one layer of one chunk.
-            logits = yield from self._engine.prefill_steps(session.session_id, target[:end])
-            self._metrics.prefilled("background", max(1, end - done))
-            self._residency.note_kv(session, background=True)
-            if not session.has_kv:  # the budget had no room for it
-                self._metrics.prepositioning_ended("abandoned")
-                return
-            done = end
-            if done == len(target):
-                break
-            yield _CHUNK_BOUNDARY
-            if self.store.get(session.session_id) is not session or len(session.token_log) != log_length:
-                self._metrics.prepositioning_ended("invalidated")
-                return
-        greedy = self._scan(logits, allowed_ids=trie.allowed_ids(forced) if trie else None)
-        session.positioned = Positioned(
-            log_length=log_length, role=role, choices=session.last_choices, spec_ids=spec,
-            forced_ids=forced, logits=logits.clone(), greedy_scan=greedy, delta_ids=self._speculative_delta_ids,
-        )
-        self._residency.note_kv(session, background=True)  # the cached distribution counts against the budget
-        self._metrics.prepositioning_ended("completed")
-        yield from self._reserve_ahead(session, len(target))
-
-    def _reserve_ahead(self, session: Session, length: int) -> Iterator[None]:
-        """Let the positioned session's KV hold a sixteenth more than its ``length`` tokens. Where the KV grows by
-        a copy (the torch engine on CPU: the whole KV; a turn over 4,000 tokens of SmolLM2 took 1.6x as long
-        here when it grew it), the copy is then paid in the idle window instead of by the next request. Only
-        for sessions of ``RESERVE_MIN_TOKENS`` or more, and while the budget has room to spare: a quarter of what
-        the session holds. The copy runs a layer per step, so a request that comes meanwhile waits no longer than
-        for a layer of a chunk (a request of the session's own drops this task)."""
-        ledger = self._residency.kv
-        if session.has_kv and length >= RESERVE_MIN_TOKENS \
-                and ledger.used_bytes + self._engine.kv_bytes(session.session_id) // 4 <= ledger.budget_bytes:
-            yield from self._engine.reserve_steps(session.session_id,
-                                                  min(length + length // RESERVE_FRACTION, self._max_context))
-            self._residency.note_kv(session, background=True)
-
-    # --- memory and lifecycle -----------------------------------------
-
-    def _stop_work_for(self, victim: Session) -> None:
-        """Before a session's KV is evicted: a running pre-positioning of it stops (one evicting its own
-        KV sees ``has_kv`` go False and stops by itself), and it is no longer an idle candidate."""
-        if self._drop_background(victim, running=not self._stepping_prep):
-            self._metrics.prepositioning_ended("preempted")
-        self._idle.pop(victim.session_id, None)
-
-    def _drop_background(self, session: Session, running: bool = True) -> bool:
-        """Stop the session's background task, the one set aside included (``running``: the one being
-        stepped too); returns whether one was stopped."""
-        stopped = False
-        if self._paused is not None and self._paused.session is session:
-            self._paused.stop()
-            self._paused = None
-            stopped = True
-        if running and self._prep is not None and self._prep.session is session:
-            self._prep.stop()
-            self._prep = None
-            stopped = True
-        return stopped
+    # --- lifecycle -----------------------------------------------------
 
     def _close(self, session: Session, reason: str) -> None:
-        self._drop_background(session)
-        self._idle.pop(session.session_id, None)
+        self._background.drop(session)
         drained = reason == DRAIN_REASON
         # An idle session here may be open on another replica now (its client moved there and was reopened from
         # the shared journal): its journal is then that replica's.

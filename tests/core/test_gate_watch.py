@@ -66,7 +66,7 @@ def test_no_watch_no_audits(tmp_path):
     h.idle()
     sink = h.submit(h.request("s1", "question", max_tokens=1))
     h.sched.run_once()
-    assert sink.path == "gated" and not h.sched._audits
+    assert sink.path == "gated" and not h.sched._background.audits
     h.idle()
     assert h.metrics.sink.get("prepos_gate_audits_total", result="agreed") == 0
     assert h.metrics.sink.get("prepos_gate_audits_total", result="disagreed") == 0
@@ -80,11 +80,11 @@ def test_an_audit_after_the_session_was_positioned_again_leaves_its_next_answer_
     open_session(h, sid="a")
     h.idle()
     open_session(h, sid="b", text="a long system turn " * 20)  # its pre-positioning takes many chunks
-    while h.sched._prep is None:
+    while h.sched._background.running is None:
         h.sched.run_once()
     sink = h.serve(h.request("a", "what now?", max_tokens=1))  # while b's pre-positioning is under way
-    assert sink.path == "gated" and h.sched._audits  # its audit waits for the background
-    while h.sched._audits:
+    assert sink.path == "gated" and h.sched._background.audits  # its audit waits for the background
+    while h.sched._background.audits:
         positioned = h.sched.store.get("a").positioned is not None
         h.sched.run_once()
     assert positioned  # the policy positioned a again before its audit started

@@ -801,7 +801,7 @@ def test_a_positioned_session_gets_room_for_its_next_turn_in_the_idle_window_whi
     """Where the KV grows by a copy, the copy is made after pre-positioning (a sixteenth more than the KV holds)
     and counted; not when the budget lacks a quarter of the session's KV to spare, nor for a short session;
     answers are the same."""
-    from prepos.scheduler import RESERVE_FRACTION, RESERVE_MIN_TOKENS
+    from prepos.background import RESERVE_FRACTION, RESERVE_MIN_TOKENS
 
     system = "You route requests to tools. Tools: get_weather, get_time, set_alarm, send_mail, read_file. " * 6
     answers, used, held = [], 0, 0
@@ -834,7 +834,7 @@ def test_room_is_made_in_steps_of_its_own_after_requests_that_came_meanwhile(tmp
     """The growth is a copy of the whole KV, made in steps: a request that arrives during the pre-positioning's
     last chunk is served first; a request of the session's own drops the task, so no room is made for the state
     it used."""
-    from prepos.scheduler import RESERVE_FRACTION
+    from prepos.background import RESERVE_FRACTION
 
     system = "You route requests to tools. Tools: get_weather, get_time, set_alarm, send_mail, read_file. " * 6
     for asker in ("b", "a"):
@@ -845,7 +845,7 @@ def test_room_is_made_in_steps_of_its_own_after_requests_that_came_meanwhile(tmp
         target = len(h.engine.kv["a"])  # log, entry and cue
         h.sched.store.lookup("a").positioned = None  # a pre-positions again: its one chunk costs nothing now
         h.engine.room.clear()
-        h.sched._idle["a"] = h.sched.store.lookup("a")
+        h.sched._background.idle["a"] = h.sched.store.lookup("a")
         order = []
         reserve_steps = h.engine.reserve_steps
 
