@@ -405,7 +405,7 @@ def main() -> None:
     if "batch" in parts:
         engine = torch_llama.TorchLlamaEngine(args.model_dir)
         print("decode_batch, one step of n sessions over 300 cached tokens each "
-              f"({'CPU kernels' if engine._kernels is not None else 'torch ops'}):")
+              f"({'CPU kernels' if engine.products.kernels is not None else 'torch ops'}):")
         by_size = batched_decode(engine, args.reps)
         del engine
         for n, seconds in by_size.items():
@@ -418,7 +418,7 @@ def main() -> None:
     if "prefills" in parts:
         engine = torch_llama.TorchLlamaEngine(args.model_dir)
         print("prefill_batch, 8 sessions over 200 cached tokens each, n new tokens each "
-              f"({'CPU kernels' if engine._kernels is not None else 'torch ops'}):")
+              f"({'CPU kernels' if engine.products.kernels is not None else 'torch ops'}):")
         for new, by_way in batched_prefill(engine, args.reps).items():
             print(f"  {new:3d} new tokens  one batch {by_way['batched'] * 1e3:7.1f} ms  one after another "
                   f"{by_way['serial'] * 1e3:7.1f} ms  ratio {by_way['serial'] / by_way['batched']:.2f}")

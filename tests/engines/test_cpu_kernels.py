@@ -287,11 +287,13 @@ def test_engine_on_the_kernel_matches_torch_matmul(which, threads, fused, reques
     try:
         kernel = TorchLlamaEngine(path, num_threads=threads)
         plain = TorchLlamaEngine(path, num_threads=threads, cpu_kernels=False)
-        assert kernel._kernels is not None and kernel._kernel_attention and plain._kernels is None
-        assert kernel._decode_layers is not None and plain._decode_layers is None
+        assert kernel.products.kernels is not None and kernel.products.kernel_attention
+        assert plain.products.kernels is None
+        assert kernel.products.decode_layers is not None and plain.products.decode_layers is None
         if not fused:
-            kernel._decode_layers = None  # the GEMV and attention kernels called op by op
-        matrices = (kernel.wqkv[0], kernel.wo[0], kernel.wgu[0], kernel.wdown[0], kernel.lm_head)
+            kernel.products.decode_layers = None  # the GEMV and attention kernels called op by op
+        p = kernel.products
+        matrices = (p.wqkv[0], p.wo[0], p.wgu[0], p.wdown[0], p.lm_head)
         assert [tuple(w.shape[::2]) for w in matrices] == [(4, 32), (2, 32), (8, 32), (2, 32), (16, 32)]
         ids = [3, 14, 159, 26, 5, 358, 97, 93]
         with torch.no_grad():
@@ -319,8 +321,9 @@ def test_engine_prefill_on_the_kernels_matches_torch_and_transformers(tie, tmp_p
     path = str(tmp_path)
     model.save_pretrained(path, safe_serialization=True)
     kernel, plain = TorchLlamaEngine(path), TorchLlamaEngine(path, cpu_kernels=False)
-    assert kernel._on_gemv_kernel(kernel.wgu[0]) and not plain._on_gemv_kernel(plain.wgu[0])
-    assert kernel._kernel_prefill_attention and not plain._kernel_prefill_attention
+    assert kernel.products.on_gemv_kernel(kernel.products.wgu[0])
+    assert not plain.products.on_gemv_kernel(plain.products.wgu[0])
+    assert kernel.products.kernel_prefill_attention and not plain.products.kernel_prefill_attention
     ids = torch.randint(0, config.vocab_size, (83,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
         hf = model(torch.tensor([ids])).logits[0]
@@ -350,7 +353,7 @@ def test_engine_prefill_on_the_kernels_matches_torch_and_transformers(tie, tmp_p
 
 def test_engine_keeps_torch_matmul_off_float32(tied):
     path, _ = tied
-    assert TorchLlamaEngine(path, dtype="bfloat16")._kernels is None
+    assert TorchLlamaEngine(path, dtype="bfloat16").products.kernels is None
 
 
 def test_engine_decode_past_several_key_chunks(tmp_path):
@@ -363,7 +366,7 @@ def test_engine_decode_past_several_key_chunks(tmp_path):
     LlamaForCausalLM(config).save_pretrained(str(tmp_path), safe_serialization=True)
     kernel = TorchLlamaEngine(str(tmp_path), kv_block_tokens=128)
     plain = TorchLlamaEngine(str(tmp_path), kv_block_tokens=128, cpu_kernels=False)
-    assert kernel._decode_layers is not None  # vocab 300 keeps the lm_head off the kernel; the layers are on it
+    assert kernel.products.decode_layers is not None  # vocab 300 keeps the lm_head off the kernel; the layers are on it
     ids = torch.randint(0, 300, (700,), generator=torch.Generator().manual_seed(3)).tolist()
     kernel.prefill("s", ids[:600])
     plain.prefill("s", ids[:600])
@@ -380,10 +383,11 @@ def test_decode_layers_refuses_matrices_it_cannot_read(kernels, tied):
     finally:
         torch.set_num_threads(saved)
     dims = dict(heads=engine.n_heads, kv_heads=engine.n_kv_heads, head_dim=engine.head_dim,
-                inter=engine.intermediate, n_eps=engine._n_eps)
+                inter=engine.intermediate, n_eps=engine.products.n_eps)
+    w = engine.products
     with pytest.raises(ValueError, match="need .* float32 contiguous"):
-        cpu_kernels.DecodeLayers(kernels, engine.wqkv, engine.wo, engine.wgu, engine.wdown, **dims)
-    packed = TorchLlamaEngine(path)
+        cpu_kernels.DecodeLayers(kernels, w.wqkv, w.wo, w.wgu, w.wdown, **dims)
+    packed = TorchLlamaEngine(path).products
     with pytest.raises(ValueError, match="outside what the attention kernel takes"):
         cpu_kernels.DecodeLayers(kernels, packed.wqkv, packed.wo, packed.wgu, packed.wdown, **{**dims, "kv_heads": 3})
 
@@ -400,10 +404,10 @@ def test_engine_decode_batch_in_one_kernel_call_matches_op_by_op(tmp_path):
     LlamaForCausalLM(config).save_pretrained(str(tmp_path), safe_serialization=True)
     fused, by_op = TorchLlamaEngine(str(tmp_path), kv_block_tokens=64), TorchLlamaEngine(str(tmp_path), kv_block_tokens=64)
     plain = TorchLlamaEngine(str(tmp_path), kv_block_tokens=64, cpu_kernels=False)
-    by_op._decode_layers = None
+    by_op.products.decode_layers = None
     calls = []
-    batch = fused._decode_layers.batch
-    fused._decode_layers.batch = lambda *a: calls.append(len(a[1])) or batch(*a)
+    batch = fused.products.decode_layers.batch
+    fused.products.decode_layers.batch = lambda *a: calls.append(len(a[1])) or batch(*a)
     ids = torch.randint(0, 320, (700,), generator=torch.Generator().manual_seed(8)).tolist()
     lengths = {"a": 5, "b": 62, "c": 600}  # b's KV grows past 64 on the way; c attends over 3 chunks of 256
     for engine in (fused, by_op, plain):

@@ -80,11 +80,12 @@ def test_engine_weights_in_the_arena_give_the_same_logits(which, request):
     path, _ = request.getfixturevalue(which)
     ids = [5, 9, 300, 17, 2, 44, 100]
     in_arena, plain = TorchLlamaEngine(path), TorchLlamaEngine(path, host_arena=False)
-    base = in_arena.lm_head.untyped_storage().data_ptr()
-    matrices = [*in_arena.wqkv, *in_arena.wo, *in_arena.wgu, *in_arena.wdown, in_arena.lm_head]
+    arena_w, plain_w = in_arena.products, plain.products
+    base = arena_w.lm_head.untyped_storage().data_ptr()
+    matrices = [*arena_w.wqkv, *arena_w.wo, *arena_w.wgu, *arena_w.wdown, arena_w.lm_head]
     assert {m.untyped_storage().data_ptr() for m in matrices} == {base}  # one block of memory
-    assert plain.wqkv[0].untyped_storage().data_ptr() != plain.wo[0].untyped_storage().data_ptr()
-    for a, b in zip(matrices, [*plain.wqkv, *plain.wo, *plain.wgu, *plain.wdown, plain.lm_head]):
+    assert plain_w.wqkv[0].untyped_storage().data_ptr() != plain_w.wo[0].untyped_storage().data_ptr()
+    for a, b in zip(matrices, [*plain_w.wqkv, *plain_w.wo, *plain_w.wgu, *plain_w.wdown, plain_w.lm_head]):
         assert torch.equal(a, b)
     assert torch.equal(in_arena.prefill("s", ids[:5]), plain.prefill("s", ids[:5]))
     for t in ids[5:]:

@@ -237,12 +237,13 @@ def test_weight_chunking_and_generic_norm_path(tied, threads, blocks):
         engine = TorchLlamaEngine(path, num_threads=threads, kv_block_tokens=BLOCK, cpu_kernels=False)
     finally:
         torch.set_num_threads(saved)
-    assert [w.shape[0] for w in (engine.wqkv[0], engine.wo[0], engine.wgu[0], engine.wdown[0], engine.lm_head)] == blocks
+    w = engine.products
+    assert [m.shape[0] for m in (w.wqkv[0], w.wo[0], w.wgu[0], w.wdown[0], w.lm_head)] == blocks
     ids = _ids(24, seed=13)
     hf = _hf_logits(model, ids)
     assert _close(engine.prefill("s", ids[:20]), hf[19])
     assert _close(engine.decode("s", ids[20]), hf[20])
-    engine._cpu = False  # the device-agnostic norm used off CPU
+    engine.products.cpu = False  # the device-agnostic norm used off CPU
     assert _close(engine.decode("s", ids[21]), hf[21])
 
 

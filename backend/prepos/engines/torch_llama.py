@@ -6,10 +6,9 @@ separate functions: prefill runs a block of new tokens causally against a
 session's cached prefix; decode is the one-token hot path, written to keep
 Python and kernel-launch overhead small next to the weight reads that bound it.
 
-The checkpoint is read and packed by :mod:`prepos.engines.llama_weights` (fused
-q/k/v and gate/up matrices with the RMSNorm weights folded in, stored in column
-blocks); sessions' shared prefixes are found through
-:mod:`prepos.engines.prefix_index`.
+The packed weights and the matrix products over them (on the CPU kernels where
+they can be built) are :mod:`prepos.engines.llama_products`'s; sessions' shared
+prefixes are found through :mod:`prepos.engines.prefix_index`.
 
 Numerics: float32 logits agree with transformers' float32 ones to ~1e-4 absolute
 on a 135M model (float32 rounding; both are that close to a float64 reference).
@@ -28,8 +27,8 @@ import torch.nn.functional as F
 from prepos.engines.base import (Engine, EngineInfo, KVCapacityError, check_decode_batch, check_prefill_batch,
                                  common_prefix_length)
 from prepos.engines import cpu_kernels as kernels_lib
-from prepos.engines.host_arena import huge_page_bytes, thp_mode
-from prepos.engines.llama_weights import DTYPES, pack_weights, read_config, rope_tables
+from prepos.engines.llama_products import LlamaProducts
+from prepos.engines.llama_weights import DTYPES, read_config, rope_tables
 from prepos.engines.prefix_index import SHARED_MIN_TOKENS, Donor, PrefixIndex, listing_points
 
 log = logging.getLogger(__name__)
@@ -114,83 +113,28 @@ class TorchLlamaEngine(Engine):
         self.group = self.n_heads // self.n_kv_heads  # query heads per kv head
         self.intermediate = cfg["intermediate_size"]
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))
-        self._n_eps = self.hidden * self.eps
         self.vocab_size = cfg["vocab_size"]
         max_context = cfg.get("max_position_embeddings", 2048)
-        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self._kernels = kernels_lib.load() if cpu_kernels and cpu_fp32 else None
-        self._kernel_attention = self._kernels is not None and kernels_lib.attention_fits(self.group, self.head_dim)
-        self._kernel_prefill_attention = self._kernel_attention and kernels_lib.prefill_attention_fits(self.head_dim)
-        log.info("matrix products: %s; decode attention: %s; prefill attention: %s",
-                 f"prepos CPU kernels ({self._kernels.path})" if self._kernels else "torch matmul",
-                 *("prepos CPU kernels" if on else "torch SDPA"
-                   for on in (self._kernel_attention, self._kernel_prefill_attention)))
-        self._load_weights(model_dir, tie=cfg.get("tie_word_embeddings", False), host_arena=host_arena)
+        self.products = LlamaProducts(
+            model_dir, num_layers=self.n_layers, hidden=self.hidden, heads=self.n_heads, kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim, intermediate=self.intermediate, eps=self.eps,
+            tie=cfg.get("tie_word_embeddings", False), device=self.device, dtype=self.dtype,
+            cpu_kernels=cpu_kernels, host_arena=host_arena,
+        )
         self._build_rope(cfg["rope_theta"], max_context)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        read = [*self.wqkv, *self.wo, *self.wgu, *self.wdown, self.ln_final, self.lm_head]
         self.info = EngineInfo(
             name="torch",
             vocab_size=self.vocab_size,
             max_context=max_context,
             kv_bytes_per_token=self.n_layers * 2 * self.n_kv_heads * self.head_dim * elem,
-            weight_bytes=sum(t.numel() * t.element_size() for t in read),
+            weight_bytes=self.products.weight_bytes,
             device=str(self.device),
         )
         log.info("loaded %s: %d layers, %.1f MB weights read per decode step, on %s/%s",
                  model_dir, self.n_layers, self.info.weight_bytes / 1e6, device, dtype)
 
     # ---- loading -------------------------------------------------------------------------
-
-    def _load_weights(self, model_dir: str, *, tie: bool, host_arena: bool) -> None:
-        packed = pack_weights(model_dir, num_layers=self.n_layers, hidden=self.hidden, tie=tie, device=self.device,
-                              dtype=self.dtype, kernel_block=kernels_lib.BLOCK if self._kernels else None,
-                              host_arena=host_arena)
-        self.embed, self.lm_head, self.ln_final = packed.embed, packed.lm_head, packed.ln_final
-        self.wqkv, self.wo, self.wgu, self.wdown = packed.wqkv, packed.wo, packed.wgu, packed.wdown
-        dev, dt, arena = self.device, self.dtype, packed.arena
-        self._decode_layers = None
-        if self._kernel_attention:
-            try:
-                self._decode_layers = kernels_lib.DecodeLayers(
-                    self._kernels, self.wqkv, self.wo, self.wgu, self.wdown, heads=self.n_heads,
-                    kv_heads=self.n_kv_heads, head_dim=self.head_dim, inter=self.intermediate, n_eps=self._n_eps)
-            except ValueError as e:
-                log.info("decode layers: one kernel call per op (%s)", e)
-        if arena is not None:
-            huge = huge_page_bytes(self.lm_head)
-            log.info("weights in one %.1f MB host arena; %s MB on huge pages (transparent huge pages: %s)",
-                     arena.num_bytes / 1e6, "unknown" if huge is None else f"{huge / 1e6:.1f}", thp_mode())
-        self._layers = list(zip(self.wqkv, self.wo, self.wgu, self.wdown))
-        # Inputs that bmm's beta=0 never reads, shaped like the outputs of the norm-fed matrices.
-        self._zeros = {w.shape: torch.zeros(w.shape[0], 1, w.shape[2], device=dev, dtype=dt)
-                       for w in (self.wqkv[0], self.wgu[0])}
-        self._cpu = dev.type == "cpu"
-
-    def _embed(self, tokens: torch.Tensor | int) -> torch.Tensor:
-        """Embedding rows ``[..., hidden]`` of ``tokens`` (a tied embedding is lm_head's columns)."""
-        if self.embed is not None:
-            return self.embed[tokens]
-        block = self.lm_head.shape[2]
-        return self.lm_head[tokens // block, :, tokens % block]
-
-    def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x [seq, in]`` times a packed ``[c, in, out/c]`` matrix -> ``[seq, out]``."""
-        if w.shape[0] == 1:
-            return torch.mm(x, w[0])
-        return torch.matmul(x, w).transpose(0, 1).reshape(x.shape[0], -1)  # [c, seq, out/c] -> [seq, out]
-
-    def _rows_mm(self, w: torch.Tensor, x: torch.Tensor, *, norm: bool = False,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [seq, in]`` (each row RMS-normed first with ``norm``; the norm's weight is folded into ``w``) times
-        packed ``w``, plus ``residual [seq, out]`` when given: prefill's products, on the CPU GEMM kernel where
-        ``w`` was packed for it."""
-        if self._on_gemv_kernel(w):
-            x = x.contiguous()
-            scale = torch.rsqrt(x.pow(2).sum(-1).add_(self._n_eps)) if norm else None
-            return self._kernels.gemm_unchecked(w, x, scale, None if residual is None else residual.contiguous())
-        y = self._mm(self._rms_scale(x) if norm else x, w)
-        return y if residual is None else residual + y
 
     def _build_rope(self, theta: float, max_context: int) -> None:
         hd, half = self.head_dim, self.head_dim // 2
@@ -299,6 +243,7 @@ class TorchLlamaEngine(Engine):
         through each matrix product together (the weights are read once for all of them) and attend over their
         own KV. Each prefill is checked first; an impossible one gets its error and leaves its session as it
         was. One session prefills as :meth:`prefill` does."""
+        w = self.products
         check_prefill_batch(session_ids, token_ids)
         if len(session_ids) == 1:
             return super().prefill_batch(session_ids, token_ids)
@@ -334,8 +279,8 @@ class TorchLlamaEngine(Engine):
                     x = done.value
                     break
             ends = torch.tensor([len(new) for *_, new in targets], device=self.device).cumsum(0) - 1
-            h = F.rms_norm(x[ends], (self.hidden,), self.ln_final, self.eps)
-            rows = self._rows_mm(self.lm_head, h).float().unbind(0)  # [batch, vocab]
+            h = w.final_norm(x[ends])
+            rows = w.rows_mm(w.lm_head, h).float().unbind(0)  # [batch, vocab]
             for (index, s, _, _, new), row in zip(targets, rows):
                 s.ids.extend(new)
                 self._list(session_ids[index], s)
@@ -482,12 +427,6 @@ class TorchLlamaEngine(Engine):
         ``end - seq + i`` seeing keys up to it (``mask``, or plain causal when there is no prefix)."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.group > 1)
 
-    def _rms_scale(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` times ``rsqrt(sum(x^2) + hidden*eps)`` per row, i.e. RMSNorm without its weight and
-        without the 1/sqrt(hidden) factor: both live in the matrix the norm feeds."""
-        xf = x.float()  # sums of squares overflow float16; a no-op for float32
-        return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True).add_(self._n_eps))).to(x.dtype)
-
     def _prefill_forward(
         self, kv: torch.Tensor, start: int, tokens: torch.Tensor
     ) -> Generator[None, None, torch.Tensor]:
@@ -496,7 +435,7 @@ class TorchLlamaEngine(Engine):
         Yields after each layer; returns float32 logits ``[vocab]`` of the last token only.
         """
         x = yield from self._prefill_parts([(kv, start, tokens)])
-        return self._logits(x[-1])  # [vocab]: last position only
+        return self.products.logits(x[-1])  # [vocab]: last position only
 
     def _prefill_parts(
         self, parts: Sequence[tuple[torch.Tensor, int, torch.Tensor]]
@@ -508,6 +447,7 @@ class TorchLlamaEngine(Engine):
         Yields after each layer; returns the residual stream ``[sum of lengths, hidden]`` after the last layer,
         the parts' rows one after another.
         """
+        w = self.products
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         inter = self.intermediate
         lengths = [tokens.shape[0] for _, _, tokens in parts]
@@ -527,7 +467,7 @@ class TorchLlamaEngine(Engine):
         # which is only right without a prefix, so a prefix needs the explicit offset mask.
         plans = []  # per part: (kernel attention, its mask)
         for (kv, start, _), m in zip(parts, lengths):
-            kernel = self._kernel_prefill_attention and kv.is_contiguous()
+            kernel = w.kernel_prefill_attention and kv.is_contiguous()
             if start and not kernel:
                 pos = torch.arange(start + m, device=self.device)
                 plans.append((False, pos[None, :] <= pos[start:, None]))  # [seq, start+seq]
@@ -536,9 +476,9 @@ class TorchLlamaEngine(Engine):
         longest = max(start + m for (_, start, _), m in zip(parts, lengths))
         # Every layer's transposed keys, for the CPU attention kernel.
         scratch = kernels_lib.prefill_scratch(KV, hd, longest) if any(k for k, _ in plans) else None
-        x = self._embed(tokens)  # [seq, hidden]
+        x = w.embedding(tokens)  # [seq, hidden]
         for i in range(self.n_layers):
-            qkv = self._rows_mm(self.wqkv[i], x, norm=True).view(n, H + 2 * KV, hd)  # [seq, H+2KV, hd]
+            qkv = w.rows_mm(w.wqkv[i], x, norm=True).view(n, H + 2 * KV, hd)  # [seq, H+2KV, hd]
             qk = qkv[:, : H + KV]  # [seq, H+KV, hd]: RoPE q and k in one go
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
             outs = []
@@ -546,7 +486,7 @@ class TorchLlamaEngine(Engine):
                 qk_p = qk[o:o + m]
                 self._store_kv(kv, i, start, qk_p[:, H:], qkv[o:o + m, H + KV:])  # [seq, KV, hd] each
                 if kernel:  # [seq, H*hd], each token's heads side by side
-                    outs.append(self._kernels.prefill_attend_unchecked(
+                    outs.append(w.kernels.prefill_attend_unchecked(
                         qk_p, (H + KV) * hd, kv[i, 0].data_ptr(), kv[i, 1].data_ptr(), KV, self.group, hd, m,
                         start, kv.shape[3] * hd, scratch))
                 else:
@@ -555,9 +495,9 @@ class TorchLlamaEngine(Engine):
                     # 4-D inputs keep SDPA on its CPU flash kernel (3-D ones take the slow math path).
                     outs.append(self._attend(q, k, v, mask)[0].transpose(0, 1).reshape(m, H * hd))
             a = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = self._rows_mm(self.wo[i], a, residual=x)
-            gu = self._rows_mm(self.wgu[i], x, norm=True)  # [seq, 2*inter]
-            x = self._rows_mm(self.wdown[i], F.silu(gu[:, :inter]) * gu[:, inter:], residual=x)
+            x = w.rows_mm(w.wo[i], a, residual=x)
+            gu = w.rows_mm(w.wgu[i], x, norm=True)  # [seq, 2*inter]
+            x = w.rows_mm(w.wdown[i], F.silu(gu[:, :inter]) * gu[:, inter:], residual=x)
             yield
         return x
 
@@ -627,12 +567,13 @@ class TorchLlamaEngine(Engine):
         """Steps ``(kv, pos, token)`` of distinct sessions: each token at its ``pos`` over its own ``kv``;
         writes their KV; float32 logits ``[batch, vocab]``. The matrix products take the batch's rows
         together, as prefill takes a prompt's (the CPU GEMM kernel where the weights were packed for it)."""
+        w = self.products
         tokens = torch.tensor([tok for _, _, tok in steps], device=self.device)
-        if self._decode_layers is not None and all(kv.is_contiguous() for kv, _, _ in steps):
+        if w.decode_layers is not None and all(kv.is_contiguous() for kv, _, _ in steps):
             # Every layer of every session's token in one kernel call.
-            x = self._decode_layers.batch(self._embed(tokens).contiguous(), [kv for kv, _, _ in steps],
+            x = w.decode_layers.batch(w.embedding(tokens).contiguous(), [kv for kv, _, _ in steps],
                                           [pos for _, pos, _ in steps], self.cos, self.sin_signed)
-            return self._rows_mm(self.lm_head, F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)).float()
+            return w.rows_mm(w.lm_head, w.final_norm(x)).float()
         H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
         n, inter = len(steps), self.intermediate
         positions = torch.tensor([pos for _, pos, _ in steps], device=self.device)
@@ -640,20 +581,20 @@ class TorchLlamaEngine(Engine):
         # Per session, made once per step: its new KV slots in every layer, and where the attention reads.
         k_new = [kv[:, 0, :, pos] for kv, pos, _ in steps]  # n x [layers, KV, hd]
         v_new = [kv[:, 1, :, pos] for kv, pos, _ in steps]
-        kernel = self._kernel_attention and all(kv.is_contiguous() for kv, _, _ in steps)
+        kernel = w.kernel_attention and all(kv.is_contiguous() for kv, _, _ in steps)
         if kernel:  # layer i's K at base + i * layer bytes, its V half a layer on
             reads = [(kv.data_ptr(), 2 * KV * kv.shape[3] * hd * kv.element_size(), kv.shape[3] * hd, pos + 1)
                      for kv, pos, _ in steps]
-        x = self._embed(tokens)  # [n, hidden]
+        x = w.embedding(tokens)  # [n, hidden]
         for i in range(self.n_layers):
-            qkv = self._rows_mm(self.wqkv[i], x, norm=True).view(n, H + 2 * KV, hd)
+            qkv = w.rows_mm(w.wqkv[i], x, norm=True).view(n, H + 2 * KV, hd)
             qk = torch.addcmul(qkv[:, : H + KV] * cos, qkv[:, : H + KV].roll(hd // 2, -1), sin)  # RoPE
             q = qk[:, :H]  # [n, H, hd], contiguous rows
             for b in range(n):
                 k_new[b][i].copy_(qk[b, H:])
                 v_new[b][i].copy_(qkv[b, H + KV:])
             if kernel:
-                a = torch.stack([self._kernels.attend_unchecked(q[b], base + i * layer, base + i * layer + layer // 2,
+                a = torch.stack([w.kernels.attend_unchecked(q[b], base + i * layer, base + i * layer + layer // 2,
                                                                 KV, G, hd, keys, head)
                                  for b, (base, layer, head, keys) in enumerate(reads)])
             else:  # [1, KV, G, hd] over [1, KV, pos + 1, hd]: GQA with every cached key visible
@@ -661,11 +602,11 @@ class TorchLlamaEngine(Engine):
                                                                 kv[i, 0, None, :, : pos + 1],
                                                                 kv[i, 1, None, :, : pos + 1]).reshape(-1)
                                  for b, (kv, pos, _) in enumerate(steps)])
-            x = self._rows_mm(self.wo[i], a.reshape(n, H * hd), residual=x)
-            gu = self._rows_mm(self.wgu[i], x, norm=True)  # [n, 2*inter]
-            x = self._rows_mm(self.wdown[i], F.silu(gu[:, :inter]) * gu[:, inter:], residual=x)
-        h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
-        return self._rows_mm(self.lm_head, h).float()  # [n, vocab]
+            x = w.rows_mm(w.wo[i], a.reshape(n, H * hd), residual=x)
+            gu = w.rows_mm(w.wgu[i], x, norm=True)  # [n, 2*inter]
+            x = w.rows_mm(w.wdown[i], F.silu(gu[:, :inter]) * gu[:, inter:], residual=x)
+        h = w.final_norm(x)
+        return w.rows_mm(w.lm_head, h).float()  # [n, vocab]
 
     def _decode_forward(self, kv: torch.Tensor, pos: int, token_id: int) -> torch.Tensor:
         """One token at ``pos`` over ``kv[:, :, :, :pos]``; writes its KV; returns float32 logits ``[vocab]``.
@@ -677,23 +618,24 @@ class TorchLlamaEngine(Engine):
         grouped per kv head as ``[1, KV, G, hd]`` so SDPA sees G query rows per kv head with
         every cached key visible: GQA without repeating KV or a mask.
         """
-        if self._decode_layers is not None and kv.is_contiguous():
+        w = self.products
+        if w.decode_layers is not None and kv.is_contiguous():
             # All layers in one kernel call: no Python or dispatch between the weight reads.
-            x = self._decode_layers(self._embed(token_id).contiguous(), kv, self.cos[pos], self.sin_signed[pos], pos)
-            return self._logits(x)
+            x = w.decode_layers(w.embedding(token_id).contiguous(), kv, self.cos[pos], self.sin_signed[pos], pos)
+            return w.logits(x)
         H, KV, hd, G = self.n_heads, self.n_kv_heads, self.head_dim, self.group
         inter, qk_width, end = self.intermediate, (H + KV) * hd, pos + 1
-        norm_mm, add_mm, sdpa, mm = self._norm_mm, self._add_mm, F.scaled_dot_product_attention, torch.mm
+        norm_mm, add_mm, sdpa, mm = w.norm_mm, w.add_mm, F.scaled_dot_product_attention, torch.mm
         rot = torch.addcmul(self._eye * self.cos[pos], self._roll, self.sin_signed[pos])  # [hd, hd]
         # Per-layer views, made once per step: this position's KV slots and the keys/values so far.
         k_new, v_new = kv[:, 0, :, pos].unbind(0), kv[:, 1, :, pos].unbind(0)  # layers x [KV, hd]
         k_all, v_all = kv[:, 0, None, :, :end].unbind(0), kv[:, 1, None, :, :end].unbind(0)  # layers x [1, KV, end, hd]
-        attend = self._kernels.attend_unchecked if self._kernel_attention and kv.is_contiguous() else None
+        attend = w.kernels.attend_unchecked if w.kernel_attention and kv.is_contiguous() else None
         if attend is not None:  # the kernel takes raw addresses: layer i's K at base + i * layer, its V half a layer on
             cap = kv.shape[3]
             base, layer, head = kv.data_ptr(), 2 * KV * cap * hd * kv.element_size(), cap * hd
-        x = self._embed(token_id).contiguous()  # [hidden]
-        for i, (wqkv, wo, wgu, wdown) in enumerate(self._layers):
+        x = w.embedding(token_id).contiguous()  # [hidden]
+        for i, (wqkv, wo, wgu, wdown) in enumerate(w.layers):
             qkv = norm_mm(wqkv, x)  # [(H+2KV)*hd]
             qk = mm(qkv[:qk_width].view(H + KV, hd), rot)  # [H+KV, hd], RoPE applied
             k_new[i].copy_(qk[H:])
@@ -707,37 +649,4 @@ class TorchLlamaEngine(Engine):
             gu = norm_mm(wgu, x)  # [2*inter]
             act = F.silu(gu[:inter]).mul_(gu[inter:])  # [inter]
             x = add_mm(wdown, act, x)
-        return self._logits(x)
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[vocab]`` of the residual stream ``x [hidden]`` after the last layer."""
-        h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
-        if self._on_gemv_kernel(self.lm_head):
-            return self._kernels.gemv_unchecked(self.lm_head, h, 1.0, None)
-        c = self.lm_head.shape[0]
-        return torch.bmm(h.expand(c, 1, -1), self.lm_head).view(-1).float()
-
-    def _on_gemv_kernel(self, w: torch.Tensor) -> bool:
-        """Whether packed ``w`` is multiplied by the CPU GEMV kernel (it was packed in its 32-column blocks)."""
-        return self._kernels is not None and w.shape[2] == kernels_lib.BLOCK
-
-    def _add_mm(self, w: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``x + v @ w`` for 1-D contiguous ``v`` and ``x`` and packed ``w``."""
-        if self._on_gemv_kernel(w):
-            return self._kernels.gemv_unchecked(w, v, 1.0, x)
-        c = w.shape[0]
-        return torch.baddbmm(x.view(c, 1, -1), v.expand(c, 1, -1), w).view(-1)
-
-    def _norm_mm(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``rmsnorm(x) @ w`` for 1-D ``x`` and packed ``w`` (the norm's weight folded into it)."""
-        xf = x.float()  # sums of squares overflow float16; a no-op for float32
-        c = w.shape[0]
-        if self._cpu:
-            # Reading a scalar back costs nothing on CPU, and baddbmm's alpha then applies the
-            # norm without another op (beta=0: the zeros input is never read).
-            r = (torch.dot(xf, xf).item() + self._n_eps) ** -0.5
-            if self._on_gemv_kernel(w):
-                return self._kernels.gemv_unchecked(w, x, r, None)
-            return torch.baddbmm(self._zeros[w.shape], x.expand(c, 1, -1), w, beta=0, alpha=r).view(-1)
-        h = (xf * torch.rsqrt(torch.dot(xf, xf) + self._n_eps)).to(x.dtype)
-        return torch.bmm(h.expand(c, 1, -1), w).view(-1)
+        return w.logits(x)

@@ -383,12 +383,12 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         meta = self._meta[:b].long()
         token, pos, slot = meta[:, 0], meta[:, 1], meta[:, 2]
         cos, sin = self.cos.index_select(0, pos)[:, None], self.sin_signed.index_select(0, pos)[:, None]  # [b, 1, hd]
-        x = self._embed(token).reshape(b, self.hidden)
+        x = self.products.embedding(token).reshape(b, self.hidden)
         scale = hd ** -0.5
         gp = 1 << (G - 1).bit_length()
         attn = self._attn[:b].view(b, H * hd)
-        for i, (wqkv, wo, wgu, wdown) in enumerate(self._layers):
-            qkv = self._mm(self._norm(x), wqkv).view(b, H + 2 * KV, hd)
+        for i, (wqkv, wo, wgu, wdown) in enumerate(self.products.layers):
+            qkv = self.products.mm(self._norm(x), wqkv).view(b, H + 2 * KV, hd)
             qk = qkv[:, : H + KV]
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # RoPE at each row's position
             self.pool[i, 0].index_copy_(0, slot, qk[:, H:])
@@ -400,8 +400,8 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
                 CHUNK=min(16, self.page_tokens), SPLITS=self.splits)
             self._paged_kernels.merge_splits[(H, b)](self._part_acc, self._part_ml, self._attn, H=H, HD=hd,
                                                 SPLITS=self.splits)
-            x = x + self._mm(attn, wo)
-            gu = self._mm(self._norm(x), wgu)  # [b, 2*inter]
-            x = x + self._mm(F.silu(gu[:, :inter]) * gu[:, inter:], wdown)
-        h = F.rms_norm(x, (self.hidden,), self.ln_final, self.eps)
-        return self._mm(h, self.lm_head).float()  # [b, vocab]
+            x = x + self.products.mm(attn, wo)
+            gu = self.products.mm(self._norm(x), wgu)  # [b, 2*inter]
+            x = x + self.products.mm(F.silu(gu[:, :inter]) * gu[:, inter:], wdown)
+        h = self.products.final_norm(x)
+        return self.products.mm(h, self.products.lm_head).float()  # [b, vocab]
