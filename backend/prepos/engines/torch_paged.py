@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from prepos.engines.base import KVCapacityError
+from prepos.engines.llama_forward import DenseKV
 from prepos.engines.torch_llama import TorchLlamaEngine
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,36 @@ class _PagedSession:
 
 class KVPoolExhausted(KVCapacityError):
     """No free KV page for a session's new tokens; the message gives the pool's size."""
+
+
+class PagedKV(DenseKV):
+    """How a prefill reaches the pool: the handle is ``(session, epoch, slots)``, ``slots`` the flat pool row of
+    each of the session's positions."""
+
+    def __init__(self, pool: torch.Tensor, group: int) -> None:
+        super().__init__(group)
+        self.pool = pool  # [layers, 2, pages * PAGE, KV, hd]
+
+    def store_kv(self, kv, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = kv[2][start:start + k.shape[0]]
+        self.pool[layer, 0].index_copy_(0, rows, k)
+        self.pool[layer, 1].index_copy_(0, rows, v)
+
+    def load_kv(self, kv, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = kv[2][:end]
+        k = self.pool[layer, 0].index_select(0, rows)  # [end, KV, hd]
+        v = self.pool[layer, 1].index_select(0, rows)
+        return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+    def attend(self, q, k, v, mask):
+        if self.pool.device.type != "cuda":
+            return super().attend(q, k, v, mask)
+        # On CUDA: kv heads repeated for the query heads and the causal offset as a lower-right causal bias,
+        # so SDPA runs flash or memory-efficient attention (no explicit mask, no per-shape plan).
+        seq, end = q.shape[2], k.shape[2]
+        if self.group > 1:
+            k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(seq, end))
 
 
 class PagedTorchLlamaEngine(TorchLlamaEngine):
@@ -116,6 +147,7 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         # pool[layer, 0 or 1]: [pages * PAGE, KV, hd], one flat row per (position, kv head)
         self.pool = torch.zeros(self.n_layers, 2, n_pages * page_tokens, self.n_kv_heads, self.head_dim,
                                 dtype=self.dtype, device=self.device)
+        self._forward.kv_access = PagedKV(self.pool, self.group)
         self._free = list(range(n_pages - 1, 0, -1))  # page 0 is scratch; pop() hands out low pages first
         self._holders = [0] * n_pages  # per page, how many block tables (sessions, kept prefixes) hold it
         self._page_bytes = page_bytes
@@ -278,29 +310,6 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
     def _still_reserved(self, s: _PagedSession, kv) -> bool:
         return kv[0] is s and kv[1] == s.epoch
 
-    def _store_kv(self, kv, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        rows = kv[2][start:start + k.shape[0]]
-        self.pool[layer, 0].index_copy_(0, rows, k)
-        self.pool[layer, 1].index_copy_(0, rows, v)
-
-    def _load_kv(self, kv, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = kv[2][:end]
-        k = self.pool[layer, 0].index_select(0, rows)  # [end, KV, hd]
-        v = self.pool[layer, 1].index_select(0, rows)
-        return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-
-    def _attend(self, q, k, v, mask):
-        if self.device.type != "cuda":
-            return super()._attend(q, k, v, mask)
-        # On CUDA: kv heads repeated for the query heads and the causal offset as a lower-right causal bias,
-        # so SDPA runs flash or memory-efficient attention (no explicit mask, no per-shape plan).
-        seq, end = q.shape[2], k.shape[2]
-        if self.group > 1:
-            k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(seq, end))
-
-    # ---- decode: one graph per batch size, for every session ------------------------------
-
     def _paged_target(self, session_id: str, token_id: int):
         """The session, token and position of a decode step, with the step's page reserved; ``ValueError`` or
         :class:`KVPoolExhausted` naming what makes it impossible (the session is then unchanged)."""
@@ -382,7 +391,8 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
         inter = self.intermediate
         meta = self._meta[:b].long()
         token, pos, slot = meta[:, 0], meta[:, 1], meta[:, 2]
-        cos, sin = self.cos.index_select(0, pos)[:, None], self.sin_signed.index_select(0, pos)[:, None]  # [b, 1, hd]
+        rope = self._forward
+        cos, sin = rope.cos.index_select(0, pos)[:, None], rope.sin_signed.index_select(0, pos)[:, None]  # [b, 1, hd]
         x = self.products.embedding(token).reshape(b, self.hidden)
         scale = hd ** -0.5
         gp = 1 << (G - 1).bit_length()
