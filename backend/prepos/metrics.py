@@ -28,10 +28,14 @@ class MetricSpec:
     values: tuple[str, ...] = ()
     """A counter's known values of its one label, published at 0 from the start (as is an unlabelled counter),
     so a scrape finds every series before its first event and rates start from 0."""
+    initial: float | None = None
+    """An unlabelled gauge's value from the start (None: none until its first event)."""
 
 
 SPECS = (
-    MetricSpec("prepos_requests_total", "counter", "Requests served, by path (append and close included)", ("path",),
+    MetricSpec("prepos_requests_total", "counter",
+               "Client requests served to their end, by path (append and close included; rejected ones are in "
+               "prepos_request_errors_total, stopped ones in prepos_requests_abandoned_total)", ("path",),
                values=("exact", "gated", "prepaid", "prefix", "rebuild", "append", "close")),
     MetricSpec("prepos_request_errors_total", "counter", "Requests rejected, by the input the error names", ("field",)),
     MetricSpec("prepos_first_token_ms", "histogram", "Server-side time from arrival to first response, by path (ms)",
@@ -41,7 +45,9 @@ SPECS = (
     MetricSpec("prepos_prepositionings_total", "counter", "Pre-positionings, by result", ("result",),
                values=("completed", "invalidated", "preempted", "abandoned")),
     MetricSpec("prepos_sessions", "gauge", "Open sessions, by state", ("state",)),
-    MetricSpec("prepos_kv_bytes", "gauge", "KV cache bytes held by all sessions"),
+    MetricSpec("prepos_kv_bytes", "gauge",
+               "KV cache bytes held: sessions' KV and positioned distributions, and the opening turns kept from "
+               "closed sessions (prepos_kept_prefix_bytes)"),
     MetricSpec("prepos_kv_budget_bytes", "gauge", "KV cache budget in bytes"),
     MetricSpec("prepos_kept_prefix_bytes", "gauge",
                "KV bytes of the opening turns kept from closed sessions for later sessions to copy (in prepos_kv_bytes)"),
@@ -68,7 +74,8 @@ SPECS = (
     MetricSpec("prepos_requests_abandoned_total", "counter",
                "Requests stopped before their end, by reason (cancelled, deadline); their turn is not accepted",
                ("reason",), values=("cancelled", "deadline")),
-    MetricSpec("prepos_sessions_recovered_total", "counter", "Sessions reopened from their journal"),
+    MetricSpec("prepos_sessions_recovered_total", "counter",
+               "Sessions reopened from their journal (a resume, a request after a restart, a copy taken over)"),
     MetricSpec("prepos_sessions_drained_total", "counter",
                "Sessions ended by a drain before a stop, their journals kept (see prepos.drain)"),
     MetricSpec("prepos_sessions_taken_over_total", "counter",
@@ -80,8 +87,9 @@ SPECS = (
                "Gated answers audited against the full path, by result (agreed, disagreed)", ("result",),
                values=("agreed", "disagreed")),
     MetricSpec("prepos_gate_false_accept_upper_bound", "gauge",
-               "Upper confidence bound on the gate's false-accept rate from the audits"),
-    MetricSpec("prepos_gate_suspended", "gauge", "1 once the audits suspended the gate (until a reload), else 0"),
+               "Upper confidence bound on the gate's false-accept rate from the audits (none before the first)"),
+    MetricSpec("prepos_gate_suspended", "gauge", "1 once the audits suspended the gate (until a reload), else 0",
+               initial=0),
     MetricSpec("prepos_gc_collections_total", "counter",
                "Python garbage collections in the backend process, by generation (every thread stops during one)",
                ("generation",), values=("0", "1", "2")),
@@ -195,6 +203,8 @@ class Metrics:
                 self.sink.inc(spec.name, {}, 0)
             for value in spec.values:
                 self.sink.inc(spec.name, {spec.labels[0]: value}, 0)
+            if spec.initial is not None:
+                self.sink.set(spec.name, {}, spec.initial)
 
     def watch_collector(self, pauses: CollectorPauses | None) -> None:
         """Record ``pauses``'s garbage collections at every :meth:`flush` (None stops)."""

@@ -251,12 +251,17 @@ class Scheduler:
 
     def _admit(self, request: Request | Rejection, sink: ResponseSink) -> None:
         if self._draining and request.start:
-            self._reject(sink, ProtocolError("START", DRAINING_MESSAGE, Status.UNAVAILABLE))
+            self._reject(request, sink, ProtocolError("START", DRAINING_MESSAGE, Status.UNAVAILABLE))
             return
         if isinstance(request, Rejection):
             session = self.store.get(request.session_id)
             if session is None or request.start:
-                self._reject(sink, request.error)
+                self._reject(request, sink, request.error)
+                return
+            if session.task is None:  # nothing ahead of it: refused now, and the session's background work goes on
+                self._reject(request, sink, request.error)
+                if request.end:  # Triton ends the sequence on END whatever the model answers
+                    self._close(session, "END")
                 return
         try:
             existing = self.store.get(request.session_id)
@@ -276,7 +281,7 @@ class Scheduler:
             else:
                 session = existing or self.store.lookup(request.session_id)
         except ProtocolError as err:
-            self._reject(sink, err)
+            self._reject(request, sink, err)
             return
         if session.task is not None and isinstance(request, Request) and request.deadline_s is not None \
                 and not (request.start or request.end):
@@ -451,19 +456,19 @@ class Scheduler:
                     try:
                         successor = self._open_or_resume(request)
                     except ProtocolError as err:
-                        self._reject(sink, err)
+                        self._reject(request, sink, err)
                         continue
                     successor.pending = deque([(request, sink), *session.pending])
                     session.pending.clear()
                     successor.task = self._serve_session(successor)
                     self._ready.append(successor)
                     return
-                self._reject(sink, ProtocolError("START", f"session {session.session_id!r} is not open: it was closed "
-                                                 "while this request waited; send START with its first request",
-                                                 Status.NOT_FOUND))
+                self._reject(request, sink, ProtocolError(
+                    "START", f"session {session.session_id!r} is not open: it was closed while this request waited; "
+                    "send START with its first request", Status.NOT_FOUND))
                 continue
             if isinstance(request, Rejection):
-                self._reject(sink, request.error)
+                self._reject(request, sink, request.error)
                 if request.end:  # Triton ends the sequence on END whatever the model answers
                     self._close(session, "END")
                 continue
@@ -490,6 +495,7 @@ class Scheduler:
         if drained:
             self._metrics.session_drained()
 
-    def _reject(self, sink: ResponseSink, err: ProtocolError) -> None:
-        self._metrics.request_rejected(err.field)
+    def _reject(self, request: Request | Rejection, sink: ResponseSink, err: ProtocolError) -> None:
+        if not (isinstance(request, Request) and request.drain):  # the drain's own ENDs are no client's requests
+            self._metrics.request_rejected(err.field)
         sink.send_error(err)

@@ -101,7 +101,8 @@ class RequestServer:
     def __init__(self, *, engine: Engine, tokenizer: Tokenizer, framing: Framing, turns: TurnBuilder, gate: Gate,
                  scan: ScanFn, metrics: Metrics, residency: Residency, config: SchedulerConfig,
                  clock: Callable[[], float], journaled: bool,
-                 close_session: Callable[[Session, str], None], reject: Callable[[ResponseSink, ProtocolError], None],
+                 close_session: Callable[[Session, str], None],
+                 reject: Callable[[Request, ResponseSink, ProtocolError], None],
                  watch: GateWatch, request_audit: Callable[[Audit], None]):
         self._engine = engine
         self._tokenizer = tokenizer
@@ -134,16 +135,16 @@ class RequestServer:
                 yield from self._generate(session, request, clock, sink)
             served = True
         except ProtocolError as err:
-            self._reject(sink, err)
+            self._reject(request, sink, err)
         except _Abandoned as abandoned:
             self._abandon(session, request, sink, abandoned)
         except KVCapacityError as err:
             log.error("session %r request %r: %s", session.session_id, request.request_id, err)
-            self._reject(sink, ProtocolError("model", f"no KV memory left for this session ({err})",
+            self._reject(request, sink, ProtocolError("model", f"no KV memory left for this session ({err})",
                                              Status.RESOURCE_EXHAUSTED))
         except Exception:
             log.exception("session %r request %r failed", session.session_id, request.request_id)
-            self._reject(sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
+            self._reject(request, sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
         # Triton ends the sequence on END whatever happened; a rejected START leaves no session behind.
         if request.end and self._residency.store.get(session.session_id) is session:
             self._close_session(session, end_reason(request))
@@ -188,7 +189,8 @@ class RequestServer:
         if request.end:  # closed (journal deleted) before the response acknowledges the END
             self._close_session(session, end_reason(request))
         sink.send(chunk, final=True)
-        self._metrics.request_served(path.value, None)
+        if not request.drain:  # the drain's own ENDs are counted as drained sessions, not as requests
+            self._metrics.request_served(path.value, None)
 
     def _scan_at(self, logits, trie: ChoiceTrie | None, answer: Sequence[int], request: Request, rng) -> ScanResult:
         sampling = request.sampling

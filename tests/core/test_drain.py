@@ -222,3 +222,27 @@ def test_anything_but_a_drain_report_is_refused(text):
         DrainReport.from_json(text)
     report = DrainReport(num_ended=2, num_failed=0, num_open=0, seconds=0.25)
     assert DrainReport.from_json(report.to_json()) == report
+
+
+
+def test_the_drains_own_ends_are_counted_as_drained_sessions_not_as_client_requests(tmp_path):
+    h = journaled(tmp_path, tmp_path / "journal")
+    for sid in ("s1", "s2"):
+        open_session(h, sid=sid)
+        h.serve(h.request(sid, "a question", max_tokens=2))
+    sink = h.metrics.sink
+
+    def errors():
+        return sum(v for (name, _), v in sink.values.items() if name == "prepos_request_errors_total")
+
+    closes, errors_before = sink.get("prepos_requests_total", path="close"), errors()
+    h.sched.drain()
+    closed = h.serve(drain_end("s1"))
+    refused = h.serve(drain_end("s1"))  # ended already, as a session closed while its drain END waited would be
+    assert closed.chunks[-1].finish_reason == "closed" and refused.error.status is Status.NOT_FOUND
+    assert sink.get("prepos_sessions_drained_total") == 1
+    assert sink.get("prepos_requests_total", path="close") == closes and errors() == errors_before
+    # A client's END, and a client's request refused, still count.
+    assert h.serve(h.request("s2", None, end=True, max_tokens=0)).error is None
+    assert h.serve(h.request("s1", "still there?", max_tokens=2)).error.status is Status.NOT_FOUND
+    assert sink.get("prepos_requests_total", path="close") == closes + 1 and errors() == errors_before + 1

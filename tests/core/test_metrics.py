@@ -116,6 +116,8 @@ def test_known_counter_series_are_published_at_zero_and_no_event_falls_outside_t
             assert (spec.name, ()) in fresh.sink.values
         for value in spec.values:
             assert fresh.sink.values[spec.name, ((spec.labels[0], value),)] == 0.0
+    assert fresh.sink.values["prepos_gate_suspended", ()] == 0.0  # a gauge with a value from the start
+    assert ("prepos_gate_false_accept_upper_bound", ()) not in fresh.sink.values  # none before the first audit
     h = Harness(tmp_path, threshold=0.0, kv_budget=100 * 120)  # a gate that fires, a budget that evicts
     for sid in ("s1", "s2", "s3"):
         open_session(h, sid)

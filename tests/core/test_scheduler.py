@@ -469,6 +469,40 @@ def test_rejection_keeps_its_place_in_the_session_order(h):
     assert first.done and first.error is None and h.sched.store.get("s1") is None
 
 
+@pytest.mark.parametrize("when", ["positioned", "mid-prepositioning", "evicted"])
+def test_a_refused_request_to_an_idle_session_changes_nothing_there_or_elsewhere(tmp_path, when):
+    from prepos.protocol import ProtocolError, Rejection
+    h = Harness(tmp_path, kv_budget=10**9 if when != "evicted" else 1)  # a 1-byte budget: no KV stays
+    open_session(h, "s1")
+    h.serve(h.request("s1", "question", max_tokens=3))
+    h.serve(h.request("s1", "an update long enough for several chunks of pre-positioning " * 2, max_tokens=0))
+    if when == "mid-prepositioning":
+        h.sched.run_once()
+        h.sched.run_once()
+    else:
+        h.idle()
+    positioned, has_kv = h.sched.store.lookup("s1").positioned, h.sched.store.lookup("s1").has_kv
+    assert (positioned is not None) == (when == "positioned") and has_kv == (when != "evicted")
+    background, idle = h.sched._background.running, dict(h.sched._background.idle)
+    counters = dict(h.metrics.sink.values)
+    calls = len(h.engine.calls)
+    refused = CollectSink()
+    h.sched.submit(Rejection("s1", start=False, end=False, error=ProtocolError("temperature", "bad")), refused)
+    h.sched.run_once() if when == "mid-prepositioning" else h.idle()
+    assert refused.error.field == "temperature"
+    session = h.sched.store.lookup("s1")
+    changed = {k for k in set(counters) | set(h.metrics.sink.values)
+               if counters.get(k) != h.metrics.sink.values.get(k) and k[0] != "prepos_engine_seconds_total"}
+    if when == "mid-prepositioning":  # its pre-positioning went on, a step further
+        assert h.sched._background.running is background and len(h.engine.calls) == calls + 1
+        changed -= {("prepos_prefill_tokens_total", (("where", "background"),))}
+    else:
+        assert h.sched._background.running is None and len(h.engine.calls) == calls  # no engine work
+        assert session.positioned is positioned and session.has_kv == has_kv
+    assert dict(h.sched._background.idle) == idle
+    assert changed == {("prepos_request_errors_total", (("field", "temperature"),))}
+
+
 def test_layered_prefill_bounds_the_wait_by_one_layer_step(tmp_path):
     chunk_tokens, token_time, layers = 32, 0.004, 8
     h = Harness(tmp_path, chunk_tokens=chunk_tokens, token_time_s=token_time, step_time_s=0.0, num_layers=layers)
