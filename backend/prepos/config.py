@@ -323,17 +323,25 @@ def read_config(parameters: Mapping[str, str], environ: Mapping[str, str] | None
         if area not in classes or name not in {f.name for f in dataclasses.fields(classes[area])}:
             raise ConfigError(f"{key}: unknown parameter; known: {', '.join(sorted(known_keys()))}")
         values[area][name] = raw
+    from_environ = {}  # key -> the environment variable that set it
     for area, cls in classes.items():
         for f in dataclasses.fields(cls):
             env_key = f"PREPOS_{area}_{f.name}".upper()
             if env_key in environ:
                 values[area][f.name] = environ[env_key]
-    built = {}
-    for area, cls in classes.items():
-        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
-        parsed = {name: _parse_value(f"{area}.{name}", raw, kinds[name]) for name, raw in values[area].items()}
-        built[area] = cls(**parsed)
-    return PreposConfig(**built)
+                from_environ[f"{area}.{f.name}"] = env_key
+    try:
+        built = {}
+        for area, cls in classes.items():
+            kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+            parsed = {name: _parse_value(f"{area}.{name}", raw, kinds[name]) for name, raw in values[area].items()}
+            built[area] = cls(**parsed)
+        return PreposConfig(**built)
+    except ConfigError as err:  # say where a value from the environment came from: config.pbtxt does not show it
+        key = str(err).partition(":")[0]
+        if key in from_environ:
+            raise ConfigError(f"{err} (set by the environment variable {from_environ[key]})") from None
+        raise
 
 
 def sequence_slots(model_config: Mapping[str, Any]) -> int | None:

@@ -34,6 +34,17 @@ def test_bad_values_name_the_key(params, key):
         read_config(params, environ={})
 
 
+def test_a_bad_value_from_the_environment_names_its_variable():
+    with pytest.raises(ConfigError, match=r"^gate\.threshold: cannot read 'abc' as float \(set by the environment "
+                                          r"variable PREPOS_GATE_THRESHOLD\)$"):
+        read_config({"gate.threshold": "0.8"}, environ={"PREPOS_GATE_THRESHOLD": "abc"})
+    with pytest.raises(ConfigError, match=r"^scheduler\.chunk_tokens: .*PREPOS_SCHEDULER_CHUNK_TOKENS\)$"):
+        read_config({}, environ={"PREPOS_SCHEDULER_CHUNK_TOKENS": "0"})  # a range check of the area's own
+    with pytest.raises(ConfigError) as raised:  # from config.pbtxt: no variable to name
+        read_config({"scheduler.chunk_tokens": "0"}, environ={"PREPOS_GATE_THRESHOLD": "0.5"})
+    assert "environment" not in str(raised.value)
+
+
 def test_a_tensorrt_scan_needs_its_engine_file():
     import pytest
 
