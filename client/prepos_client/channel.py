@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import random
+import time
+from collections.abc import Mapping
+
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import KeepAliveOptions
+from tritonclient.utils import InferenceServerException
 
 RECONNECT_BACKOFF_MAX_MS = 500
 """The longest pause between two attempts to reconnect to a server that went away. gRPC's default grows to two
@@ -12,6 +17,11 @@ quarter of a minute after the server was back (measured: 16 s after a 30 s resta
 
 RECONNECT_BACKOFF_FIRST_MS = 100
 """The pause before the second attempt to reconnect (gRPC's default: one second)."""
+
+WAIT_FIRST_S = 0.05
+"""The first pause of a call waiting for its server to be ready again; doubled after each look."""
+WAIT_MAX_S = 0.5
+"""The longest pause between two looks at the server's readiness."""
 
 _MAX_MESSAGE_BYTES = 2**31 - 1  # tritonclient's own limit, which a channel_args list replaces with gRPC's 4 MiB
 
@@ -34,3 +44,25 @@ def channel_args() -> list[tuple[str, int | bool]]:
 def triton_client(url: str) -> grpcclient.InferenceServerClient:
     """A tritonclient gRPC client for ``url`` (host:port) with :func:`channel_args`."""
     return grpcclient.InferenceServerClient(url, channel_args=channel_args())
+
+
+def wait_until_ready(triton: grpcclient.InferenceServerClient, model: str, headers: Mapping[str, str] | None,
+                     deadline: float, waits: int) -> bool:
+    """Wait, until ``deadline`` (perf_counter time), for the server to report ``model`` ready, the ``waits``-th
+    time for one call. Pauses grow from :data:`WAIT_FIRST_S` to :data:`WAIT_MAX_S` (jittered, so that waiting
+    sessions spread out), so that a draining server is not asked in a tight loop. Returns whether it did."""
+    pause = min(WAIT_FIRST_S * 2 ** min(waits, 16), WAIT_MAX_S)
+    while True:
+        left_s = deadline - time.perf_counter()
+        if left_s <= 0:
+            return False
+        time.sleep(min(pause * random.uniform(0.5, 1.0), left_s))
+        pause = min(pause * 2, WAIT_MAX_S)
+        left_s = deadline - time.perf_counter()
+        if left_s <= 0:
+            return False
+        try:
+            if triton.is_model_ready(model, headers=headers, client_timeout=min(left_s, 1.0)):
+                return True
+        except InferenceServerException:
+            pass  # not reachable yet

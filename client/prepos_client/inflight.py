@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import time
 from dataclasses import dataclass, field
 
-from .errors import PreposTimeout
+from .errors import PreposError, PreposTimeout
 from .protocol import is_final_response
+
+logger = logging.getLogger("prepos_client.session")  # the session logs what became of its requests
 
 
 @dataclass
@@ -43,3 +46,24 @@ def final_delivery(inflight: Inflight, deadline: float):
         delivery = next_delivery(inflight.deliveries, deadline)
         if delivery.error is not None or is_final_response(delivery.result):
             return delivery
+
+
+def record_late_outcome(inflight: Inflight, error: PreposError | None, session_id: str) -> None:
+    """Record on the :class:`PreposTimeout` its caller got what became of a request that timed out on the client."""
+    if error is None:
+        inflight.timed_out.accepted = True
+        logger.warning("session %s: request %s timed out on the client but was accepted after all; its turn is "
+                       "in the session's log", session_id, inflight.request_id)
+    elif error.status is None:  # the model answered with an error: the request changed nothing
+        inflight.timed_out.accepted = False
+    # An error with a gRPC status ended the stream: what became of the request cannot be known.
+
+
+def record_delivered_outcome(inflight: Inflight, session_id: str) -> None:
+    """Record the outcome of a request the caller gave up on if it has already arrived (the session is being
+    released: a request that ends it is answered after every earlier one)."""
+    try:
+        delivery = final_delivery(inflight, time.perf_counter())
+    except queue.Empty:
+        return
+    record_late_outcome(inflight, delivery.error, session_id)

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
-from .channel import triton_client
+from .channel import triton_client, wait_until_ready
 from .deadlines import check_timeout, server_timeout_us
 from .errors import PreposError, PreposTimeout, from_triton
-from .inflight import Inflight, final_delivery, next_delivery
+from .inflight import Inflight, final_delivery, next_delivery, record_delivered_outcome, record_late_outcome
 from .lifetime import close_when_dropped, streaming_sessions
 from .protocol import (Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk,
                        resume_input)
@@ -26,8 +25,6 @@ logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "prepos-session-id"
 
-_WAIT_FIRST_S = 0.05  # the first pause of a call waiting for its server to be ready again; doubled after each look
-_WAIT_MAX_S = 0.5  # the longest pause between two looks at the server's readiness
 
 
 _ENDED_ANYWAY = "the request carried END, so the session is closed"  # Triton ends the sequence whatever happens
@@ -434,26 +431,11 @@ class Session:
 
     def _wait_until_ready(self, deadline: float, waits: int, why: str) -> bool:
         """Wait, until ``deadline`` (perf_counter time), for the server to report the model ready: the ``waits``-th
-        time for this call. Pauses grow from :data:`_WAIT_FIRST_S` to :data:`_WAIT_MAX_S`, so that a draining
-        server is not asked in a tight loop. Returns whether it did."""
+        time for this call (:func:`~prepos_client.channel.wait_until_ready`). Returns whether it did."""
         if waits == 0:
             logger.warning("session %s: the server at %s is %s; waiting for it to be ready (at most %.3g s)",
                            self.session_id, self.url, why, max(0.0, deadline - time.perf_counter()))
-        pause = min(_WAIT_FIRST_S * 2 ** min(waits, 16), _WAIT_MAX_S)
-        while True:
-            left_s = deadline - time.perf_counter()
-            if left_s <= 0:
-                return False
-            time.sleep(min(pause * random.uniform(0.5, 1.0), left_s))  # jittered: waiting sessions spread out
-            pause = min(pause * 2, _WAIT_MAX_S)
-            left_s = deadline - time.perf_counter()
-            if left_s <= 0:
-                return False
-            try:
-                if self._triton.is_model_ready(self.model, headers=self._headers, client_timeout=min(left_s, 1.0)):
-                    return True
-            except InferenceServerException:
-                pass  # not reachable yet
+        return wait_until_ready(self._triton, self.model, self._headers, deadline, waits)
 
     def _settle(self, inflight: Inflight, error: PreposError | None) -> PreposError | None:
         """Update the session's state for the outcome of a request: its final response (``error`` None) or error.
@@ -514,26 +496,8 @@ class Session:
             self._unsettled.pop(0)
             settled = True
             self._settle(inflight, delivery.error)
-            self._record_late_outcome(inflight, delivery.error)
+            record_late_outcome(inflight, delivery.error, self.session_id)
         return settled
-
-    def _record_delivered_outcome(self, inflight: Inflight) -> None:
-        """Record the outcome of a request the caller gave up on if it has already arrived (the session is being
-        released: a request that ends it is answered after every earlier one)."""
-        try:
-            delivery = final_delivery(inflight, time.perf_counter())
-        except queue.Empty:
-            return
-        self._record_late_outcome(inflight, delivery.error)
-
-    def _record_late_outcome(self, inflight: Inflight, error: PreposError | None) -> None:
-        if error is None:
-            inflight.timed_out.accepted = True
-            logger.warning("session %s: request %s timed out on the client but was accepted after all; its turn is "
-                           "in the session's log", self.session_id, inflight.request_id)
-        elif error.status is None:  # the model answered with an error: the request changed nothing
-            inflight.timed_out.accepted = False
-        # An error with a gRPC status ended the stream: what became of the request cannot be known.
 
     def _ensure_stream(self) -> ResponseRouter:
         if self._router is not None and self._router.failure is None:
@@ -564,7 +528,7 @@ class Session:
     def _release(self) -> None:
         self._closed = True
         for inflight in self._unsettled:
-            self._record_delivered_outcome(inflight)
+            record_delivered_outcome(inflight, self.session_id)
         self._unsettled = []
         streaming_sessions.discard(self)
         try:

@@ -15,7 +15,7 @@ import time
 import pytest
 from client_fakes import RestartingServer, unavailable
 from prepos_client import Client, PreposError, PreposTimeout, PreposUnavailable
-from prepos_client import session as session_module
+from prepos_client import channel as channel_module
 from tritonclient.utils import InferenceServerException
 
 SEEDS = int(os.environ.get("PREPOS_RANDOM_SEEDS", "4")) * 5  # a longer hunt: PREPOS_RANDOM_SEEDS=100
@@ -31,7 +31,7 @@ def raised(call, *args, **kwargs) -> PreposError | None:
 
 @pytest.mark.parametrize("seed", range(SEEDS))
 def test_every_timed_out_call_learns_what_became_of_its_turn(fake_triton, seed, monkeypatch):
-    monkeypatch.setattr(session_module, "_WAIT_FIRST_S", 0.002)  # the looks at a restarting server come sooner
+    monkeypatch.setattr(channel_module, "WAIT_FIRST_S", 0.002)  # the looks at a restarting server come sooner
     rng = random.Random(seed)
     server = fake_triton.responder = RestartingServer()
     rules = server.rules
