@@ -38,6 +38,7 @@ from pathlib import Path
 from prepos.access_token import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER,
                                  RESTRICTED_PROTOCOLS, masked, resolve_access_token, restriction_arguments)
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
+from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
 from prepos.supervise import DRAIN_ENV, drain_file_from, stop_server
 
 log = logging.getLogger("prepos.launcher")
@@ -149,6 +150,7 @@ def server_command(options: ServerOptions, backend_dir: Path, access_token: str 
         "--exit-on-error=true",
         f"--log-verbose={options.log_verbose}",
         f"--exit-timeout-secs={options.exit_timeout_s}",
+        backend_config_argument(region_prefix(options.grpc_port)),
     ]
     if access_token:
         command += restriction_arguments(access_token)
@@ -206,6 +208,8 @@ class TritonServer:
         taken = taken_endpoints(self.options)
         if taken:
             raise PortInUseError(self.options.host, taken)
+        # The port is free: a server that named its regions after it is gone (killed, as it left them).
+        remove_left_regions(region_prefix(self.options.grpc_port), "an earlier server on this port")
         backend_dir = prepare_backend_dir(self.options.run_dir)
         command = server_command(self.options, backend_dir, self.access_token)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -340,6 +344,7 @@ class TritonServer:
             (log.info if drained else log.warning)("backend stub %d outlived tritonserver; killing it", stub.pid)
         _kill(alive)
         _wait_dead(alive, timeout_s=5.0)  # a killed stub is gone (or a zombie) when stop returns
+        remove_left_regions(region_prefix(self.options.grpc_port), "this server (killed, or its stubs were)")
         return drained
 
     def __enter__(self) -> "TritonServer":

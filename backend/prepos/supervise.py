@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Mapping
 
 from prepos.drain import request_drain
+from prepos.shm_regions import backend_config_argument, configured_prefix, region_prefix, remove_left_regions
 
 log = logging.getLogger("prepos.supervise")
 
@@ -37,6 +38,8 @@ model, see :mod:`prepos.drain`), and while a client still holds a stream, Triton
 the model."""
 TRITON_EXIT_TIMEOUT_S = 30.0
 """tritonserver's ``--exit-timeout-secs`` when its arguments do not set it."""
+TRITON_GRPC_PORT = 8001
+"""tritonserver's ``--grpc-port`` when its arguments do not set it."""
 DRAIN_ENV = "PREPOS_SCHEDULER_DRAIN_FILE"
 
 
@@ -93,6 +96,30 @@ def exit_timeout_of(args: list[str]) -> float:
         return float(value) if value is not None else TRITON_EXIT_TIMEOUT_S
     except ValueError:
         return TRITON_EXIT_TIMEOUT_S
+
+
+def grpc_port_of(args: list[str]) -> int:
+    """The ``--grpc-port`` among tritonserver's arguments (the last one), else Triton's default."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg.startswith("--grpc-port="):
+            value = arg.partition("=")[2]
+        elif arg == "--grpc-port" and i + 1 < len(args):
+            value = args[i + 1]
+    try:
+        return int(value) if value is not None else TRITON_GRPC_PORT
+    except ValueError:
+        return TRITON_GRPC_PORT  # tritonserver refuses it itself
+
+
+def with_region_prefix(args: list[str]) -> tuple[list[str], str]:
+    """tritonserver's ``args`` with the Python backend's shared-memory regions named after the gRPC port
+    (:mod:`prepos.shm_regions`), unless they name them already; and their prefix."""
+    prefix = configured_prefix(args[1:])
+    if prefix:
+        return args, prefix
+    prefix = region_prefix(grpc_port_of(args[1:]))
+    return [*args, backend_config_argument(prefix)], prefix
 
 
 def drain_file_from(environ: Mapping[str, str]) -> Path | None:
@@ -163,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
+    args, prefix = with_region_prefix(args)
+    # One server runs in a container: regions under its prefix now are an earlier one's, killed before it could
+    # remove them (the container restarted; an in-memory /dev/shm outlives it).
+    remove_left_regions(prefix, "an earlier tritonserver")
     try:
         child = subprocess.Popen(args, start_new_session=True)  # its own group: the stubs are killed with it
     except OSError as err:
@@ -178,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stopping tritonserver (pid %d)%s", child.pid, " after a drain" if drain_file else "")
         drained = stop_server(child, drain_file=drain_file, exit_timeout_s=exit_timeout_of(args))
     _kill_group(child.pid)  # returns once they have exited: zombies, for init to reap
+    remove_left_regions(prefix, "tritonserver (killed, or its stubs were)")
     if init:
         _reap_orphans(child.pid)
     code = child.returncode

@@ -5,6 +5,7 @@ server's own exit status on otherwise. The real server under it: tests/integrati
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,9 @@ import time
 
 import psutil
 import pytest
-from prepos.supervise import DRAIN_ENV, DRAINED_EXIT_S, TRITON_EXIT_TIMEOUT_S, exit_timeout_of
+from prepos.shm_regions import SHM_DIR, region_prefix
+from prepos.supervise import (DRAIN_ENV, DRAINED_EXIT_S, TRITON_EXIT_TIMEOUT_S, TRITON_GRPC_PORT, exit_timeout_of,
+                              grpc_port_of, with_region_prefix)
 
 # Stands in for tritonserver: a backend stub of its own (a child in its process group); on the drain file it
 # reports the drain as the model does; it ignores SIGTERM, as Triton 2.51 does while a client holds a stream.
@@ -20,6 +23,9 @@ STAND_IN = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
     from pathlib import Path
     stub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    for arg in sys.argv[2:]:  # a shared-memory region, as the Python backend makes under the prefix it is given
+        if arg.startswith("--backend-config=python,shm-region-prefix-name="):
+            Path("/dev/shm", arg.rpartition("=")[2] + "stand-in").write_bytes(bytes(4096))
     Path(sys.argv[1]).write_text(str(stub.pid))
     signal.signal(signal.SIGTERM, lambda *_: None)
     drain = Path(os.environ["PREPOS_SCHEDULER_DRAIN_FILE"]) if os.environ.get("PREPOS_SCHEDULER_DRAIN_FILE") else None
@@ -40,7 +46,17 @@ def running(pid: int) -> bool:
         return False
 
 
+def unused_port() -> int:
+    """A port no server here listens on: the prefix of the regions the supervisor removes is named after it
+    (never after Triton's default 8001, which a server running beside the tests may use)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def supervise(tmp_path, env_drain: str | None, *args: str, left_open: int = 0) -> tuple[subprocess.Popen, int]:
+    if not any(arg.startswith("--grpc-port") for arg in args):
+        args = (*args, f"--grpc-port={unused_port()}")
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     env = {"PATH": "/usr/bin:/bin", "STAND_IN_LEFT_OPEN": str(left_open)}
@@ -93,8 +109,8 @@ def test_a_drain_that_left_sessions_open_stops_as_without_one(tmp_path):
 
 
 def test_a_server_that_exits_by_itself_has_its_status_passed_on(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", "exit(3)"],
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}, timeout=30)
+    result = subprocess.run([sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", "exit(3)",
+                             f"--grpc-port={unused_port()}"], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}, timeout=30)
     assert result.returncode == 3
     nothing = subprocess.run([sys.executable, "-m", "prepos.supervise"], capture_output=True, text=True, timeout=30,
                              env={"PYTHONPATH": ":".join(sys.path)})
@@ -121,3 +137,51 @@ def test_the_supervisor_runs_on_the_standard_library_alone():
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason=f"{SHM_DIR} is not here")
+def test_the_servers_shared_memory_regions_are_named_by_its_port_and_removed_once_it_is_gone(tmp_path):
+    port = unused_port()
+    prefix = region_prefix(port)
+    left = SHM_DIR / f"{prefix}left-by-a-killed-server"
+    other = SHM_DIR / f"prepos_{port}0_another-servers"  # its prefix begins with the same digits
+    left.write_bytes(bytes(4096))
+    other.write_bytes(bytes(4096))
+    try:
+        supervisor, _ = supervise(tmp_path, None, f"--grpc-port={port}", "--exit-timeout-secs=0")
+        made = SHM_DIR / f"{prefix}stand-in"
+        assert not left.exists() and other.exists()  # removed before the server started
+        assert made.exists()  # the server was told the prefix
+        supervisor.send_signal(signal.SIGTERM)
+        _, log = supervisor.communicate(timeout=30)
+        assert supervisor.returncode == 128 + signal.SIGKILL, log  # the stand-in ignores SIGTERM: killed
+        assert not made.exists() and other.exists(), log  # what the killed server left is removed
+        assert "removed 1 shared-memory region(s)" in log
+    finally:
+        for path in (left, other, SHM_DIR / f"{prefix}stand-in"):
+            path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["tritonserver", "--grpc-port=9001"], (["tritonserver", "--grpc-port=9001",
+                                            "--backend-config=python,shm-region-prefix-name=prepos_9001_"],
+                                           "prepos_9001_")),
+    (["tritonserver", "--grpc-port", "9002"], (["tritonserver", "--grpc-port", "9002",
+                                               "--backend-config=python,shm-region-prefix-name=prepos_9002_"],
+                                              "prepos_9002_")),
+    (["tritonserver"], (["tritonserver", f"--backend-config=python,shm-region-prefix-name=prepos_{TRITON_GRPC_PORT}_"],
+                        f"prepos_{TRITON_GRPC_PORT}_")),
+    # A prefix the arguments set is kept, whichever form they set it in.
+    (["tritonserver", "--backend-config=python,shm-region-prefix-name=mine_"],
+     (["tritonserver", "--backend-config=python,shm-region-prefix-name=mine_"], "mine_")),
+    (["tritonserver", "--backend-config", "python,shm-region-prefix-name=mine_"],
+     (["tritonserver", "--backend-config", "python,shm-region-prefix-name=mine_"], "mine_")),
+])
+def test_the_region_prefix_is_added_to_the_servers_arguments_unless_they_set_one(args, expected):
+    assert with_region_prefix(args) == expected
+
+
+def test_the_grpc_port_is_read_from_the_servers_arguments():
+    assert grpc_port_of(["--grpc-port=7001", "--grpc-port", "7002"]) == 7002
+    assert grpc_port_of(["--http-port=8000"]) == TRITON_GRPC_PORT == 8001
+    assert grpc_port_of(["--grpc-port=soon"]) == TRITON_GRPC_PORT

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from prepos.journal import SessionJournal
+from prepos.shm_regions import SHM_DIR, region_prefix
 from prepos_client import Client, PreposError
 
 from .conftest import kill_hard, start_server
@@ -56,12 +57,16 @@ def test_kill_9_mid_load_loses_no_acknowledged_delta(tmp_path, tokenizer):
         for ready in readies:
             assert ready.wait(120)
         time.sleep(1.0)  # mid-load
+        regions = sorted(SHM_DIR.glob(region_prefix(server.options.grpc_port) + "*"))
+        assert regions  # the Python backend's shared memory, named after the server's port
         kill_hard(server)
+        assert all(region.exists() for region in regions)  # killed, it could not remove them
     finally:
         stop.set()
         for thread in threads:
             thread.join(60)
         server.stop()
+    assert not any(region.exists() for region in regions)  # the launcher did
 
     journal = SessionJournal(journal_dir, fsync=False)
     assert sorted(journal.session_ids()) == sorted(f"crash-{i}" for i in range(NUM_SESSIONS))
