@@ -84,30 +84,30 @@ def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_time
     return drained
 
 
-def exit_timeout_of(args: list[str]) -> float:
-    """The ``--exit-timeout-secs`` among tritonserver's arguments (the last one), else Triton's default."""
+def _last_value(args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` among tritonserver's arguments (``--flag=value`` or ``--flag value``; the last one, as
+    Triton reads them), else None."""
     value = None
     for i, arg in enumerate(args):
-        if arg.startswith("--exit-timeout-secs="):
+        if arg.startswith(f"{flag}="):
             value = arg.partition("=")[2]
-        elif arg == "--exit-timeout-secs" and i + 1 < len(args):
+        elif arg == flag and i + 1 < len(args):
             value = args[i + 1]
+    return value
+
+
+def exit_timeout_of(args: list[str]) -> float:
+    """The ``--exit-timeout-secs`` among tritonserver's arguments, else Triton's default."""
     try:
-        return float(value) if value is not None else TRITON_EXIT_TIMEOUT_S
+        return float(_last_value(args, "--exit-timeout-secs") or TRITON_EXIT_TIMEOUT_S)
     except ValueError:
         return TRITON_EXIT_TIMEOUT_S
 
 
 def grpc_port_of(args: list[str]) -> int:
-    """The ``--grpc-port`` among tritonserver's arguments (the last one), else Triton's default."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg.startswith("--grpc-port="):
-            value = arg.partition("=")[2]
-        elif arg == "--grpc-port" and i + 1 < len(args):
-            value = args[i + 1]
+    """The ``--grpc-port`` among tritonserver's arguments, else Triton's default."""
     try:
-        return int(value) if value is not None else TRITON_GRPC_PORT
+        return int(_last_value(args, "--grpc-port") or TRITON_GRPC_PORT)
     except ValueError:
         return TRITON_GRPC_PORT  # tritonserver refuses it itself
 
