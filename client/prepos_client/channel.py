@@ -66,3 +66,16 @@ def wait_until_ready(triton: grpcclient.InferenceServerClient, model: str, heade
                 return True
         except InferenceServerException:
             pass  # not reachable yet
+
+
+def stop_stream(triton: grpcclient.InferenceServerClient, *, cancel_requests: bool) -> None:
+    """``triton.stop_stream``, and on a cancel the end of the stream's request iterator too. tritonclient cancels the
+    call but leaves the iterator without its end, so gRPC's thread that takes requests from it waits for one more
+    forever: a thread and its stack per cancelled stream (55 threads and 3 MB for 200 sessions, about a quarter of
+    them cancelled, in a churn test). The iterator ends at a None (tritonclient's own end of a stream it stops
+    without a cancel); a second None changes nothing."""
+    stream = getattr(triton, "_stream", None)
+    triton.stop_stream(cancel_requests=cancel_requests)
+    requests = getattr(stream, "_request_queue", None)
+    if cancel_requests and requests is not None:
+        requests.put(None)

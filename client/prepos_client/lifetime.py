@@ -9,6 +9,7 @@ import queue
 import threading
 import weakref
 
+from .channel import stop_stream
 from .errors import PreposError
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def _close_abandoned() -> None:
     while True:
         triton = _abandoned.get()
         try:
-            triton.stop_stream(cancel_requests=True)
+            stop_stream(triton, cancel_requests=True)
             triton.close()
         except Exception:  # the connection is dropped either way
             logger.debug("closing the connection of a dropped session failed", exc_info=True)

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
-from .channel import triton_client, wait_until_ready
+from .channel import stop_stream, triton_client, wait_until_ready
 from .deadlines import check_timeout, server_timeout_us
 from .errors import PreposError, PreposTimeout, from_triton
 from .inflight import Inflight, final_delivery, next_delivery, record_delivered_outcome, record_late_outcome
@@ -523,7 +523,7 @@ class Session:
             return
         # Waiting for pending requests would block on a request that timed
         # out; cancel those instead.
-        self._triton.stop_stream(cancel_requests=router.failure is None and router.num_pending > 0)
+        stop_stream(self._triton, cancel_requests=router.failure is None and router.num_pending > 0)
 
     def _release(self) -> None:
         self._closed = True

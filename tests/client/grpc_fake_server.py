@@ -7,6 +7,7 @@ metadata, request parameters) without starting Triton.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -32,6 +33,7 @@ class FakePreposServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     `EMPTY_FINAL`: one chunk, then a flags-only final response.
     `SPLIT`: "✓✓" sent in two chunks split inside a character.
+    `SLOW`: answered after a second.
     """
 
     def __init__(self) -> None:
@@ -85,6 +87,8 @@ class FakePreposServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 self._stream_response(request_id, text="a", ids=[1], path="exact", confidence=0.9, final=False),
                 self._stream_response(request_id, final=True),
             ]
+        if text == "SLOW":
+            time.sleep(1.0)
         if text == "SPLIT":
             raw = "✓✓".encode()
             return [

@@ -165,6 +165,52 @@ def test_sessions_dropped_without_close_neither_block_nor_deadlock_the_threads_t
     assert completed.stdout.split() == ["300", "0"]  # every stream was opened and is closed
 
 
+def test_a_cancelled_stream_leaves_no_thread_behind():
+    """tritonclient cancels a stream without ending its request iterator, and gRPC's thread that reads it waited
+    forever: one thread per session dropped, or detached with a request in flight."""
+    script = textwrap.dedent(
+        """
+        import gc, threading, time
+        from grpc_fake_server import FakePreposServer
+        from prepos_client import Client, PreposError
+        server = FakePreposServer()
+        client = Client(server.url, timeout_s=5)
+        with client.session() as session:  # the client's own threads, started once
+            session.ask("warm up")
+        try:
+            client.session().ask("hi", max_tokens=-1)
+        except PreposError:
+            pass
+        gc.collect()
+        time.sleep(0.5)
+
+        def client_threads():  # the fake server's own workers (a pool that grows to 8) left out
+            return sum(not thread.name.startswith("ThreadPoolExecutor") for thread in threading.enumerate())
+
+        before = client_threads()
+        for _ in range(20):
+            try:
+                client.session().ask("hi", max_tokens=-1)  # refused; the session is dropped: its stream cancelled
+            except PreposError:
+                pass
+        for _ in range(5):
+            session = client.session()
+            try:
+                session.ask("SLOW", timeout_s=0.1)
+            except PreposError:  # timed out: its request is still in flight, and detach cancels the stream
+                session.detach()
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while (server.servicer.num_open_streams or client_threads() > before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(server.servicer.num_open_streams, client_threads() - before)
+        """
+    )
+    completed = run_script(script)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["0", "0"]  # every stream closed, no thread left
+
+
 def test_cli_ask_and_server_error_exit_codes(server, capsys):
     assert cli.main(["ask", "héllo", "--url", server.url]) == cli.EXIT_OK
     assert capsys.readouterr().out == "héllo\n"
