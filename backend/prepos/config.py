@@ -363,6 +363,21 @@ def check_sequence_slots(memory: MemoryConfig, slots: int | None) -> None:
             "instead of passing it on, so it would wait rather than be rejected")
 
 
+def idle_timeout_mismatch(scheduler: SchedulerConfig, sequence_idle_s: float | None) -> str | None:
+    """What goes wrong when prepos's session idle timeout is not Triton's (``max_sequence_idle_microseconds``, in
+    seconds; None: not set), else None."""
+    if not sequence_idle_s or scheduler.session_idle_timeout_s == sequence_idle_s:
+        return None
+    ours = f"scheduler.session_idle_timeout_s ({scheduler.session_idle_timeout_s:g} s)"
+    theirs = f"Triton's sequence_batching.max_sequence_idle_microseconds ({sequence_idle_s:g} s)"
+    if scheduler.session_idle_timeout_s < sequence_idle_s:
+        return (f"{ours} is shorter than {theirs}: a session prepos closes when idle keeps its Triton sequence, a "
+                "sequence slot, until Triton's timeout, and a stop meanwhile waits for it; set both alike")
+    return (f"{ours} is longer than {theirs}: Triton ends an idle session's sequence first, and refuses its next "
+            "request without START (the Python client sends it again with START and resume, which continues it); "
+            "set both alike")
+
+
 def known_keys() -> list[str]:
     keys = []
     for area, cls in _AREAS.items():

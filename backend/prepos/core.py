@@ -13,7 +13,8 @@ from typing import Mapping
 
 import numpy as np
 
-from prepos.config import ConfigError, EngineConfig, MemoryConfig, PreposConfig, check_sequence_slots, read_config
+from prepos.config import (ConfigError, EngineConfig, MemoryConfig, PreposConfig, check_sequence_slots,
+                           idle_timeout_mismatch, read_config)
 from prepos.engines.base import Engine
 from prepos.engines.openmp import cpu_quota, default_num_threads, release_calling_thread, usable_cpus
 from prepos.heap import CollectorPauses
@@ -184,10 +185,15 @@ class Core:
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, str], model_dir: str | Path,
-                        metrics_sink: MetricsSink | None = None, *, sequence_slots: int | None = None) -> "Core":
-        """``sequence_slots``: Triton's sequence slots for the model (checked against ``memory.max_sessions``)."""
+                        metrics_sink: MetricsSink | None = None, *, sequence_slots: int | None = None,
+                        sequence_idle_s: float | None = None) -> "Core":
+        """``sequence_slots``: Triton's sequence slots for the model (checked against ``memory.max_sessions``);
+        ``sequence_idle_s``: its sequence idle timeout (a warning where the session idle timeout differs)."""
         config = read_config(parameters)
         check_sequence_slots(config.memory, sequence_slots)
+        mismatch = idle_timeout_mismatch(config.scheduler, sequence_idle_s)
+        if mismatch:
+            log.warning("%s", mismatch)
         return cls(config, model_dir, metrics_sink)
 
     def parse(self, inputs: Mapping[str, np.ndarray], *, session_id: str | int, request_id: str | None,

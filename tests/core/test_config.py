@@ -124,3 +124,15 @@ def test_a_cuda_device_torch_does_not_see_is_a_config_error_naming_the_key(tmp_p
 def test_journals_expire_after_a_day_by_default_and_0_keeps_them():
     assert read_config({}, environ={}).journal.expire_s == 86400.0
     assert read_config({"journal.expire_s": "0", "scheduler.session_idle_timeout_s": "1e9"}, environ={}).journal.expire_s == 0
+
+
+def test_a_session_idle_timeout_other_than_tritons_is_named_with_what_goes_wrong():
+    from prepos.config import SchedulerConfig, idle_timeout_mismatch
+
+    assert idle_timeout_mismatch(SchedulerConfig(session_idle_timeout_s=600.0), 600.0) is None
+    assert idle_timeout_mismatch(SchedulerConfig(session_idle_timeout_s=30.0), None) is None  # Triton sets none
+    shorter = idle_timeout_mismatch(SchedulerConfig(session_idle_timeout_s=30.0), 600.0)
+    assert shorter.startswith("scheduler.session_idle_timeout_s (30 s) is shorter than Triton's "
+                              "sequence_batching.max_sequence_idle_microseconds (600 s)") and "slot" in shorter
+    longer = idle_timeout_mismatch(SchedulerConfig(session_idle_timeout_s=900.0), 600.0)
+    assert "is longer than" in longer and "START" in longer

@@ -87,11 +87,12 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         idle_us = model_config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
-        if idle_us and "scheduler.session_idle_timeout_s" not in parameters:
-            parameters["scheduler.session_idle_timeout_s"] = str(int(idle_us) / 1e6)
+        idle_s = int(idle_us) / 1e6 if idle_us else None
+        if idle_s and "scheduler.session_idle_timeout_s" not in parameters:
+            parameters["scheduler.session_idle_timeout_s"] = str(idle_s)
         model_dir = f"{args['model_repository']}"
         self.core = Core.from_parameters(parameters, model_dir, TritonMetricsSink(args["model_name"]),
-                                         sequence_slots=sequence_slots(model_config))
+                                         sequence_slots=sequence_slots(model_config), sequence_idle_s=idle_s)
         settle_heap()  # this process's startup objects leave the garbage collector's walks (see prepos.heap)
         self.core.start()
         drain_file = self.core.config.drain_file(model_dir)
