@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
+from .protocol import is_number
 
 
 def check_timeout(timeout_s: float) -> float:
@@ -14,7 +14,7 @@ def check_timeout(timeout_s: float) -> float:
         ValueError: zero, negative or NaN (a call would time out before its request was sent, or never compare).
         TypeError: not a number.
     """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)):
+    if not is_number(timeout_s):
         raise TypeError(f"timeout_s: expected seconds as a number, got {type(timeout_s).__name__}")
     if not timeout_s > 0:  # NaN fails this too
         raise ValueError(f"timeout_s: expected seconds > 0 (inf for no limit), got {timeout_s!r}")

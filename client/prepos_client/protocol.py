@@ -118,9 +118,14 @@ def resume_input() -> InferInput:
     return _scalar_input("resume", np.bool_(True))
 
 
+def is_number(value: object) -> bool:
+    """An int or a float (NumPy's too), not a bool: NumPy would read a str ("0.5") or a bool as a number, hiding
+    the caller's mistake."""
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+
+
 def _number(name: str, value: object) -> float:
-    # a str ("0.5") or a bool would be read as a number by numpy: the caller's mistake, named here
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not is_number(value):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     return float(value)
 
