@@ -259,9 +259,7 @@ class Scheduler:
                 self._reject(request, sink, request.error)
                 return
             if session.task is None:  # nothing ahead of it: refused now, and the session's background work goes on
-                self._reject(request, sink, request.error)
-                if request.end:  # Triton ends the sequence on END whatever the model answers
-                    self._close(session, "END")
+                self._refuse(session, request, sink)
                 return
         try:
             existing = self.store.get(request.session_id)
@@ -468,9 +466,7 @@ class Scheduler:
                     "send START with its first request", Status.NOT_FOUND))
                 continue
             if isinstance(request, Rejection):
-                self._reject(request, sink, request.error)
-                if request.end:  # Triton ends the sequence on END whatever the model answers
-                    self._close(session, "END")
+                self._refuse(session, request, sink)
                 continue
             session.note_arrival(request.arrival_s or self._clock())
             session.serving, session.ending = True, request.end
@@ -494,6 +490,13 @@ class Scheduler:
                               journal_if_unchanged=reason == IDLE_REASON)
         if drained:
             self._metrics.session_drained()
+
+    def _refuse(self, session: Session, rejection: Rejection, sink: ResponseSink) -> None:
+        """Answer a request that failed validation, in its turn; its END still closes the session (Triton ends the
+        sequence on END whatever the model answers)."""
+        self._reject(rejection, sink, rejection.error)
+        if rejection.end:
+            self._close(session, "END")
 
     def _reject(self, request: Request | Rejection, sink: ResponseSink, err: ProtocolError) -> None:
         if not (isinstance(request, Request) and request.drain):  # the drain's own ENDs are no client's requests

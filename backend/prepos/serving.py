@@ -141,7 +141,7 @@ class RequestServer:
         except KVCapacityError as err:
             log.error("session %r request %r: %s", session.session_id, request.request_id, err)
             self._reject(request, sink, ProtocolError("model", f"no KV memory left for this session ({err})",
-                                             Status.RESOURCE_EXHAUSTED))
+                                                      Status.RESOURCE_EXHAUSTED))
         except Exception:
             log.exception("session %r request %r failed", session.session_id, request.request_id)
             self._reject(request, sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))

@@ -110,7 +110,8 @@ def test_a_drain_that_left_sessions_open_stops_as_without_one(tmp_path):
 
 def test_a_server_that_exits_by_itself_has_its_status_passed_on(tmp_path):
     result = subprocess.run([sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", "exit(3)",
-                             f"--grpc-port={unused_port()}"], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}, timeout=30)
+                             f"--grpc-port={unused_port()}"],
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}, timeout=30)
     assert result.returncode == 3
     nothing = subprocess.run([sys.executable, "-m", "prepos.supervise"], capture_output=True, text=True, timeout=30,
                              env={"PYTHONPATH": ":".join(sys.path)})
