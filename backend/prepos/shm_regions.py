@@ -46,17 +46,6 @@ def backend_config_argument(prefix: str) -> str:
     return f"--backend-config=python,{PREFIX_OPTION}={prefix}"
 
 
-def configured_prefix(args: list[str]) -> str | None:
-    """The region prefix tritonserver's ``args`` set (the last one), else None."""
-    prefix = None
-    for i, arg in enumerate(args):
-        value = arg.partition("=")[2] if arg.startswith("--backend-config=") else (
-            args[i + 1] if arg == "--backend-config" and i + 1 < len(args) else None)
-        if value is not None and value.startswith(f"python,{PREFIX_OPTION}="):
-            prefix = value.partition(f"{PREFIX_OPTION}=")[2]
-    return prefix
-
-
 def remove_regions(prefix: str, shm_dir: Path | None = None) -> RemovedRegions:
     """Unlink every region named ``<prefix>...`` in ``shm_dir`` (default :data:`SHM_DIR`); what could not be
     removed is left with a warning."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Mapping
 
 from prepos.drain import request_drain
-from prepos.shm_regions import backend_config_argument, configured_prefix, region_prefix, remove_left_regions
+from prepos.shm_regions import PREFIX_OPTION, backend_config_argument, region_prefix, remove_left_regions
 
 log = logging.getLogger("prepos.supervise")
 
@@ -84,16 +84,21 @@ def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_time
     return drained
 
 
-def _last_value(args: list[str], flag: str) -> str | None:
-    """The value of ``flag`` among tritonserver's arguments (``--flag=value`` or ``--flag value``; the last one, as
-    Triton reads them), else None."""
-    value = None
+def _values(args: list[str], flag: str) -> list[str]:
+    """The values of ``flag`` among tritonserver's arguments (``--flag=value`` or ``--flag value``), in order."""
+    values = []
     for i, arg in enumerate(args):
         if arg.startswith(f"{flag}="):
-            value = arg.partition("=")[2]
+            values.append(arg.partition("=")[2])
         elif arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-    return value
+            values.append(args[i + 1])
+    return values
+
+
+def _last_value(args: list[str], flag: str) -> str | None:
+    """The last value of ``flag`` (the one Triton keeps), else None."""
+    values = _values(args, flag)
+    return values[-1] if values else None
 
 
 def exit_timeout_of(args: list[str]) -> float:
@@ -110,6 +115,13 @@ def grpc_port_of(args: list[str]) -> int:
         return int(_last_value(args, "--grpc-port") or TRITON_GRPC_PORT)
     except ValueError:
         return TRITON_GRPC_PORT  # tritonserver refuses it itself
+
+
+def configured_prefix(args: list[str]) -> str | None:
+    """The Python backend's region prefix tritonserver's ``args`` set (the last one), else None."""
+    setting = f"python,{PREFIX_OPTION}="
+    prefixes = [value[len(setting):] for value in _values(args, "--backend-config") if value.startswith(setting)]
+    return prefixes[-1] if prefixes else None
 
 
 def with_region_prefix(args: list[str]) -> tuple[list[str], str]:

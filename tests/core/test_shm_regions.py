@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 from prepos.launcher import ServerOptions, server_command
-from prepos.shm_regions import (RemovedRegions, backend_config_argument, configured_prefix, region_prefix,
-                                remove_left_regions, remove_regions)
+from prepos.shm_regions import (RemovedRegions, backend_config_argument, region_prefix, remove_left_regions,
+                                remove_regions)
+from prepos.supervise import configured_prefix
 
 
 def test_only_the_regions_under_the_prefix_are_removed_and_counted(tmp_path):
