@@ -34,8 +34,16 @@ journal.
 A replica that left the ring so rejoins it once it reports the model ready
 again (a restart, a rolling update), as Envoy's health checks bring an
 endpoint back: when a session is placed, each replica that left is asked at
-most every `readmit_interval_s`. Sessions that moved stay where they are;
-sessions opened from then on are placed on the whole ring again.
+most every `readmit_interval_s`. A draining replica still reports the model
+ready until its stop begins, so one that left because it was draining rejoins
+only once it was seen not ready since (stopping, or restarting), or
+`drain_readmit_after_s` (10 s) after it left: a drain takes well under a
+second unless a long answer is under way, and a restart, with its model load,
+takes longer than that allowance, so a replica that restarted between two
+placements is not kept off. A drain longer than the allowance may still see
+the replica taken back for a moment; a session placed there is refused as
+draining and moves again. Sessions that moved stay where they are; sessions
+opened from then on are placed on the whole ring again.
 
 A request that was in flight when its replica died may have been accepted
 there before the connection broke; it is sent again to the new owner, so
@@ -57,7 +65,7 @@ from .deadlines import check_timeout
 from .errors import PreposError, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
-from .refusals import server_away
+from .refusals import says_draining, server_away
 from .session import Session
 from .session_ids import check_session_id, new_session_id
 
@@ -68,6 +76,20 @@ _T = TypeVar("_T")
 
 READMIT_INTERVAL_S = 2.0
 """How often, at most, a replica that left the ring is asked whether it is ready again."""
+
+DRAIN_READMIT_AFTER_S = 10.0
+"""How long after a replica left the ring because it was draining it may rejoin, ready, though it was never seen
+not ready since: longer than most drains, shorter than a restart."""
+
+
+@dataclass
+class _Left:
+    """A replica that left the ring and may rejoin it: when it left and was last asked (monotonic), and whether it
+    was seen not ready (or unreachable) since it left."""
+
+    since: float
+    asked: float
+    seen_down: bool
 
 
 @dataclass(frozen=True)
@@ -91,6 +113,8 @@ class RoutedClient:
         min_ring_size, max_ring_size: as the chart's `router.ringHash`.
         readmit_interval_s: how often, at most, a replica that left the ring because it could not be reached or
             was stopping is asked whether it is ready again (when a session is placed); once it is, it rejoins.
+        drain_readmit_after_s: a replica that left because it was draining rejoins once ready only after it was
+            seen not ready since, or after this long (it reports the model ready while it drains).
 
     Raises:
         ValueError, TypeError: bad replicas or ring sizes (see `HashRing`).
@@ -109,6 +133,7 @@ class RoutedClient:
         min_ring_size: int = DEFAULT_MIN_RING_SIZE,
         max_ring_size: int = DEFAULT_MAX_RING_SIZE,
         readmit_interval_s: float = READMIT_INTERVAL_S,
+        drain_readmit_after_s: float = DRAIN_READMIT_AFTER_S,
     ):
         self.model = model
         self.timeout_s = check_timeout(timeout_s)
@@ -121,8 +146,11 @@ class RoutedClient:
         if not readmit_interval_s > 0:
             raise ValueError(f"readmit_interval_s: expected seconds > 0, got {readmit_interval_s!r}")
         self._readmit_interval_s = float(readmit_interval_s)
+        if not drain_readmit_after_s >= 0:
+            raise ValueError(f"drain_readmit_after_s: expected seconds >= 0, got {drain_readmit_after_s!r}")
+        self._drain_readmit_after_s = float(drain_readmit_after_s)
         self._weights = self._ring.weights  # every replica on the ring, in the order given
-        self._left: dict[str, float] = {}  # replica that left the ring -> when it was last asked (monotonic)
+        self._left: dict[str, _Left] = {}  # replicas that left the ring and may rejoin it
         self._lock = threading.Lock()
         self._sessions: weakref.WeakSet[RoutedSession] = weakref.WeakSet()
 
@@ -173,19 +201,22 @@ class RoutedClient:
             self._left.pop(replica, None)
             self._rebuild()
 
-    def lose_replica(self, replica: str) -> bool:
+    def lose_replica(self, replica: str, *, draining: bool = False) -> bool:
         """Take `replica` out of the ring because it could not be reached or is stopping: it rejoins once it
-        reports the model ready again. True if it was on the ring."""
-        return self._leave(replica, for_good=False)
+        reports the model ready again (`draining`: it refused a request as draining, and still reports ready
+        until its stop begins: it rejoins once ready after it was seen not ready, or `drain_readmit_after_s`
+        after it left). True if it was on the ring."""
+        return self._leave(replica, for_good=False, draining=draining)
 
-    def _leave(self, replica: str, *, for_good: bool) -> bool:
+    def _leave(self, replica: str, *, for_good: bool, draining: bool = False) -> bool:
         with self._lock:
             was_on = replica in self._ring.hosts
             if for_good:
                 self._weights.pop(replica, None)
                 self._left.pop(replica, None)
             elif replica in self._weights:
-                self._left[replica] = time.monotonic()
+                now = time.monotonic()
+                self._left[replica] = _Left(since=now, asked=now, seen_down=not draining)
             hosts = self._rebuild()
         if was_on:
             logger.warning("replica %s left the ring; %d left: %s", replica, len(hosts), ", ".join(hosts))
@@ -200,18 +231,27 @@ class RoutedClient:
 
     def _readmit(self) -> None:
         """Ask each replica that left the ring, and was not asked within ``readmit_interval_s``, whether it is
-        ready again; put those that are back on the ring, in the order the replicas were given."""
+        ready again; put those that are back on the ring, in the order the replicas were given. One that left
+        draining, never seen not ready since, stays off until ``drain_readmit_after_s`` after it left."""
         now = time.monotonic()
         with self._lock:
-            due = [replica for replica, asked in self._left.items() if now - asked >= self._readmit_interval_s]
+            due = [replica for replica, left in self._left.items() if now - left.asked >= self._readmit_interval_s]
             for replica in due:
-                self._left[replica] = now  # one caller asks; the others go on with the ring as it is
-        back = [replica for replica in due if self._is_ready(replica)]
-        if not back:
-            return
+                self._left[replica].asked = now  # one caller asks; the others go on with the ring as it is
+        ready = {replica: self._is_ready(replica) for replica in due}
+        back = []
         with self._lock:
-            for replica in back:
-                self._left.pop(replica, None)
+            for replica, is_ready in ready.items():
+                left = self._left.get(replica)
+                if left is None:  # added or removed meanwhile
+                    continue
+                if not is_ready:
+                    left.seen_down = True
+                elif left.seen_down or now - left.since >= self._drain_readmit_after_s:
+                    back.append(replica)
+                    del self._left[replica]
+            if not back:
+                return
             hosts = self._rebuild()
         logger.warning("replica %s ready again: back on the ring; %d on it: %s", ", ".join(back), len(hosts),
                        ", ".join(hosts))
@@ -375,7 +415,7 @@ class RoutedSession:
     def _fail_over(self, session: Session, error: PreposError, why: str) -> None:
         """Move the session off `session`'s replica, or raise `error` when no replica is left."""
         lost = session.url
-        self._client.lose_replica(lost)
+        self._client.lose_replica(lost, draining=says_draining(error))
         try:
             session.detach()
         except PreposError:

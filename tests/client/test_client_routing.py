@@ -316,6 +316,56 @@ def test_a_lost_replica_rejoins_the_ring_once_ready_and_moved_sessions_stay(repl
     assert fresh.replica == lost
 
 
+def drain(replicas: Replicas, draining: str) -> None:
+    """`draining` refuses every START as draining and answers any other request as for a session not open, while
+    it still reports the model ready (as a draining server does)."""
+    refused = InferenceServerException(msg="START: the server is draining before it stops: no session opens or "
+                                           "resumes here now; resume the session on another replica ...")
+    not_open = InferenceServerException(msg="... must specify the START flag on the first request of the sequence")
+    respond = replicas.respond
+    replicas.respond = lambda url, request: (
+        ([refused] if request.sequence_start else [not_open]) if url == draining else respond(url, request))
+
+
+def drained_and_lost(replicas: Replicas, client: RoutedClient, draining: str, count: int) -> list[str]:
+    """Drain `draining` and move a session off it; returns the ids of `count` sessions it owns on the whole ring."""
+    moving, *later = session_ids_on(draining, client.ring, count + 1)
+    session = client.session(moving)
+    session.ask("one")
+    drain(replicas, draining)
+    session.ask("two")
+    assert session.replica != draining and draining not in client.replicas
+    return later
+
+
+def test_a_replica_that_left_draining_rejoins_only_once_it_was_seen_not_ready(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=2, readmit_interval_s=0.05)
+    draining = REPLICAS[1]
+    (later,) = drained_and_lost(replicas, client, draining, 1)
+    time.sleep(0.06)
+    assert client.replica_for(later) != draining and replicas.num_ready_checks(draining) == 1  # ready, but draining
+    replicas.dead.add(draining)  # its stop began
+    time.sleep(0.06)
+    assert client.replica_for(later) != draining and replicas.num_ready_checks(draining) == 2
+    del replicas.respond  # restarted: serving again
+    replicas.dead.discard(draining)
+    time.sleep(0.06)
+    assert client.replica_for(later) == draining and client.replicas == tuple(REPLICAS)
+    fresh = client.session(later)
+    assert fresh.ask("hi").text == "hi" and fresh.replica == draining and not fresh.failovers
+
+
+def test_a_replica_that_left_draining_and_was_never_seen_not_ready_rejoins_after_the_drain_allowance(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=2, readmit_interval_s=0.05, drain_readmit_after_s=0.3)
+    draining = REPLICAS[1]
+    (later,) = drained_and_lost(replicas, client, draining, 1)
+    del replicas.respond  # restarted between two asks
+    time.sleep(0.06)
+    assert client.replica_for(later) != draining  # ready, but not yet seen down nor past the allowance
+    time.sleep(0.3)
+    assert client.replica_for(later) == draining and client.replicas == tuple(REPLICAS)
+
+
 def test_a_single_replica_that_restarted_takes_new_sessions_again(replicas):
     client = RoutedClient(REPLICAS[:1], timeout_s=2, readmit_interval_s=0.05)
     first = client.session("a")
@@ -343,6 +393,12 @@ def test_a_replica_removed_by_hand_is_not_asked_back(replicas):
 def test_a_readmit_interval_that_is_not_positive_is_refused(interval):
     with pytest.raises(ValueError, match="readmit_interval_s"):
         RoutedClient(REPLICAS, readmit_interval_s=interval)
+
+
+@pytest.mark.parametrize("allowance", [-1, float("nan")])
+def test_a_drain_readmit_allowance_that_is_negative_is_refused(allowance):
+    with pytest.raises(ValueError, match="drain_readmit_after_s"):
+        RoutedClient(REPLICAS, drain_readmit_after_s=allowance)
 
 
 @pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), "5"])
