@@ -98,6 +98,12 @@ class BackgroundWork:
         self.idle[session.session_id] = session
         self._went_idle = True
 
+    def is_candidate(self, session: Session) -> bool:
+        """Whether the session waits for pre-positioning or is being positioned (set aside included)."""
+        tasks = (self.running, self._paused)
+        return session.session_id in self.idle or any(
+            task is not None and task.positioning and task.session is session for task in tasks)
+
     def drop(self, session: Session) -> bool:
         """The session is served, closed or evicted: stop its background task and forget it as a candidate;
         returns whether a pre-positioning or audit was stopped."""

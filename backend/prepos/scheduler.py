@@ -262,7 +262,7 @@ class Scheduler:
                 self._refuse(session, request, sink)
                 return
         try:
-            existing = self.store.get(request.session_id)
+            existing = known = self.store.get(request.session_id)
             if existing is not None and existing.task is None and isinstance(request, Request) \
                     and (not request.start or request.resume) and self._taken_over(existing):
                 # Go on from the journal's state, its turns taken elsewhere included; a drain leaves it be (reading
@@ -287,10 +287,11 @@ class Scheduler:
             # (A START or END keeps its place: it opens or closes the session, which Triton does whatever happens.)
             self._queued_deadlines.watch(session, request, sink)
         session.pending.append((request, sink))
+        candidate = session is not known or self._background.is_candidate(session)
         if self._background.drop(session):
             self._metrics.prepositioning_ended("preempted")
         if session.task is None:
-            session.task = self._serve_session(session)
+            session.task = self._serve_session(session, candidate)
             self._ready.append(session)
 
     def _taken_over(self, session: Session) -> bool:
@@ -446,7 +447,11 @@ class Scheduler:
 
     # --- foreground ----------------------------------------------------
 
-    def _serve_session(self, session: Session) -> Iterator[None]:
+    def _serve_session(self, session: Session, candidate: bool = True) -> Iterator[None]:
+        """Serve the session's requests in order; then it is a pre-positioning candidate again if it is not
+        positioned, unless it is evicted, was no candidate (``candidate``) and its requests changed neither its log
+        nor its KV (each refused): its KV is not rebuilt in the background, evicting another's, for nothing."""
+        before = (len(session.token_log), session.has_kv)
         while session.pending:
             request, sink = session.pending.popleft()
             if self.store.get(session.session_id) is not session:  # closed while this request waited
@@ -476,7 +481,8 @@ class Scheduler:
                 session.serving = session.ending = False
                 session.last_active_s = self._clock()
                 self._residency.fit()
-        if self.store.get(session.session_id) is session and session.token_log and not session.positioned_valid():
+        if self.store.get(session.session_id) is session and session.token_log and not session.positioned_valid() \
+                and (candidate or not session.evicted or before != (len(session.token_log), session.has_kv)):
             self._background.went_idle(session)
 
     # --- lifecycle -----------------------------------------------------

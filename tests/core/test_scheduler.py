@@ -503,6 +503,38 @@ def test_a_refused_request_to_an_idle_session_changes_nothing_there_or_elsewhere
     assert changed == {("prepos_request_errors_total", (("field", "temperature"),))}
 
 
+REFUSED_FOR_THE_SESSION = {  # refused when served, against the model or the session: ((text, role?), field)
+    "role": (("hi", "wizard"), "role"),
+    "context": (("z" * 400,), "text_input"),  # past the context
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSED_FOR_THE_SESSION))
+@pytest.mark.parametrize("candidate", [False, True])
+def test_a_request_refused_when_served_leaves_an_evicted_session_as_it_was(tmp_path, refusal, candidate):
+    """Refused when its turn comes (not by validation), it changes neither the session's log nor its KV: an
+    evicted session that was no pre-positioning candidate does not become one (its KV is not rebuilt in the
+    background for nothing, evicting another's), one that was stays one."""
+    h = Harness(tmp_path, kv_budget=1, preposition=False, max_context=300)  # no KV stays; candidates are kept
+    open_session(h, "s1")
+    h.serve(h.request("s1", "question", max_tokens=3))
+    h.idle()
+    session = h.sched.store.lookup("s1")
+    assert session.evicted and not session.has_kv
+    if candidate:  # an update to the evicted session makes it a candidate
+        h.serve(h.request("s1", "an update", max_tokens=0))
+    else:
+        h.sched._background.idle.clear()  # as eviction leaves it (stop_work_for)
+    log, calls = list(session.token_log), len(h.engine.calls)
+    assert ("s1" in h.sched._background.idle) == candidate
+    (text, *role), field = REFUSED_FOR_THE_SESSION[refusal]
+    refused = h.serve(h.request("s1", text, max_tokens=3, **dict(zip(["role"], role))))
+    h.idle()
+    assert refused.error is not None and refused.error.field == field
+    assert session.token_log == log and not session.has_kv and len(h.engine.calls) == calls
+    assert ("s1" in h.sched._background.idle) == candidate
+
+
 def test_layered_prefill_bounds_the_wait_by_one_layer_step(tmp_path):
     chunk_tokens, token_time, layers = 32, 0.004, 8
     h = Harness(tmp_path, chunk_tokens=chunk_tokens, token_time_s=token_time, step_time_s=0.0, num_layers=layers)

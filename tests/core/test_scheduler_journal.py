@@ -293,3 +293,20 @@ def test_a_malformed_request_to_a_stale_copy_is_refused_for_itself_and_the_next_
     back = first.serve(first.request("moved", "and back here?", max_tokens=2))
     assert back.error is None and back.path == "rebuild" and first.log("moved")[: len(second.log("moved"))] == \
         second.log("moved")
+
+
+def test_a_session_reopened_by_a_bare_resume_is_rebuilt_and_positioned_in_the_background(tmp_path):
+    """A START with `resume` and nothing else reopens the session from its journal without its KV: it is a
+    pre-positioning candidate, so its KV is rebuilt before its next request."""
+    journal_dir = tmp_path / "journal"
+    h = restarted(tmp_path, journal_dir)
+    open_session(h)
+    h.serve(h.request("s1", "first question", max_tokens=4))
+    h.idle()
+    h2 = restarted(tmp_path, journal_dir)
+    sink = h2.serve(h2.request("s1", "", max_tokens=0, start=True, resume=True))
+    assert sink.error is None and h2.sched.store.lookup("s1").evicted
+    h2.idle()
+    session = h2.sched.store.lookup("s1")
+    assert session.has_kv and session.positioned_valid()
+    assert h2.serve(h2.request("s1", "", max_tokens=1)).path in ("exact", "gated")  # from the positioned distribution
