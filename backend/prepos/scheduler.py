@@ -12,7 +12,8 @@ prefill or decode yields its :class:`~prepos.serving.PrefillStep` or
 :class:`~prepos.serving.DecodeStep` and waits; once every other ready session
 has had one step, the waiting prefills run as one batch
 (``Engine.prefill_batch``), then the waiting decodes
-(``Engine.decode_batch``): one read of the weights for all of each. Pre-positioning
+(``Engine.decode_batch``): one read of the weights for all of each
+(:mod:`prepos.step_batches`). Pre-positioning
 is a generator that yields after each layer of each chunk of at most
 ``chunk_tokens`` tokens (:mod:`prepos.background`, which also audits gated
 answers). Before every step the loop admits new requests, and a foreground step
@@ -40,8 +41,9 @@ from prepos.protocol import DRAIN_REASON, ProtocolError, Rejection, Request, Res
 from prepos.queued_deadlines import QueuedDeadlines
 from prepos.residency import Residency
 from prepos.scan import ScanFn
-from prepos.serving import EngineStep, PrefillStep, RequestServer
+from prepos.serving import EngineStep, RequestServer
 from prepos.session import Session
+from prepos.step_batches import StepBatches
 from prepos.template import Framing, Tokenizer
 from prepos.turns import TurnBuilder
 
@@ -56,22 +58,6 @@ TAKEN_OVER_REASON = "taken over"  # why a session's stale copy was dropped: anot
 
 DRAINING_MESSAGE = ("the server is draining before it stops: no session opens or resumes here now; resume the "
                     "session on another replica or once the server is back (a journaled session keeps its log)")
-
-
-def batches(steps: list[EngineStep], size: int, max_tokens: int | None = None) -> Iterator[list[EngineStep]]:
-    """``steps`` in order, cut into batches of at most ``size`` steps and (prefills) ``max_tokens`` new tokens;
-    a prefill longer than ``max_tokens`` goes alone."""
-    batch: list[EngineStep] = []
-    tokens = 0
-    for step in steps:
-        n = step.new_tokens if max_tokens is not None else 0
-        if batch and (len(batch) == size or (max_tokens is not None and tokens + n > max_tokens)):
-            yield batch
-            batch, tokens = [], 0
-        batch.append(step)
-        tokens += n
-    if batch:
-        yield batch
 
 
 class Scheduler:
@@ -129,8 +115,8 @@ class Scheduler:
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
         self._ready: deque[Session] = deque()
         self._queued_deadlines = QueuedDeadlines()  # requests waiting behind their session's earlier ones
-        self._batched: list[tuple[Session, EngineStep]] = []  # requests waiting for the next batch of engine steps
-        self._round_left = 0  # steps of other ready sessions still due before that batch runs
+        self._steps = StepBatches(engine=engine, config=config, metrics=metrics, clock=clock,
+                                  done=self._foreground_done)
         self._background_after_s = 0.0  # no background work before this time (see background_delay_ms)
         self._next_housekeeping = 0.0
         self._reuse_seen = (0, 0, 0)  # engine block-reuse counters already published (reused, new, missed)
@@ -158,7 +144,8 @@ class Scheduler:
         if inline and self._loop_lock.acquire(blocking=False):
             try:
                 self._admit_queued()
-                if not self._batched and len(self._ready) == 1 and self._ready[0].session_id == request.session_id:
+                ready = self._ready
+                if not self._steps.waiting and len(ready) == 1 and ready[0].session_id == request.session_id:
                     self._step_foreground()
             finally:
                 self._loop_lock.release()
@@ -233,8 +220,8 @@ class Scheduler:
                 self._server.expire_queued(session, request, sink)
         if now >= self._next_housekeeping:  # also under sustained load: gauges stay fresh, idle sessions close
             self._housekeeping(now)
-        if self._batched and (not self._ready or self._round_left <= 0):
-            self._run_batched()
+        if self._steps.due(self._ready):
+            self._steps.run(self._ready)
             return True
         if self._ready:
             self._step_foreground()
@@ -320,7 +307,7 @@ class Scheduler:
 
     def _step_foreground(self) -> None:
         session = self._ready.popleft()
-        self._round_left -= 1
+        self._steps.stepped()
         began = self._clock()
         try:
             step = next(session.task)
@@ -337,58 +324,9 @@ class Scheduler:
         finally:
             self._foreground_done(began)
         if isinstance(step, EngineStep):
-            if not self._batched:  # the sessions ready now get one step each before the batch
-                self._round_left = len(self._ready)
-            self._batched.append((session, step))
+            self._steps.add(session, step, self._ready)
         else:
             self._ready.append(session)
-
-    def _run_batched(self) -> None:
-        """Run the next batch of waiting engine steps and hand each of its requests its logits, or the error that
-        made its step impossible (the request's own error handling answers its client): the first waiting
-        prefills (at most ``max_prefill_batch`` sessions and ``max_prefill_batch_tokens`` new tokens), else every
-        waiting decode (in batches of at most ``max_decode_batch``). The requests resumed each take a step (a
-        prefill's first token goes out) before the next batch runs; steps no longer wanted are not run, and
-        their requests stop when resumed."""
-        waiting, resumed = [], []
-        for session, step in self._batched:
-            (waiting if step.wanted() else resumed).append((session, step))
-        prefills = [step for _, step in waiting if isinstance(step, PrefillStep)]
-        config = self._config
-        if prefills:
-            chosen = next(batches(prefills, config.max_prefill_batch, config.max_prefill_batch_tokens))
-            self._run_steps("prefill", [chosen],
-                            lambda steps: self._engine.prefill_batch([st.session_id for st in steps],
-                                                                     [st.token_ids for st in steps]))
-        else:
-            chosen = [step for _, step in waiting]
-            self._run_steps("decode", batches(chosen, config.max_decode_batch),
-                            lambda steps: self._engine.decode_batch([st.session_id for st in steps],
-                                                                    [st.token_id for st in steps]))
-        ran = {id(step) for step in chosen}
-        self._batched = [(session, step) for session, step in waiting if id(step) not in ran]
-        self._ready.extend(session for session, _ in resumed)
-        self._ready.extend(session for session, step in waiting if id(step) in ran)
-        if self._batched:
-            self._round_left = len(self._ready)
-
-    def _run_steps(self, kind: str, batched: Iterator[list], run: Callable[[list], list]) -> None:
-        for steps in batched:
-            began = self._clock()
-            try:
-                results = run(steps)
-            except Exception as err:  # the engine failed as a whole: every request in the batch fails with it
-                log.exception("a batch of %d %ss failed", len(steps), kind)
-                results = [err] * len(steps)
-            for step, result in zip(steps, results):
-                if isinstance(result, Exception):
-                    step.error = result
-                else:
-                    step.logits = result
-            seconds = self._foreground_done(began)
-            for step in steps:
-                step.seconds = seconds
-            self._metrics.engine_batch(kind, len(steps))
 
     def _foreground_done(self, began: float) -> float:
         """Count foreground engine time since ``began`` and hold background work off; returns the seconds."""
@@ -423,7 +361,8 @@ class Scheduler:
         self._residency.expire_journals()  # hourly
         self._queued_deadlines.prune()
         self._metrics.sessions({state.value: n for state, n in self.store.count_by_state().items()})
-        self._metrics.kv(self._residency.kv.used_bytes, self._residency.kv.budget_bytes, self._engine.kept_prefix_bytes())
+        kv = self._residency.kv
+        self._metrics.kv(kv.used_bytes, kv.budget_bytes, self._engine.kept_prefix_bytes())
         self._publish_reuse()
         self._metrics.flush()  # under sustained load too
 

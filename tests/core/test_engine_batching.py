@@ -6,7 +6,7 @@ import pytest
 
 from prepos.engines.base import KVCapacityError
 from prepos.protocol import Status
-from prepos.scheduler import batches
+from prepos.step_batches import batches
 from prepos.serving import PrefillStep
 from test_scheduler import Harness, open_session
 from test_scheduler_lifecycle import endless_logits  # answers run to max_tokens
@@ -93,7 +93,7 @@ def test_a_request_cancelled_while_it_waits_is_left_out_of_the_batch(tmp_path):
     sinks = {sid: h.submit(h.request(sid, "count to ten", max_tokens=10)) for sid in SESSIONS}
     while not all(s.chunks for s in sinks.values()):
         h.sched.run_once()
-    assert h.sched._batched  # all three wait for their second token
+    assert h.sched._steps.waiting  # all three wait for their second token
     sinks["b"].client_gone = True
     before = len(h.engine.batches)
     run_all(h, sinks.values())
@@ -157,7 +157,7 @@ def test_a_request_cancelled_while_it_waits_to_prefill_is_left_out_and_told_so(t
         open_session(h, sid)
     h.engine.prefill_batches.clear()
     sinks = {sid: h.submit(h.request(sid, "a question", max_tokens=3)) for sid in SESSIONS}
-    while len(h.sched._batched) < 3:
+    while len(h.sched._steps.waiting) < 3:
         h.sched.run_once()
     sinks["b"].client_gone = True
     run_all(h, sinks.values())
