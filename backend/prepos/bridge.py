@@ -50,6 +50,7 @@ import numpy as np
 from prepos.protocol import ProtocolError, Status
 
 BRIDGE_INPUTS = ("session_id", "start", "end", "stream")
+CHECKED_INPUTS = (*BRIDGE_INPUTS, "resume")  # what bridge_target reads: resume needs a session too
 MAX_SESSION_ID_BYTES = 128  # Triton's limit on a string correlation id
 ONE_TURN_PREFIX = "http-"
 # prepos's INT32 inputs, INT64 on the bridge (module docstring): the type prepos takes each as.

@@ -39,7 +39,7 @@ from prepos.access_token import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, GRPC_ACC
                                  RESTRICTED_PROTOCOLS, masked, resolve_access_token, restriction_arguments)
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
-from prepos.supervise import DRAIN_ENV, drain_file_from, stop_server
+from prepos.supervise import DRAIN_ENV, bls_threads_argument, drain_file_from, stop_server
 
 log = logging.getLogger("prepos.launcher")
 
@@ -151,6 +151,7 @@ def server_command(options: ServerOptions, backend_dir: Path, access_token: str 
         f"--log-verbose={options.log_verbose}",
         f"--exit-timeout-secs={options.exit_timeout_s}",
         backend_config_argument(region_prefix(options.grpc_port)),
+        bls_threads_argument(),
     ]
     if access_token:
         command += restriction_arguments(access_token)

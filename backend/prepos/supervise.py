@@ -41,6 +41,14 @@ TRITON_EXIT_TIMEOUT_S = 30.0
 TRITON_GRPC_PORT = 8001
 """tritonserver's ``--grpc-port`` when its arguments do not set it."""
 DRAIN_ENV = "PREPOS_SCHEDULER_DRAIN_FILE"
+THREAD_POOL_OPTION = "thread-pool-size"
+"""The Python backend's setting (``--backend-config=python,<it>=<n>``): its threads for Business Logic Scripting."""
+BLS_THREADS = 288
+"""The Python backend's threads for Business Logic Scripting calls, per model instance (Triton's default is 32).
+Every request the HTTP bridge relays holds one of them until ``prepos`` answers it, and requests queued behind
+another's answer in their session wait there too: with 32, 150 queued requests on one session held up every other
+session's bridged request for 17-22 s. So there must be more of them than the bridge relays at once (its
+``bridge.max_streams``, 256)."""
 
 
 def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_timeout_s: float,
@@ -124,6 +132,20 @@ def configured_prefix(args: list[str]) -> str | None:
     return prefixes[-1] if prefixes else None
 
 
+def bls_threads_argument(num_threads: int = BLS_THREADS) -> str:
+    """tritonserver's argument that gives the Python backend ``num_threads`` threads for Business Logic Scripting."""
+    return f"--backend-config=python,{THREAD_POOL_OPTION}={int(num_threads)}"
+
+
+def with_bls_threads(args: list[str]) -> list[str]:
+    """tritonserver's ``args`` with :data:`BLS_THREADS` threads for Business Logic Scripting, unless they set a
+    number."""
+    setting = f"python,{THREAD_POOL_OPTION}="
+    if any(value.startswith(setting) for value in _values(args[1:], "--backend-config")):
+        return args
+    return [*args, bls_threads_argument()]
+
+
 def with_region_prefix(args: list[str]) -> tuple[list[str], str]:
     """tritonserver's ``args`` with the Python backend's shared-memory regions named after the gRPC port
     (:mod:`prepos.shm_regions`), unless they name them already; and their prefix."""
@@ -202,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
-    args, prefix = with_region_prefix(args)
+    args, prefix = with_region_prefix(with_bls_threads(args))
     # One server runs in a container: regions under its prefix now are an earlier one's, killed before it could
     # remove them (the container restarted; an in-memory /dev/shm outlives it).
     remove_left_regions(prefix, "an earlier tritonserver")

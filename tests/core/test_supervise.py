@@ -4,18 +4,22 @@ server's own exit status on otherwise. The real server under it: tests/integrati
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+from prepos.launcher import ServerOptions, server_command
 from prepos.shm_regions import SHM_DIR, region_prefix
-from prepos.supervise import (DRAIN_ENV, DRAINED_EXIT_S, TRITON_EXIT_TIMEOUT_S, TRITON_GRPC_PORT, exit_timeout_of,
-                              grpc_port_of, with_region_prefix)
+from prepos.supervise import (BLS_THREADS, DRAIN_ENV, DRAINED_EXIT_S, TRITON_EXIT_TIMEOUT_S, TRITON_GRPC_PORT,
+                              bls_threads_argument, exit_timeout_of, grpc_port_of, with_bls_threads,
+                              with_region_prefix)
 
 # Stands in for tritonserver: a backend stub of its own (a child in its process group); on the drain file it
 # reports the drain as the model does; it ignores SIGTERM, as Triton 2.51 does while a client holds a stream.
@@ -180,6 +184,31 @@ def test_the_servers_shared_memory_regions_are_named_by_its_port_and_removed_onc
 ])
 def test_the_region_prefix_is_added_to_the_servers_arguments_unless_they_set_one(args, expected):
     assert with_region_prefix(args) == expected
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["tritonserver", "--grpc-port=9002"], ["tritonserver", "--grpc-port=9002",
+                                           f"--backend-config=python,thread-pool-size={BLS_THREADS}"]),
+    # A number the arguments set is kept, whichever form they set it in; another backend's setting is not it.
+    (["tritonserver", "--backend-config=python,thread-pool-size=64"],
+     ["tritonserver", "--backend-config=python,thread-pool-size=64"]),
+    (["tritonserver", "--backend-config", "python,thread-pool-size=64"],
+     ["tritonserver", "--backend-config", "python,thread-pool-size=64"]),
+    (["tritonserver", "--backend-config=onnxruntime,thread-pool-size=4"],
+     ["tritonserver", "--backend-config=onnxruntime,thread-pool-size=4",
+      f"--backend-config=python,thread-pool-size={BLS_THREADS}"]),
+])
+def test_the_python_backend_gets_threads_for_every_bridged_request_unless_the_arguments_set_a_number(args, expected):
+    assert with_bls_threads(args) == expected
+
+
+def test_there_are_more_bls_threads_than_the_bridge_relays_at_once():
+    """Each relayed request holds a Business Logic Scripting thread until prepos answers it: with fewer threads
+    than the bridge's requests, requests queued on one session stall every other session's."""
+    config = (Path(__file__).resolve().parents[2] / "model_repository" / "prepos_http" / "config.pbtxt").read_text()
+    max_streams = int(re.search(r'key: "bridge.max_streams" value: \{ string_value: "(\d+)" \}', config).group(1))
+    assert BLS_THREADS > max_streams
+    assert bls_threads_argument() in server_command(ServerOptions(), Path("/b"))
 
 
 def test_the_grpc_port_is_read_from_the_servers_arguments():

@@ -417,10 +417,46 @@ def test_http_bad_values_are_named_before_they_reach_the_session(server, engine_
     long_id = "x" * 129
     status, (error,) = _generate(server, {"session_id": long_id, "start": True, "text_input": "hi", "max_tokens": 0})
     assert status == 400 and error["error"] == "session_id: 129 bytes; at most 128 allowed"
+    status, (error,) = _generate(server, {"resume": True, "text_input": "hi", "max_tokens": 4})  # nothing to resume
+    assert status == 400 and error["error"].startswith("resume: needs session_id"), error
     status, (answer,) = _generate(server, {"session_id": sid, "text_input": question, "max_tokens": 8,
                                            "timeout": 120_000_000})
     prompt = conv.prompt("user", question)
     assert status == 200 and _ids_of(answer) == reference_greedy(reference_model, prompt, 8, conv.f["stop_token_ids"])
+    assert _generate(server, {"session_id": sid, "end": True})[0] == 200
+
+
+def test_http_requests_queued_on_one_session_do_not_hold_up_other_sessions(server):
+    """Each relayed request holds one of the Python backend's Business Logic Scripting threads until prepos answers
+    it; with Triton's 32, requests queued behind one session's answers took them all, and another session's
+    request waited for a dozen of those answers. The launcher gives it more threads than the bridge relays."""
+    sid, num_queued = "bridge-queue", 64
+    assert _generate(server, {"session_id": sid, "start": True, "text_input": SYSTEM, "role": "system",
+                              "max_tokens": 0})[0] == 200
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def ask(name: str, body: dict) -> None:
+        status, _ = _generate(server, body)
+        with lock:
+            done.append(f"{name}:{status}")
+
+    queued = [threading.Thread(target=ask, args=("queued", {"session_id": sid, "text_input": f"Item {i}.",
+                                                            "max_tokens": 6})) for i in range(num_queued)]
+    for thread in queued:
+        thread.start()
+    time.sleep(0.5)  # every queued request has reached the bridge
+    with lock:
+        answered_before = len(done)
+    assert answered_before < num_queued - 32  # enough still queued to take all of Triton's default 32 threads
+    other = threading.Thread(target=ask, args=("other", {"text_input": "Say hello.", "max_tokens": 1}))
+    other.start()
+    for thread in [*queued, other]:
+        thread.join(180)
+    assert sorted(set(done)) == ["other:200", "queued:200"] and len(done) == num_queued + 1
+    # Served in turn with the session's requests, it waits for one or two of them, not for a dozen.
+    waited_for = done.index("other:200") - answered_before
+    assert waited_for <= 4, (answered_before, waited_for)
     assert _generate(server, {"session_id": sid, "end": True})[0] == 200
 
 

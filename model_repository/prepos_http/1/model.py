@@ -18,7 +18,7 @@ try:
 except ImportError:  # running from a source checkout: model_repository/prepos_http/1/model.py -> backend/
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
 
-from prepos.bridge import (BRIDGE_INPUTS, BRIDGE_PARAMETER, NARROWED_INPUTS, absent_outputs, bridge_target,
+from prepos.bridge import (BRIDGE_PARAMETER, CHECKED_INPUTS, NARROWED_INPUTS, absent_outputs, bridge_target,
                            forwarded_inputs, merge_responses, narrowed_inputs, relayed_error)
 from prepos.heap import settle_heap
 from prepos.protocol import TRITON_ERROR_CODES, ProtocolError
@@ -49,7 +49,7 @@ class TritonPythonModel:
             inputs = {tensor.name(): tensor for tensor in request.inputs()}
             try:  # every check the bridge makes comes before anything reaches the session
                 target = bridge_target({name: tensor.as_numpy() for name, tensor in inputs.items()
-                                        if name in BRIDGE_INPUTS}, request.parameters(), request.timeout())
+                                        if name in CHECKED_INPUTS}, request.parameters(), request.timeout())
                 narrowed = narrowed_inputs({name: inputs[name].as_numpy() for name in inputs
                                             if name in NARROWED_INPUTS})
             except ProtocolError as err:
@@ -85,7 +85,10 @@ class TritonPythonModel:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[t for t in tensors if t.name() not in unset]))
                 else:
                     held.append(outputs)
-            if not server_alive() or sender.is_cancelled():
+            if not server_alive():
+                return  # nobody to answer (see server_alive)
+            if sender.is_cancelled():  # its client is gone; the final flag still closes the response sender
+                sender.send(flags=FINAL)
                 return
             merged = merge_responses(held)
             if merged:
