@@ -39,7 +39,8 @@ from prepos.access_token import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, GRPC_ACC
                                  RESTRICTED_PROTOCOLS, masked, resolve_access_token, restriction_arguments)
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
-from prepos.supervise import DRAIN_ENV, bls_threads_argument, drain_file_from, stop_server
+from prepos.supervise import (DRAIN_ENV, STUB_CHECK_S, StubWatch, bls_threads_argument, describe_lost,
+                              drain_file_from, stop_server)
 
 log = logging.getLogger("prepos.launcher")
 
@@ -441,9 +442,15 @@ def serve(options: ServerOptions) -> int:
                   + (f"  access   token required: gRPC header {GRPC_ACCESS_TOKEN_HEADER}, HTTP header {ACCESS_TOKEN_HEADER}\n"
                      if server.access_token else "")
                   + "Press Ctrl-C to stop.", flush=True)
+            stubs = StubWatch(server.process.pid)
             try:
                 while server.process.poll() is None:
-                    time.sleep(0.5)
+                    time.sleep(STUB_CHECK_S)
+                    lost = stubs.lost()
+                    if lost and server.process.poll() is None:
+                        print(f"prepos: {describe_lost(lost)}; stopping (start it again: sessions resume from their "
+                              "journals)", file=sys.stderr, flush=True)
+                        return 1  # leaving the with block stops the server (a drain first)
             except KeyboardInterrupt:
                 print(f"stopping prepos: draining (requests in flight are served, up to {options.exit_timeout_s} s, "
                       "--exit-timeout-s; then every session is ended, its journal kept) ...", flush=True)

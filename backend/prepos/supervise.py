@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -49,6 +50,62 @@ Every request the HTTP bridge relays holds one of them until ``prepos`` answers 
 another's answer in their session wait there too: with 32, 150 queued requests on one session held up every other
 session's bridged request for 17-22 s. So there must be more of them than the bridge relays at once (its
 ``bridge.max_streams``, 256)."""
+
+
+LOST_STUB_STOP_S = 15.0
+"""How long a server that lost a backend stub is given to drain and stop (a dead ``prepos`` stub never reports a
+drain) before it is killed."""
+STUB_CHECK_S = 1.0
+"""How often the backend stubs are looked for."""
+
+
+@dataclass(frozen=True)
+class LostStub:
+    """A backend stub that exited while its tritonserver still ran: ``model`` can no longer serve."""
+
+    pid: int
+    model: str
+
+
+class StubWatch:
+    """The backend stubs of a running tritonserver (the other processes of its process group, of which it is the
+    leader): :meth:`lost` tells which of those seen before have exited.
+
+    A stub that dies (a crash in the Python backend, say) is not restarted by Triton 2.51: its model refuses every
+    request from then on ("Stub process ... is not healthy"), while the server still reports itself ready.
+    """
+
+    def __init__(self, server_pid: int):
+        self._server_pid = server_pid
+        self._seen: dict[int, str] = {}  # stub pid -> its model
+
+    def lost(self) -> list[LostStub]:
+        live = set(_live_members(self._server_pid)) - {self._server_pid}
+        for pid in live - set(self._seen):
+            self._seen[pid] = _model_of(pid)
+        gone = [LostStub(pid, model) for pid, model in self._seen.items() if pid not in live]
+        for stub in gone:
+            del self._seen[stub.pid]
+        return gone
+
+
+def _model_of(pid: int) -> str:
+    """The model a Python backend stub serves (its first argument is ``<repository>/<model>/<version>/model.py``),
+    else its command."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return "?"
+    if len(argv) > 1 and argv[1].endswith(".py") and len(Path(argv[1]).parts) >= 3:
+        return Path(argv[1]).parts[-3]
+    return " ".join(argv[:2]).strip() or "?"
+
+
+def describe_lost(lost: list[LostStub]) -> str:
+    return ", ".join(f"the backend stub of model {stub.model} (pid {stub.pid})" for stub in lost) + (
+        " exited while tritonserver runs: that model refuses every request from now on, though the server still "
+        "reports itself ready")
 
 
 def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_timeout_s: float,
@@ -234,19 +291,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepos.supervise: cannot run {args[0]}: {err.strerror or err}", file=sys.stderr)
         return 127
     init = os.getpid() == 1
+    stubs, lost, next_check = StubWatch(child.pid), [], time.monotonic() + STUB_CHECK_S
     while child.poll() is None and not stopping.wait(0.2):
         if init:
             _reap_orphans(child.pid)
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + STUB_CHECK_S
+            lost = stubs.lost()
+            if lost:
+                log.error("%s; stopping it, to be restarted (sessions resume from their journals)", describe_lost(lost))
+                break
     drained = False
     if child.poll() is None:
         drain_file = drain_file_from(os.environ)
         log.info("stopping tritonserver (pid %d)%s", child.pid, " after a drain" if drain_file else "")
-        drained = stop_server(child, drain_file=drain_file, exit_timeout_s=exit_timeout_of(args))
+        drained = stop_server(child, drain_file=drain_file, exit_timeout_s=exit_timeout_of(args),
+                              timeout_s=LOST_STUB_STOP_S if lost else None)
     _kill_group(child.pid)  # returns once they have exited: zombies, for init to reap
     remove_left_regions(prefix, "tritonserver (killed, or its stubs were)")
     if init:
         _reap_orphans(child.pid)
     code = child.returncode
+    if lost:
+        return 1  # not asked to stop: restart it
     if drained:
         return 0  # stopped as asked, nothing in flight lost, even if it had to be killed
     return 128 - code if code < 0 else code

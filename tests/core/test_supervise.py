@@ -17,8 +17,8 @@ import psutil
 import pytest
 from prepos.launcher import ServerOptions, server_command
 from prepos.shm_regions import SHM_DIR, region_prefix
-from prepos.supervise import (BLS_THREADS, DRAIN_ENV, DRAINED_EXIT_S, TRITON_EXIT_TIMEOUT_S, TRITON_GRPC_PORT,
-                              bls_threads_argument, exit_timeout_of, grpc_port_of, with_bls_threads,
+from prepos.supervise import (BLS_THREADS, DRAIN_ENV, DRAINED_EXIT_S, LOST_STUB_STOP_S, STOP_GRACE_S, STUB_CHECK_S,
+                              TRITON_EXIT_TIMEOUT_S, TRITON_GRPC_PORT, bls_threads_argument, exit_timeout_of, grpc_port_of, with_bls_threads,
                               with_region_prefix)
 
 # Stands in for tritonserver: a backend stub of its own (a child in its process group); on the drain file it
@@ -26,7 +26,10 @@ from prepos.supervise import (BLS_THREADS, DRAIN_ENV, DRAINED_EXIT_S, TRITON_EXI
 STAND_IN = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
     from pathlib import Path
-    stub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    model = Path(sys.argv[1]).parent / "repository" / "stand_in_model" / "1" / "model.py"  # as a stub's argument
+    model.parent.mkdir(parents=True, exist_ok=True)
+    model.write_text("import time; time.sleep(60)")
+    stub = subprocess.Popen([sys.executable, str(model)])
     for arg in sys.argv[2:]:  # a shared-memory region, as the Python backend makes under the prefix it is given
         if arg.startswith("--backend-config=python,shm-region-prefix-name="):
             Path("/dev/shm", arg.rpartition("=")[2] + "stand-in").write_bytes(bytes(4096))
@@ -34,7 +37,7 @@ STAND_IN = textwrap.dedent("""
     signal.signal(signal.SIGTERM, lambda *_: None)
     drain = Path(os.environ["PREPOS_SCHEDULER_DRAIN_FILE"]) if os.environ.get("PREPOS_SCHEDULER_DRAIN_FILE") else None
     while True:
-        if drain is not None and drain.exists():
+        if drain is not None and drain.exists() and not os.environ.get("STAND_IN_NO_REPORT"):
             drain.unlink()
             left = int(os.environ.get("STAND_IN_LEFT_OPEN", "0"))
             Path(str(drain) + ".drained").write_text(json.dumps(
@@ -58,12 +61,15 @@ def unused_port() -> int:
         return sock.getsockname()[1]
 
 
-def supervise(tmp_path, env_drain: str | None, *args: str, left_open: int = 0) -> tuple[subprocess.Popen, int]:
+def supervise(tmp_path, env_drain: str | None, *args: str, left_open: int = 0,
+              no_report: bool = False) -> tuple[subprocess.Popen, int]:
     if not any(arg.startswith("--grpc-port") for arg in args):
         args = (*args, f"--grpc-port={unused_port()}")
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     env = {"PATH": "/usr/bin:/bin", "STAND_IN_LEFT_OPEN": str(left_open)}
+    if no_report:  # the model that drains is gone: no drain is reported
+        env["STAND_IN_NO_REPORT"] = "1"
     if env_drain is not None:
         env[DRAIN_ENV] = env_drain
     supervisor = subprocess.Popen([sys.executable, "-m", "prepos.supervise", "--", sys.executable, str(script),
@@ -87,6 +93,31 @@ def test_a_drained_server_that_does_not_exit_is_killed_soon_with_its_stubs_and_t
     assert DRAINED_EXIT_S <= took < DRAINED_EXIT_S + 5, (took, log)  # not the 60 s exit timeout
     assert "drained in" in log
     assert not running(stub)  # the stub went with its server's process group
+
+
+def test_a_server_whose_backend_stub_died_is_drained_and_stopped_and_the_exit_is_an_error(tmp_path):
+    """Triton 2.51 does not restart a dead stub: its model refuses every request while the server reports itself
+    ready. The supervisor stops such a server (draining the models still there) so that it is restarted."""
+    supervisor, stub = supervise(tmp_path, str(tmp_path / "drain"), "--exit-timeout-secs=60")
+    time.sleep(STUB_CHECK_S + 0.5)  # the supervisor has seen the stub
+    began = time.monotonic()
+    psutil.Process(stub).kill()
+    _, log = supervisor.communicate(timeout=30)
+    took = time.monotonic() - began
+    assert supervisor.returncode == 1, log
+    assert f"the backend stub of model stand_in_model (pid {stub}) exited while tritonserver runs" in log, log
+    assert "drained in" in log and took < DRAINED_EXIT_S + 5, (took, log)  # not the 60 s exit timeout
+
+
+def test_a_server_whose_draining_model_died_is_killed_after_a_bounded_wait_not_its_exit_timeout(tmp_path):
+    supervisor, stub = supervise(tmp_path, str(tmp_path / "drain"), "--exit-timeout-secs=60", no_report=True)
+    time.sleep(STUB_CHECK_S + 0.5)
+    began = time.monotonic()
+    psutil.Process(stub).kill()
+    _, log = supervisor.communicate(timeout=60)
+    took = time.monotonic() - began
+    assert supervisor.returncode == 1 and "exited while tritonserver runs" in log, log
+    assert LOST_STUB_STOP_S <= took < LOST_STUB_STOP_S + STOP_GRACE_S + 3, (took, log)  # not 60 s and 5 more
 
 
 def test_without_a_drain_the_server_gets_its_exit_timeout_and_grace_then_its_status_is_passed_on(tmp_path):

@@ -357,3 +357,42 @@ def test_ctrl_c_in_a_terminal_drains_make_serve(tmp_path):
         end_if_running(launcher)
         if client is not None:
             client.close()
+
+
+def test_make_serve_stops_with_an_error_when_a_backend_stub_dies(tmp_path):
+    """Triton 2.51 does not restart a dead backend stub: its model refuses every request ("Stub process ... is not
+    healthy") while the server reports itself ready. The launcher stops such a server, draining prepos (the open
+    session keeps its journal), and exits with an error."""
+    http, grpc, metrics = free_loopback_ports(3)
+    env = {**os.environ, "PREPOS_ENGINE_DIR": str(ENGINE_DIR)}
+    with open(tmp_path / "serve.log", "wb") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "prepos.launcher", "--http-port", str(http), "--grpc-port", str(grpc),
+             "--metrics-port", str(metrics), "--run-dir", str(tmp_path / "run")],
+            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True)
+    client = None
+    try:
+        deadline = time.monotonic() + 240
+        while b"Press Ctrl-C" not in (tmp_path / "serve.log").read_bytes():
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+        client = Client(f"127.0.0.1:{grpc}")
+        held = client.session("held")
+        held.append(SYSTEM, role="system")
+        (bridge,) = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                     if "prepos_http" in " ".join(p.cmdline())]
+        time.sleep(1.5)  # the launcher has looked for the stubs since the server got ready
+        began = time.monotonic()
+        bridge.kill()
+        code = launcher.wait(60)
+        took = time.monotonic() - began
+        log = (tmp_path / "serve.log").read_text()
+        assert code == 1, log[-3000:]
+        assert f"the backend stub of model prepos_http (pid {bridge.pid}) exited while tritonserver runs" in log
+        assert "drained in" in log and "1 sessions ended" in log and took < 15, (took, log[-3000:])
+        assert len(list((tmp_path / "run" / "journal").iterdir())) == 1  # the session, to resume after a restart
+        held.detach()
+    finally:
+        end_if_running(launcher)
+        if client is not None:
+            client.close()
