@@ -56,6 +56,41 @@ ONE_TURN_PREFIX = "http-"
 # prepos's INT32 inputs, INT64 on the bridge (module docstring): the type prepos takes each as.
 NARROWED_INPUTS = {"input_ids": np.int32, "max_tokens": np.int32, "top_k": np.int32}
 
+# The bridge's settings: model parameters in its config.pbtxt, each overridable by PREPOS_BRIDGE_<FIELD>.
+DEFAULT_TARGET_MODEL = "prepos"
+DEFAULT_MAX_STREAMS = 256
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    target_model: str = DEFAULT_TARGET_MODEL  # the model requests are relayed to
+    max_streams: int = DEFAULT_MAX_STREAMS  # requests relayed at once (one thread each); more wait for a thread
+
+
+def read_bridge_config(parameters: Mapping[str, str], environ: Mapping[str, str]) -> BridgeConfig:
+    """The bridge's settings from its model parameters (``bridge.<field>``) and the environment
+    (``PREPOS_BRIDGE_<FIELD>``, which wins); ValueError naming the key, and the variable that set it."""
+    values = {}
+    for key in ("target_model", "max_streams"):
+        env = f"PREPOS_BRIDGE_{key.upper()}"
+        raw = environ.get(env, parameters.get(f"bridge.{key}"))
+        if raw is None:
+            continue
+        where = f" (set by the environment variable {env})" if env in environ else ""
+        if key == "max_streams":
+            try:
+                values[key] = int(raw)
+            except ValueError:
+                raise ValueError(f"bridge.max_streams: cannot read {raw!r} as an integer{where}") from None
+            if values[key] < 1:
+                raise ValueError(f"bridge.max_streams: must be at least 1, got {values[key]}{where}")
+        elif not raw.strip():
+            raise ValueError(f"bridge.target_model: empty{where}")
+        else:
+            values[key] = raw.strip()
+    return BridgeConfig(**values)
+
+
 # The request parameter the bridge sets on what it forwards, and the path of the response carrying an error then.
 BRIDGE_PARAMETER = "prepos_bridge"
 RELAYED_ERROR_PATH = b"error"

@@ -139,3 +139,25 @@ def test_answers_are_not_taken_for_relayed_errors():
     for path in (b"prefix", b"append", b"close", b""):
         assert relayed_error(_response(b"x", [], path=path)) is None
     assert relayed_error({}) is None
+
+
+def test_the_bridge_settings_come_from_its_parameters_and_the_environment_wins():
+    from prepos.bridge import BridgeConfig, read_bridge_config
+    assert read_bridge_config({}, {}) == BridgeConfig("prepos", 256)
+    parameters = {"bridge.target_model": "prepos", "bridge.max_streams": "64"}
+    assert read_bridge_config(parameters, {}) == BridgeConfig("prepos", 64)
+    assert read_bridge_config(parameters, {"PREPOS_BRIDGE_MAX_STREAMS": "8",
+                                           "PREPOS_BRIDGE_TARGET_MODEL": "other"}) == BridgeConfig("other", 8)
+
+
+@pytest.mark.parametrize(("parameters", "environ", "message"), [
+    ({"bridge.max_streams": "many"}, {}, "bridge.max_streams: cannot read 'many' as an integer"),
+    ({}, {"PREPOS_BRIDGE_MAX_STREAMS": "0"},
+     "bridge.max_streams: must be at least 1, got 0 (set by the environment variable PREPOS_BRIDGE_MAX_STREAMS)"),
+    ({"bridge.target_model": " "}, {}, "bridge.target_model: empty"),
+])
+def test_a_bad_bridge_setting_is_named(parameters, environ, message):
+    from prepos.bridge import read_bridge_config
+    with pytest.raises(ValueError) as err:
+        read_bridge_config(parameters, environ)
+    assert str(err.value) == message

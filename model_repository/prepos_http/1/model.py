@@ -6,6 +6,7 @@ long answers do not hold up other sessions' requests. All logic lives in ``prepo
 
 import json
 import logging
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,10 +20,11 @@ except ImportError:  # running from a source checkout: model_repository/prepos_h
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
 
 from prepos.bridge import (BRIDGE_PARAMETER, CHECKED_INPUTS, NARROWED_INPUTS, absent_outputs, bridge_target,
-                           forwarded_inputs, merge_responses, narrowed_inputs, relayed_error)
+                           forwarded_inputs, merge_responses, narrowed_inputs, read_bridge_config, relayed_error)
 from prepos.heap import settle_heap
 from prepos.protocol import TRITON_ERROR_CODES, ProtocolError
 from prepos.stub import server_alive
+from prepos.supervise import BLS_THREADS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("prepos.bridge")
@@ -32,10 +34,14 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.target_model = parameters.get("bridge.target_model", "prepos")
+        settings = read_bridge_config(parameters, os.environ)  # a bad value stops the model from loading
+        if settings.max_streams >= BLS_THREADS:
+            log.warning("bridge.max_streams is %d: unless tritonserver's --backend-config=python,thread-pool-size is "
+                        "above it (the launcher sets %d), requests queued on one session hold up other sessions'",
+                        settings.max_streams, BLS_THREADS)
+        self.target_model = settings.target_model
         self.outputs = [output["name"] for output in config["output"]]
-        self.pool = ThreadPoolExecutor(max_workers=int(parameters.get("bridge.max_streams", "256")),
-                                       thread_name_prefix="bridge")
+        self.pool = ThreadPoolExecutor(max_workers=settings.max_streams, thread_name_prefix="bridge")
         settle_heap()  # as in prepos: the relay's requests do not wait on walks of the startup objects
 
     def execute(self, requests):
