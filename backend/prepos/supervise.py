@@ -182,11 +182,17 @@ def grpc_port_of(args: list[str]) -> int:
         return TRITON_GRPC_PORT  # tritonserver refuses it itself
 
 
+def _python_setting(args: list[str], option: str) -> str | None:
+    """The value tritonserver's ``args`` give the Python backend's ``option`` (``--backend-config=python,
+    <option>=<value>``; the last one), else None."""
+    setting = f"python,{option}="
+    values = [value[len(setting):] for value in _values(args, "--backend-config") if value.startswith(setting)]
+    return values[-1] if values else None
+
+
 def configured_prefix(args: list[str]) -> str | None:
     """The Python backend's region prefix tritonserver's ``args`` set (the last one), else None."""
-    setting = f"python,{PREFIX_OPTION}="
-    prefixes = [value[len(setting):] for value in _values(args, "--backend-config") if value.startswith(setting)]
-    return prefixes[-1] if prefixes else None
+    return _python_setting(args, PREFIX_OPTION)
 
 
 def bls_threads_argument(num_threads: int = BLS_THREADS) -> str:
@@ -197,8 +203,7 @@ def bls_threads_argument(num_threads: int = BLS_THREADS) -> str:
 def with_bls_threads(args: list[str]) -> list[str]:
     """tritonserver's ``args`` with :data:`BLS_THREADS` threads for Business Logic Scripting, unless they set a
     number."""
-    setting = f"python,{THREAD_POOL_OPTION}="
-    if any(value.startswith(setting) for value in _values(args[1:], "--backend-config")):
+    if _python_setting(args[1:], THREAD_POOL_OPTION) is not None:
         return args
     return [*args, bls_threads_argument()]
 

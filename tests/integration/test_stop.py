@@ -324,23 +324,32 @@ def test_the_supervisor_drains_tritonserver_on_sigterm_and_exits_cleanly(tmp_pat
             client.close()
 
 
-def test_ctrl_c_in_a_terminal_drains_make_serve(tmp_path):
-    """A terminal's Ctrl-C reaches the launcher's whole process group: tritonserver must not take it itself (it
-    would begin its exit before the drain) but be drained and stopped by the launcher."""
+def serve_ready(tmp_path, **popen) -> tuple[subprocess.Popen, int]:
+    """``make serve``'s launcher on free loopback ports, its output in ``serve.log``, once it says it is ready; and
+    its gRPC port."""
     http, grpc, metrics = free_loopback_ports(3)
     env = {**os.environ, "PREPOS_ENGINE_DIR": str(ENGINE_DIR)}
     with open(tmp_path / "serve.log", "wb") as out:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "prepos.launcher", "--http-port", str(http), "--grpc-port", str(grpc),
              "--metrics-port", str(metrics), "--run-dir", str(tmp_path / "run")],
-            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's foreground job
+            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True, **popen)
+    deadline = time.monotonic() + 240
+    while b"Press Ctrl-C" not in (tmp_path / "serve.log").read_bytes():
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            end_if_running(launcher)
+            raise AssertionError((tmp_path / "serve.log").read_text())
+        time.sleep(0.5)
+    return launcher, grpc
+
+
+def test_ctrl_c_in_a_terminal_drains_make_serve(tmp_path):
+    """A terminal's Ctrl-C reaches the launcher's whole process group: tritonserver must not take it itself (it
+    would begin its exit before the drain) but be drained and stopped by the launcher."""
+    launcher, grpc = serve_ready(  # as a terminal's foreground job
+        tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     client = None
     try:
-        deadline = time.monotonic() + 240
-        while b"Press Ctrl-C" not in (tmp_path / "serve.log").read_bytes():
-            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.5)
         client = Client(f"127.0.0.1:{grpc}")
         held = client.session("held")
         held.append(SYSTEM, role="system")
@@ -363,19 +372,9 @@ def test_make_serve_stops_with_an_error_when_a_backend_stub_dies(tmp_path):
     """Triton 2.51 does not restart a dead backend stub: its model refuses every request ("Stub process ... is not
     healthy") while the server reports itself ready. The launcher stops such a server, draining prepos (the open
     session keeps its journal), and exits with an error."""
-    http, grpc, metrics = free_loopback_ports(3)
-    env = {**os.environ, "PREPOS_ENGINE_DIR": str(ENGINE_DIR)}
-    with open(tmp_path / "serve.log", "wb") as out:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "prepos.launcher", "--http-port", str(http), "--grpc-port", str(grpc),
-             "--metrics-port", str(metrics), "--run-dir", str(tmp_path / "run")],
-            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True)
+    launcher, grpc = serve_ready(tmp_path)
     client = None
     try:
-        deadline = time.monotonic() + 240
-        while b"Press Ctrl-C" not in (tmp_path / "serve.log").read_bytes():
-            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.5)
         client = Client(f"127.0.0.1:{grpc}")
         held = client.session("held")
         held.append(SYSTEM, role="system")
