@@ -4,7 +4,7 @@ Triton's Python backend passes requests and responses between tritonserver and
 each backend stub through POSIX shared memory: one file per region under
 ``/dev/shm`` (1 MiB at least, ``shm-default-byte-size``), which it unlinks when it
 stops cleanly. A server that is killed (a crash, an OOM kill, or the kill that
-follows a drained stop, :data:`prepos.supervise.DRAINED_EXIT_S`) leaves its
+follows a drained stop, :data:`prepos.supervise.ENDED_EXIT_S`) leaves its
 regions behind, and nothing else removes them: on a machine they hold memory
 until a reboot, in a container's in-memory ``/dev/shm`` until the pod goes.
 

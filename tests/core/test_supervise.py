@@ -17,9 +17,9 @@ import psutil
 import pytest
 from prepos.launcher import ServerOptions, server_command
 from prepos.shm_regions import SHM_DIR, region_prefix
-from prepos.supervise import (BLS_THREADS, DRAIN_ENV, DRAINED_EXIT_S, LOST_STUB_STOP_S, STOP_GRACE_S, STUB_CHECK_S,
-                              TRITON_EXIT_TIMEOUT_S, TRITON_GRPC_PORT, bls_threads_argument, exit_timeout_of, grpc_port_of, with_bls_threads,
-                              with_region_prefix)
+from prepos.supervise import (BLS_THREADS, DRAIN_ENV, DRAINED_EXIT_S, ENDED_EXIT_S, LOST_STUB_STOP_S, STOP_GRACE_S,
+                              STUB_CHECK_S, TRITON_EXIT_TIMEOUT_S, TRITON_GRPC_PORT, bls_threads_argument,
+                              exit_timeout_of, grpc_port_of, with_bls_threads, with_region_prefix)
 
 # Stands in for tritonserver: a backend stub of its own (a child in its process group); on the drain file it
 # reports the drain as the model does; it ignores SIGTERM, as Triton 2.51 does while a client holds a stream.
@@ -41,7 +41,8 @@ STAND_IN = textwrap.dedent("""
             drain.unlink()
             left = int(os.environ.get("STAND_IN_LEFT_OPEN", "0"))
             Path(str(drain) + ".drained").write_text(json.dumps(
-                {"num_ended": 2, "num_failed": left, "num_open": left, "seconds": 0.1}))
+                {"num_ended": int(os.environ.get("STAND_IN_ENDED", "2")), "num_failed": left, "num_open": left,
+                 "seconds": 0.1}))
         time.sleep(0.02)
 """)
 
@@ -61,13 +62,13 @@ def unused_port() -> int:
         return sock.getsockname()[1]
 
 
-def supervise(tmp_path, env_drain: str | None, *args: str, left_open: int = 0,
+def supervise(tmp_path, env_drain: str | None, *args: str, left_open: int = 0, ended: int = 2,
               no_report: bool = False) -> tuple[subprocess.Popen, int]:
     if not any(arg.startswith("--grpc-port") for arg in args):
         args = (*args, f"--grpc-port={unused_port()}")
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
-    env = {"PATH": "/usr/bin:/bin", "STAND_IN_LEFT_OPEN": str(left_open)}
+    env = {"PATH": "/usr/bin:/bin", "STAND_IN_LEFT_OPEN": str(left_open), "STAND_IN_ENDED": str(ended)}
     if no_report:  # the model that drains is gone: no drain is reported
         env["STAND_IN_NO_REPORT"] = "1"
     if env_drain is not None:
@@ -83,14 +84,18 @@ def supervise(tmp_path, env_drain: str | None, *args: str, left_open: int = 0,
     return supervisor, int((tmp_path / "stub.pid").read_text())
 
 
-def test_a_drained_server_that_does_not_exit_is_killed_soon_with_its_stubs_and_the_exit_is_clean(tmp_path):
-    supervisor, stub = supervise(tmp_path, str(tmp_path / "drain"), "--exit-timeout-secs=60")
+@pytest.mark.parametrize("ended", [2, 0])
+def test_a_drained_server_that_does_not_exit_is_killed_soon_with_its_stubs_and_the_exit_is_clean(tmp_path, ended):
+    """A drain that ended sessions leaves Triton waiting for their sequences: it is killed at once; with none
+    ended it is given DRAINED_EXIT_S to exit by itself."""
+    supervisor, stub = supervise(tmp_path, str(tmp_path / "drain"), "--exit-timeout-secs=60", ended=ended)
     began = time.monotonic()
     supervisor.send_signal(signal.SIGTERM)
     _, log = supervisor.communicate(timeout=30)
     took = time.monotonic() - began
     assert supervisor.returncode == 0, log
-    assert DRAINED_EXIT_S <= took < DRAINED_EXIT_S + 5, (took, log)  # not the 60 s exit timeout
+    given = ENDED_EXIT_S if ended else DRAINED_EXIT_S
+    assert given <= took < given + 2, (took, log)  # not the 60 s exit timeout
     assert "drained in" in log
     assert not running(stub)  # the stub went with its server's process group
 
