@@ -183,7 +183,7 @@ class TraceReplayer:
                 return self._update_measurements(session.append(step.delta, role=step.role))
             answer = session.ask(step.delta, role=step.role, max_tokens=step.max_tokens,
                                  choices=list(step.choices) if step.choices is not None else None)
-            return self._answer_measurements(answer)
+            return self._answer_measurements(answer, chosen=step.choices is not None)
         except PreposUnavailable as error:
             log.warning("session %s: server unavailable: %s", session.session_id, error)
             self._backoff_s = UNAVAILABLE_BACKOFF_S
@@ -201,7 +201,10 @@ class TraceReplayer:
     def _request_name(step: Step) -> str:
         return REJECTED_APPEND if step.max_tokens == 0 else REJECTED_GENERATE
 
-    def _answer_measurements(self, answer: Answer) -> list[Measurement]:
+    def _answer_measurements(self, answer: Answer, *, chosen: bool = False) -> list[Measurement]:
+        """TTFT, TOTAL and the server's first-token time of an answer; TPOT too for an answer of two tokens or more
+        that was decoded (``chosen``: among ``choices``, whose tokens after the first are forced, not decoded, and
+        arrive together: no time per output token)."""
         path, num_tokens = answer.path or REJECTED_GENERATE, len(answer.token_ids)
         measurements = [
             self._measure(TTFT, path, answer.ttft_ms, num_tokens, self._session),
@@ -209,7 +212,7 @@ class TraceReplayer:
         ]
         if answer.first_token_ms is not None:
             measurements.append(self._measure(SERVER_TTFT, path, answer.first_token_ms, num_tokens, self._session))
-        if num_tokens >= 2:
+        if num_tokens >= 2 and not chosen:
             per_token_ms = (answer.total_ms - answer.ttft_ms) / (num_tokens - 1)
             measurements.append(self._measure(TPOT, path, per_token_ms, num_tokens, self._session))
         return measurements

@@ -96,11 +96,18 @@ def test_measurements_are_named_by_served_path():
     answer_and_close = user.run_step()
     assert [(m.kind, m.name, m.elapsed_ms, m.num_tokens) for m in answer_and_close] == [
         (TTFT, "exact", 1.5, 2), (TOTAL, "exact", 4.0, 2), (SERVER_TTFT, "exact", 0.7, 2),
-        (TPOT, "exact", 2.5, 2),  # (4.0 - 1.5) ms over the one token after the first
-        (TOTAL, "close", 2.0, 0)]
+        (TOTAL, "close", 2.0, 0)]  # no TPOT for a choice: its tokens after the first are forced, not decoded
     assert {(m.session_id, m.trace) for m in update + answer_and_close} == {("s0", "a")}
     one_token = user.run_step()  # no time per output token for an answer of one
     assert [(m.kind, m.num_tokens) for m in one_token] == [(TTFT, 1), (TOTAL, 1), (SERVER_TTFT, 1), (TOTAL, 0)]
+
+
+def test_an_answer_decoded_token_by_token_has_a_time_per_output_token():
+    client = FakeClient()
+    user = TraceReplayer(client.session, trace_pool([SessionTrace("c", (Step(0.0, "user", "q3", 2),))]),
+                         ReplayOptions(), random.Random(0))
+    measured = user.run_step()
+    assert (TPOT, "exact", 2.5, 2) in [(m.kind, m.name, m.elapsed_ms, m.num_tokens) for m in measured]  # (4.0 - 1.5)
 
 
 def test_a_rejected_request_is_one_failed_total_and_the_trace_goes_on():
