@@ -66,10 +66,13 @@ class ServerOptions:
     exit_timeout_s: int = 10
     """On stop, how long the drain may take (answers under way finish first; see :mod:`prepos.drain`), and
     Triton's own ``--exit-timeout-secs``: without a drain it waits this long for open sessions."""
-    journal_dir: str = ""
+    journal_dir: str = dataclasses.field(default="", metadata={
+        "help": "session journal directory; off: none (default: <run-dir>/journal, unless PREPOS_JOURNAL_DIR "
+                "is set)"})
     """Session journal directory for ``prepos serve`` (empty: ``<run_dir>/journal``; ``off``: none), unless
     PREPOS_JOURNAL_DIR is set."""
-    access_token_file: str = ""
+    access_token_file: str = dataclasses.field(default="", metadata={
+        "help": "file holding the access token (default: none; then PREPOS_ACCESS_TOKEN, or open endpoints)"})
     """File holding the access token (surrounding whitespace ignored); empty: env PREPOS_ACCESS_TOKEN, and
     no token at all leaves the endpoints open."""
     access_token: str = dataclasses.field(default="", repr=False)
@@ -397,8 +400,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if field.name in ("model_repositories", "access_token"):
             continue
         flag = "--" + field.name.replace("_", "-")
+        help_text = (field.metadata or {}).get("help")  # says its own default
         parser.add_argument(flag, type=type(getattr(defaults, field.name)), default=getattr(defaults, field.name),
-                            help=f"{(field.metadata or {}).get('help', '')}(default: %(default)s)")
+                            help=help_text or "(default: %(default)s)")
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:

@@ -24,6 +24,7 @@ log = logging.getLogger("prepos.calibrate")
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 DEFAULT_ENGINE_DIR = "engines/smollm2-135m-instruct"
+REPO_ROOT = Path(__file__).resolve().parents[2]  # a source checkout: client/prepos_client/calibrate_cli.py
 
 
 def _placeholder(value: str) -> tuple[str, str]:
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.report_only:
             sessions = load_sessions(args)
+            if args.engine_dir == Path(DEFAULT_ENGINE_DIR) and not args.engine_dir.is_dir():
+                args.engine_dir = REPO_ROOT / DEFAULT_ENGINE_DIR  # the default is the checkout's, wherever run from
             if not args.engine_dir.is_dir():
                 raise ValueError(f"--engine-dir: {args.engine_dir} is not a directory (make engine builds the default)")
             summary = replay(args, sessions, placeholders, records_path)

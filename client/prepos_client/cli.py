@@ -35,6 +35,7 @@ EXIT_SERVER_ERROR = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell tool whose reader went away
 
 URL_ENV = "PREPOS_URL"
 TOKEN_ENV = "PREPOS_ACCESS_TOKEN"
@@ -171,8 +172,14 @@ def connect(args: argparse.Namespace) -> Client:
 
 @contextlib.contextmanager
 def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -> Iterator[Session]:
-    """Yield the session of `args`; on exit, close it (END) or, with keep_open, leave it open."""
+    """Yield the session of `args`; on exit, close it (END) or, with keep_open, leave it open (saying its id on
+    stderr when it was made up here: the only way to go on with it)."""
+    if args.resume and args.session_id is None:
+        raise ValueError("--continue needs --session-id: the session to go on with")
     session = client.session(args.session_id, resume=args.resume)
+    if keep_open and args.session_id is None:
+        print(_dim(f"[session {session.session_id} is left open: go on with --session-id {session.session_id} "
+                   "--continue]"), file=sys.stderr)
     try:
         yield session
     except BaseException as error:
@@ -367,7 +374,10 @@ def _chat_loop(session: Session, options: dict, interactive: bool) -> None:
         except PreposError as error:
             sys.stdout.flush()
             settle_for_message(session, error)
-            print(f"error: {error}{settled_outcome(error)}", file=sys.stderr)
+            reset = ""
+            if error.field == "role" and role is not None:  # a role the model has no framing for: not kept
+                role, reset = None, f" [/role {role} dropped: the next turns take the default role]"
+            print(f"error: {error}{settled_outcome(error)}{reset}", file=sys.stderr)
 
 
 # --- entry point ---------------------------------------------------------------
@@ -460,3 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout closed early (`prepos ask ... | head`): stop quietly, as a shell tool does
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush has nowhere to fail
+        return EXIT_BROKEN_PIPE

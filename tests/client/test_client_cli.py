@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -181,6 +182,39 @@ def test_ask_json_keep_open_continue(fake_triton, capsys):
     assert request.inputs["choices"].tolist() == [b"a", b"b"]
 
 
+def test_a_session_left_open_under_a_made_up_id_is_named(fake_triton, capsys):
+    assert cli.main(["ask", "q", "--keep-open"]) == cli.EXIT_OK
+    (request,) = fake_triton[0].requests
+    assert f"[session {request.sequence_id} is left open: go on with --session-id {request.sequence_id} --continue]" \
+        in capsys.readouterr().err
+    assert cli.main(["ask", "q", "--keep-open", "--session-id", "s1"]) == cli.EXIT_OK
+    assert "is left open" not in capsys.readouterr().err  # the caller knows it
+
+
+def test_continue_without_a_session_id_is_a_usage_error_sent_nowhere(fake_triton, capsys):
+    assert cli.main(["ask", "q", "--continue"]) == cli.EXIT_USAGE
+    assert "--continue needs --session-id" in capsys.readouterr().err
+    assert not [request for fake in fake_triton for request in fake.requests]
+
+
+def test_an_answer_piped_into_a_reader_that_goes_away_stops_quietly(fake_triton, capsys, monkeypatch):
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            return devnull.fileno()
+
+    with open(os.devnull, "w") as devnull:
+        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        assert cli.main(["ask", "tell me a story", "--session-id", "s1"]) == cli.EXIT_BROKEN_PIPE
+    assert capsys.readouterr().err == ""  # no traceback
+    assert fake_triton[0].requests[-1].sequence_end  # the session was closed with the question
+
+
 def test_append_keeps_the_session_open_unless_end(fake_triton):
     assert cli.main(["append", "ctx", "--session-id", "s1", "--role", "tool"]) == cli.EXIT_OK
     assert cli.main(["append", "more", "--session-id", "s1", "--continue", "--end"]) == cli.EXIT_OK
@@ -249,6 +283,20 @@ def test_chat_reports_a_server_error_and_goes_on(fake_triton, stdin, capsys):
     assert "error: text_input: too long" in captured.err
     assert captured.out.endswith("good\n")
     assert fake_triton[0].requests[-1].sequence_end
+
+
+def test_chat_drops_a_role_the_server_refused(fake_triton, stdin, capsys):
+    def responder(request):
+        if "role" in request.inputs and request.inputs["role"][0] == b"wizard":
+            return [InferenceServerException(msg="role: unknown role 'wizard'; expected one of system, user, tool")]
+        return echo_responder(request)
+
+    fake_triton.responder = responder
+    stdin("/role wizard\nhi\nagain\n")
+    assert cli.main(["chat"]) == cli.EXIT_OK
+    captured = capsys.readouterr()
+    assert captured.err.count("unknown role 'wizard'") == 1 and "/role wizard dropped" in captured.err
+    assert captured.out.endswith("again\n")
 
 
 def test_chat_says_what_became_of_a_question_that_ran_out_of_time_and_goes_on(fake_triton, stdin, capsys):
