@@ -63,51 +63,61 @@ STUB_CHECK_S = 1.0
 """How often the backend stubs are looked for."""
 
 
+STUB_EXECUTABLE = "triton_python_backend_stub"
+
+
 @dataclass(frozen=True)
 class LostStub:
-    """A backend stub that exited while its tritonserver still ran: ``model`` can no longer serve."""
+    """A model instance's backend stub that exited while its tritonserver still ran: ``model`` can no longer
+    serve."""
 
     pid: int
     model: str
+    instance: str
 
 
 class StubWatch:
-    """The backend stubs of a running tritonserver (the other processes of its process group, of which it is the
-    leader): :meth:`lost` tells which of those seen before have exited.
+    """The model instances' backend stubs of a running tritonserver (among the other processes of its process
+    group, of which it is the leader): :meth:`lost` tells which of those seen before have exited.
 
     A stub that dies (a crash in the Python backend, say) is not restarted by Triton 2.51: its model refuses every
-    request from then on ("Stub process ... is not healthy"), while the server still reports itself ready.
+    request from then on ("Stub process ... is not healthy"), while the server still reports itself ready. Other
+    processes of the group come and go while models load (the stub a model's configuration is completed by, a
+    trial run of the stub, the shells that start them) and are not watched.
     """
 
     def __init__(self, server_pid: int):
         self._server_pid = server_pid
-        self._seen: dict[int, str] = {}  # stub pid -> its model
+        self._seen: dict[int, LostStub | None] = {}  # pid -> the instance stub it is, None: another process
 
     def lost(self) -> list[LostStub]:
         live = set(_live_members(self._server_pid)) - {self._server_pid}
         for pid in live - set(self._seen):
-            self._seen[pid] = _model_of(pid)
-        gone = [LostStub(pid, model) for pid, model in self._seen.items() if pid not in live]
-        for stub in gone:
-            del self._seen[stub.pid]
-        return gone
+            self._seen[pid] = instance_stub(pid)
+        gone = [pid for pid in self._seen if pid not in live]
+        return [stub for stub in (self._seen.pop(pid) for pid in gone) if stub is not None]
 
 
-def _model_of(pid: int) -> str:
-    """The model a Python backend stub serves (its first argument is ``<repository>/<model>/<version>/model.py``),
-    else its command."""
+def instance_stub(pid: int) -> LostStub | None:
+    """What process ``pid`` is, when it is a model instance's Python backend stub, else None (or gone). A stub's
+    arguments are ``<repository>/<model>/<version>/model.py``, its region, sizes, parent, library, handle, and a
+    name: the instance's (``<model>_0_0``), or the model's own for the stub that completes its configuration."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")
     except OSError:
-        return "?"
-    if len(argv) > 1 and argv[1].endswith(".py") and len(Path(argv[1]).parts) >= 3:
-        return Path(argv[1]).parts[-3]
-    return " ".join(argv[:2]).strip() or "?"
+        return None
+    start = next((i for i, arg in enumerate(argv[:2]) if Path(arg).name == STUB_EXECUTABLE), None)
+    if start is None or len(argv) < start + 9:
+        return None
+    model_path, name = Path(argv[start + 1]), argv[start + 8]
+    model = model_path.parts[-3] if len(model_path.parts) >= 3 else str(model_path)
+    return None if name == model else LostStub(pid, model, name)
 
 
 def describe_lost(lost: list[LostStub]) -> str:
-    return ", ".join(f"the backend stub of model {stub.model} (pid {stub.pid})" for stub in lost) + (
+    return ", ".join(f"the backend stub of model {stub.model} (instance {stub.instance}, pid {stub.pid})"
+                     for stub in lost) + (
         " exited while tritonserver runs: that model refuses every request from now on, though the server still "
         "reports itself ready")
 

@@ -21,15 +21,22 @@ from prepos.supervise import (BLS_THREADS, DRAIN_ENV, DRAINED_EXIT_S, ENDED_EXIT
                               STUB_CHECK_S, TRITON_EXIT_TIMEOUT_S, TRITON_GRPC_PORT, bls_threads_argument,
                               exit_timeout_of, grpc_port_of, with_bls_threads, with_region_prefix)
 
-# Stands in for tritonserver: a backend stub of its own (a child in its process group); on the drain file it
-# reports the drain as the model does; it ignores SIGTERM, as Triton 2.51 does while a client holds a stream.
+# Stands in for tritonserver: a model instance's backend stub of its own (a child in its process group, with a
+# stub's arguments), and, as models load, a stub that completes a model's configuration and exits (named after
+# the model, not an instance); on the drain file it reports the drain as the model does; it ignores SIGTERM, as
+# Triton 2.51 does while a client holds a stream.
 STAND_IN = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
     from pathlib import Path
-    model = Path(sys.argv[1]).parent / "repository" / "stand_in_model" / "1" / "model.py"  # as a stub's argument
-    model.parent.mkdir(parents=True, exist_ok=True)
-    model.write_text("import time; time.sleep(60)")
-    stub = subprocess.Popen([sys.executable, str(model)])
+    folder = Path(sys.argv[1]).parent
+    executable = folder / "triton_python_backend_stub"
+    executable.write_text("import sys, time; time.sleep(float(sys.argv[9]))")
+    model = folder / "repository" / "stand_in_model" / "1" / "model.py"
+    def stub(name, seconds):
+        return subprocess.Popen([sys.executable, str(executable), str(model), "region", "1048576", "1048576",
+                                 str(os.getpid()), "lib", "handle", name, str(seconds)])
+    stub("stand_in_model", 1.5)  # the configuration's stub: it exits once done, while the server runs on
+    stub = stub("stand_in_model_0_0", 60)
     for arg in sys.argv[2:]:  # a shared-memory region, as the Python backend makes under the prefix it is given
         if arg.startswith("--backend-config=python,shm-region-prefix-name="):
             Path("/dev/shm", arg.rpartition("=")[2] + "stand-in").write_bytes(bytes(4096))
@@ -104,13 +111,16 @@ def test_a_server_whose_backend_stub_died_is_drained_and_stopped_and_the_exit_is
     """Triton 2.51 does not restart a dead stub: its model refuses every request while the server reports itself
     ready. The supervisor stops such a server (draining the models still there) so that it is restarted."""
     supervisor, stub = supervise(tmp_path, str(tmp_path / "drain"), "--exit-timeout-secs=60")
-    time.sleep(STUB_CHECK_S + 0.5)  # the supervisor has seen the stub
+    time.sleep(STUB_CHECK_S + 1.5)  # the supervisor has seen the stub, and the configuration's stub exit
+    assert supervisor.poll() is None  # which is no lost stub
     began = time.monotonic()
     psutil.Process(stub).kill()
     _, log = supervisor.communicate(timeout=30)
     took = time.monotonic() - began
     assert supervisor.returncode == 1, log
-    assert f"the backend stub of model stand_in_model (pid {stub}) exited while tritonserver runs" in log, log
+    assert f"the backend stub of model stand_in_model (instance stand_in_model_0_0, pid {stub}) exited while " \
+        "tritonserver runs" in log, log
+    assert log.count("exited while tritonserver runs") == 1, log  # not the configuration's stub
     assert "drained in" in log and took < DRAINED_EXIT_S + 5, (took, log)  # not the 60 s exit timeout
 
 

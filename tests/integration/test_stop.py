@@ -379,7 +379,7 @@ def test_make_serve_stops_with_an_error_when_a_backend_stub_dies(tmp_path):
         held = client.session("held")
         held.append(SYSTEM, role="system")
         (bridge,) = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                     if "prepos_http" in " ".join(p.cmdline())]
+                     if "prepos_http_0_0" in p.cmdline()]  # the instance's stub
         time.sleep(1.5)  # the launcher has looked for the stubs since the server got ready
         began = time.monotonic()
         bridge.kill()
@@ -387,7 +387,8 @@ def test_make_serve_stops_with_an_error_when_a_backend_stub_dies(tmp_path):
         took = time.monotonic() - began
         log = (tmp_path / "serve.log").read_text()
         assert code == 1, log[-3000:]
-        assert f"the backend stub of model prepos_http (pid {bridge.pid}) exited while tritonserver runs" in log
+        assert f"the backend stub of model prepos_http (instance prepos_http_0_0, pid {bridge.pid}) exited while " \
+            "tritonserver runs" in log
         assert "drained in" in log and "1 sessions ended" in log and took < 15, (took, log[-3000:])
         assert len(list((tmp_path / "run" / "journal").iterdir())) == 1  # the session, to resume after a restart
         held.detach()
