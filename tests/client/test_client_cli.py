@@ -270,13 +270,18 @@ def test_chat_loop(fake_triton, stdin, capsys):
     assert "unknown command /nope" in captured.err
 
 
-def test_chat_reports_a_server_error_and_goes_on(fake_triton, stdin, capsys):
+def refusing(name: str, value: bytes, message: str):
+    """A responder that refuses requests whose input ``name`` is ``value`` with ``message`` and echoes the others."""
     def responder(request):
-        if "text_input" in request.inputs and request.inputs["text_input"][0] == b"bad":
-            return [InferenceServerException(msg="text_input: too long")]
+        if name in request.inputs and request.inputs[name][0] == value:
+            return [InferenceServerException(msg=message)]
         return echo_responder(request)
 
-    fake_triton.responder = responder
+    return responder
+
+
+def test_chat_reports_a_server_error_and_goes_on(fake_triton, stdin, capsys):
+    fake_triton.responder = refusing("text_input", b"bad", "text_input: too long")
     stdin("bad\ngood\n")
     assert cli.main(["chat"]) == cli.EXIT_OK
     captured = capsys.readouterr()
@@ -286,12 +291,7 @@ def test_chat_reports_a_server_error_and_goes_on(fake_triton, stdin, capsys):
 
 
 def test_chat_drops_a_role_the_server_refused(fake_triton, stdin, capsys):
-    def responder(request):
-        if "role" in request.inputs and request.inputs["role"][0] == b"wizard":
-            return [InferenceServerException(msg="role: unknown role 'wizard'; expected one of system, user, tool")]
-        return echo_responder(request)
-
-    fake_triton.responder = responder
+    fake_triton.responder = refusing("role", b"wizard", "role: unknown role 'wizard'; expected one of system, user, tool")
     stdin("/role wizard\nhi\nagain\n")
     assert cli.main(["chat"]) == cli.EXIT_OK
     captured = capsys.readouterr()
