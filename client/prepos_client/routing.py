@@ -37,11 +37,12 @@ endpoint back: when a session is placed, each replica that left is asked at
 most every `readmit_interval_s`. A draining replica still reports the model
 ready until its stop begins, so one that left because it was draining rejoins
 only once it was seen not ready since (stopping, or restarting), or
-`drain_readmit_after_s` (10 s) after it left: a drain takes well under a
-second unless a long answer is under way, and a restart, with its model load,
-takes longer than that allowance, so a replica that restarted between two
-placements is not kept off. A drain longer than the allowance may still see
-the replica taken back for a moment; a session placed there is refused as
+`drain_readmit_after_s` (5 s) after it left: a drain and stop take a second or
+two unless a long answer is under way, and a restart with its model load
+about as long as the allowance or longer (8 s for the default model on a
+2-core CPU), so a replica that restarted between two placements is kept off
+for a few seconds at most. A drain longer than the allowance may still see the
+replica taken back for a moment; a session placed there is refused as
 draining and moves again. Sessions that moved stay where they are; sessions
 opened from then on are placed on the whole ring again.
 
@@ -77,7 +78,7 @@ _T = TypeVar("_T")
 READMIT_INTERVAL_S = 2.0
 """How often, at most, a replica that left the ring is asked whether it is ready again."""
 
-DRAIN_READMIT_AFTER_S = 10.0
+DRAIN_READMIT_AFTER_S = 5.0
 """How long after a replica left the ring because it was draining it may rejoin, ready, though it was never seen
 not ready since: longer than most drains, shorter than a restart."""
 

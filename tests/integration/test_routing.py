@@ -22,7 +22,7 @@ import pytest
 from prepos.journal import SessionJournal
 from prepos_client import Client
 from prepos_client.ring import HashRing
-from prepos_client.routing import RoutedClient
+from prepos_client.routing import DRAIN_READMIT_AFTER_S, RoutedClient
 
 from .conftest import kill_hard, ports_of, start_server
 from .test_server import SYSTEM, Conversation, check_answer, eventually
@@ -241,8 +241,13 @@ def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
             restarted = start_server(tmp_path / "replica-b-again", {"PREPOS_JOURNAL_DIR": str(tmp_path / "journal")},
                                      ports=ports)
             try:
-                time.sleep(0.6)
                 later = next(sid for sid in (f"later-{i}" for i in range(1000)) if ring.lookup(sid) == addresses[1])
+                # It rejoins at a placement once ready: at once if a placement saw it down since it left draining,
+                # else once DRAIN_READMIT_AFTER_S have passed since it left (its restart may be quicker here).
+                deadline = time.monotonic() + DRAIN_READMIT_AFTER_S + 5
+                while client.replica_for(later) != stopping.grpc_url:
+                    assert time.monotonic() < deadline, client.replicas
+                    time.sleep(0.5)
                 with client.session(later) as session:
                     session.append(SYSTEM, role="system")
                     answer = session.ask(questions[0], max_tokens=6, speculate=False)
