@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prepos.config import check_setting, read_settings
 from prepos.protocol import ProtocolError, Status
 
 BRIDGE_INPUTS = ("session_id", "start", "end", "stream")
@@ -66,29 +67,16 @@ class BridgeConfig:
     target_model: str = DEFAULT_TARGET_MODEL  # the model requests are relayed to
     max_streams: int = DEFAULT_MAX_STREAMS  # requests relayed at once (one thread each); more wait for a thread
 
+    def __post_init__(self) -> None:
+        check_setting(bool(self.target_model), "bridge.target_model", "empty")
+        check_setting(self.max_streams >= 1, "bridge.max_streams", f"must be at least 1, got {self.max_streams}")
+
 
 def read_bridge_config(parameters: Mapping[str, str], environ: Mapping[str, str]) -> BridgeConfig:
     """The bridge's settings from its model parameters (``bridge.<field>``) and the environment
-    (``PREPOS_BRIDGE_<FIELD>``, which wins); ValueError naming the key, and the variable that set it."""
-    values = {}
-    for key in ("target_model", "max_streams"):
-        env = f"PREPOS_BRIDGE_{key.upper()}"
-        raw = environ.get(env, parameters.get(f"bridge.{key}"))
-        if raw is None:
-            continue
-        where = f" (set by the environment variable {env})" if env in environ else ""
-        if key == "max_streams":
-            try:
-                values[key] = int(raw)
-            except ValueError:
-                raise ValueError(f"bridge.max_streams: cannot read {raw!r} as an integer{where}") from None
-            if values[key] < 1:
-                raise ValueError(f"bridge.max_streams: must be at least 1, got {values[key]}{where}")
-        elif not raw.strip():
-            raise ValueError(f"bridge.target_model: empty{where}")
-        else:
-            values[key] = raw.strip()
-    return BridgeConfig(**values)
+    (``PREPOS_BRIDGE_<FIELD>``, which wins), as prepos's own are read; ConfigError naming the key, and the
+    variable that set it."""
+    return read_settings({"bridge": BridgeConfig}, parameters, environ, lambda bridge: bridge)
 
 
 # The request parameter the bridge sets on what it forwards, and the path of the response carrying an error then.

@@ -15,14 +15,16 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 
 class ConfigError(ValueError):
     """A configuration value is missing or out of range; the message says which and why."""
 
 
-def _check(condition: bool, key: str, message: str) -> None:
+def check_setting(condition: bool, key: str, message: str) -> None:
+    """A setting's check in its dataclass's ``__post_init__``: :class:`ConfigError` ``<key>: <message>`` unless
+    ``condition``."""
     if not condition:
         raise ConfigError(f"{key}: {message}")
 
@@ -77,23 +79,23 @@ class EngineConfig:
     for ``scheduler.session_idle_timeout_s`` after each request, so session prefixes outlive other traffic."""
 
     def __post_init__(self) -> None:
-        _check(self.name in ("torch", "trtllm"), "engine.name", f"unknown engine {self.name!r}; use torch or trtllm")
-        _check(self.dtype in ("float32", "bfloat16", "float16"), "engine.dtype", f"unknown dtype {self.dtype!r}")
-        _check(self.num_threads >= 0, "engine.num_threads", "must be >= 0")
-        _check(self.kept_prefixes >= 0, "engine.kept_prefixes", "must be >= 0")
-        _check(0.0 < self.trtllm_free_gpu_memory_fraction <= 1.0, "engine.trtllm_free_gpu_memory_fraction",
+        check_setting(self.name in ("torch", "trtllm"), "engine.name", f"unknown engine {self.name!r}; use torch or trtllm")
+        check_setting(self.dtype in ("float32", "bfloat16", "float16"), "engine.dtype", f"unknown dtype {self.dtype!r}")
+        check_setting(self.num_threads >= 0, "engine.num_threads", "must be >= 0")
+        check_setting(self.kept_prefixes >= 0, "engine.kept_prefixes", "must be >= 0")
+        check_setting(0.0 < self.trtllm_free_gpu_memory_fraction <= 1.0, "engine.trtllm_free_gpu_memory_fraction",
                "must lie in (0, 1]")
-        _check(0 <= self.trtllm_retention_priority <= 100, "engine.trtllm_retention_priority", "must lie in [0, 100]")
-        _check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "engine.device",
+        check_setting(0 <= self.trtllm_retention_priority <= 100, "engine.trtllm_retention_priority", "must lie in [0, 100]")
+        check_setting(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "engine.device",
                f"unknown device {self.device!r}; use cpu, cuda or cuda:N")
-        _check(self.name != "trtllm" or self.device.startswith("cuda"), "engine.device",
+        check_setting(self.name != "trtllm" or self.device.startswith("cuda"), "engine.device",
                f"the trtllm engine runs on CUDA; engine.device is {self.device!r}")
-        _check(1 <= self.page_tokens <= 4096 and not self.page_tokens & (self.page_tokens - 1), "engine.page_tokens",
+        check_setting(1 <= self.page_tokens <= 4096 and not self.page_tokens & (self.page_tokens - 1), "engine.page_tokens",
                f"must be a power of two in [1, 4096], got {self.page_tokens}")
-        _check(self.scan in SCAN_NAMES, "engine.scan", f"unknown scan {self.scan!r}; use {', '.join(SCAN_NAMES)}")
-        _check(self.scan != "triton" or self.device.startswith("cuda"), "engine.scan",
+        check_setting(self.scan in SCAN_NAMES, "engine.scan", f"unknown scan {self.scan!r}; use {', '.join(SCAN_NAMES)}")
+        check_setting(self.scan != "triton" or self.device.startswith("cuda"), "engine.scan",
                f"triton runs on CUDA only; engine.device is {self.device!r} (use auto or torch)")
-        _check(self.scan != "tensorrt" or bool(self.scan_engine), "engine.scan_engine",
+        check_setting(self.scan != "tensorrt" or bool(self.scan_engine), "engine.scan_engine",
                "required with engine.scan = tensorrt (build one with python -m prepos_build.scan_tensorrt)")
 
 
@@ -144,18 +146,18 @@ class SchedulerConfig:
     ``drop_oldest`` (drop the oldest turns after the first, the system turn, until the turn and its answer fit)."""
 
     def __post_init__(self) -> None:
-        _check(self.chunk_tokens >= 1, "scheduler.chunk_tokens", "must be >= 1")
-        _check(self.idle_policy in IDLE_POLICY_NAMES, "scheduler.idle_policy",
+        check_setting(self.chunk_tokens >= 1, "scheduler.chunk_tokens", "must be >= 1")
+        check_setting(self.idle_policy in IDLE_POLICY_NAMES, "scheduler.idle_policy",
                f"unknown policy {self.idle_policy!r}; use {' or '.join(IDLE_POLICY_NAMES)}")
-        _check(self.context_overflow in ("reject", "drop_oldest"), "scheduler.context_overflow",
+        check_setting(self.context_overflow in ("reject", "drop_oldest"), "scheduler.context_overflow",
                f"unknown policy {self.context_overflow!r}; use reject or drop_oldest")
-        _check(0 <= self.background_delay_ms <= 10_000, "scheduler.background_delay_ms", "must be in [0, 10000]")
-        _check(self.session_idle_timeout_s > 0, "scheduler.session_idle_timeout_s", "must be > 0")
-        _check(self.default_max_tokens >= 0, "scheduler.default_max_tokens", "must be >= 0")
-        _check(1 <= self.max_decode_batch <= 1024, "scheduler.max_decode_batch", "must be in [1, 1024]")
-        _check(1 <= self.max_prefill_batch <= 1024, "scheduler.max_prefill_batch", "must be in [1, 1024]")
-        _check(1 <= self.stream_interval <= 1024, "scheduler.stream_interval", "must be in [1, 1024]")
-        _check(self.max_prefill_batch_tokens >= 1, "scheduler.max_prefill_batch_tokens", "must be >= 1")
+        check_setting(0 <= self.background_delay_ms <= 10_000, "scheduler.background_delay_ms", "must be in [0, 10000]")
+        check_setting(self.session_idle_timeout_s > 0, "scheduler.session_idle_timeout_s", "must be > 0")
+        check_setting(self.default_max_tokens >= 0, "scheduler.default_max_tokens", "must be >= 0")
+        check_setting(1 <= self.max_decode_batch <= 1024, "scheduler.max_decode_batch", "must be in [1, 1024]")
+        check_setting(1 <= self.max_prefill_batch <= 1024, "scheduler.max_prefill_batch", "must be in [1, 1024]")
+        check_setting(1 <= self.stream_interval <= 1024, "scheduler.stream_interval", "must be in [1, 1024]")
+        check_setting(self.max_prefill_batch_tokens >= 1, "scheduler.max_prefill_batch_tokens", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -179,12 +181,12 @@ class GateConfig:
     the gate is suspended once the audits' upper bound on the false-accept rate passes it."""
 
     def __post_init__(self) -> None:
-        _check(math.isfinite(self.threshold), "gate.threshold", "must be finite")
-        _check(self.score in ("p_max", "margin", "certainty"), "gate.score", f"unknown score {self.score!r}")
-        _check(0.0 <= self.epsilon < 1.0, "gate.epsilon", "must lie in [0, 1); 0 = not calibrated")
-        _check(0.0 <= self.watch_fraction <= 1.0, "gate.watch_fraction", "must lie in [0, 1]")
-        _check(0.0 <= self.confidence < 1.0, "gate.confidence", "must lie in [0, 1); 0 = not calibrated")
-        _check(0.0 <= self.calibrated_coverage <= 1.0, "gate.calibrated_coverage", "must lie in [0, 1]")
+        check_setting(math.isfinite(self.threshold), "gate.threshold", "must be finite")
+        check_setting(self.score in ("p_max", "margin", "certainty"), "gate.score", f"unknown score {self.score!r}")
+        check_setting(0.0 <= self.epsilon < 1.0, "gate.epsilon", "must lie in [0, 1); 0 = not calibrated")
+        check_setting(0.0 <= self.watch_fraction <= 1.0, "gate.watch_fraction", "must lie in [0, 1]")
+        check_setting(0.0 <= self.confidence < 1.0, "gate.confidence", "must lie in [0, 1); 0 = not calibrated")
+        check_setting(0.0 <= self.calibrated_coverage <= 1.0, "gate.calibrated_coverage", "must lie in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -201,11 +203,11 @@ class MemoryConfig:
     """Most tokens one session's log may hold; 0 = the model's context length (a larger value is capped to it)."""
 
     def __post_init__(self) -> None:
-        _check(self.kv_budget_bytes >= 0, "memory.kv_budget_bytes", "must be >= 0")
-        _check(self.max_log_tokens >= 0, "memory.max_log_tokens", "must be >= 0")
-        _check(self.eviction_policy in EVICTION_POLICY_NAMES, "memory.eviction_policy",
+        check_setting(self.kv_budget_bytes >= 0, "memory.kv_budget_bytes", "must be >= 0")
+        check_setting(self.max_log_tokens >= 0, "memory.max_log_tokens", "must be >= 0")
+        check_setting(self.eviction_policy in EVICTION_POLICY_NAMES, "memory.eviction_policy",
                f"unknown policy {self.eviction_policy!r}; use {' or '.join(EVICTION_POLICY_NAMES)}")
-        _check(self.max_sessions >= 1, "memory.max_sessions", "must be >= 1")
+        check_setting(self.max_sessions >= 1, "memory.max_sessions", "must be >= 1")
 
     def resolved_budget(self) -> int:
         if self.kv_budget_bytes:
@@ -237,7 +239,7 @@ class LimitsConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _check(getattr(self, f.name) >= 1, f"limits.{f.name}", "must be >= 1")
+            check_setting(getattr(self, f.name) >= 1, f"limits.{f.name}", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,7 @@ class JournalConfig:
     0 = never. Must exceed the session idle timeout."""
 
     def __post_init__(self) -> None:
-        _check(self.expire_s >= 0, "journal.expire_s", "must be >= 0 (0: never)")
+        check_setting(self.expire_s >= 0, "journal.expire_s", "must be >= 0 (0: never)")
 
 
 @dataclass(frozen=True)
@@ -268,7 +270,7 @@ class PreposConfig:
 
     def __post_init__(self) -> None:
         idle_s = self.scheduler.session_idle_timeout_s
-        _check(self.journal.expire_s == 0 or self.journal.expire_s > idle_s, "journal.expire_s",
+        check_setting(self.journal.expire_s == 0 or self.journal.expire_s > idle_s, "journal.expire_s",
                f"must exceed the session idle timeout ({idle_s:g} s; a journal is written only at accepted turns), "
                "or be 0 (never)")
 
@@ -289,6 +291,7 @@ def _in_model_dir(value: str, model_dir: str | Path) -> Path:
 
 
 _AREAS = {f.name: f.type for f in dataclasses.fields(PreposConfig)}
+_T = TypeVar("_T")
 
 
 def _parse_value(key: str, raw: str, kind: Any) -> Any:
@@ -316,12 +319,21 @@ def read_config(parameters: Mapping[str, str], environ: Mapping[str, str] | None
     Raises :class:`ConfigError` naming the key for an unknown key or a bad value.
     """
     environ = os.environ if environ is None else environ
-    values: dict[str, dict[str, Any]] = {area: {} for area in _AREAS}
     classes = {area: globals()[_AREAS[area]] if isinstance(_AREAS[area], str) else _AREAS[area] for area in _AREAS}
+    return read_settings(classes, parameters, environ, PreposConfig)
+
+
+def read_settings(classes: Mapping[str, type], parameters: Mapping[str, str], environ: Mapping[str, str],
+                  combine: Callable[..., _T]) -> _T:
+    """``combine`` of one settings dataclass per area (``classes``), from model parameters ``<area>.<field>`` and
+    the environment variables ``PREPOS_<AREA>_<FIELD>``, which win. Raises :class:`ConfigError` naming the key of
+    an unknown parameter or a bad value (and the environment variable, where one set it)."""
+    values: dict[str, dict[str, Any]] = {area: {} for area in classes}
     for key, raw in parameters.items():
         area, _, name = key.partition(".")
         if area not in classes or name not in {f.name for f in dataclasses.fields(classes[area])}:
-            raise ConfigError(f"{key}: unknown parameter; known: {', '.join(sorted(known_keys()))}")
+            known = (f"{area}.{f.name}" for area, cls in classes.items() for f in dataclasses.fields(cls))
+            raise ConfigError(f"{key}: unknown parameter; known: {', '.join(sorted(known))}")
         values[area][name] = raw
     from_environ = {}  # key -> the environment variable that set it
     for area, cls in classes.items():
@@ -336,7 +348,7 @@ def read_config(parameters: Mapping[str, str], environ: Mapping[str, str] | None
             kinds = {f.name: f.type for f in dataclasses.fields(cls)}
             parsed = {name: _parse_value(f"{area}.{name}", raw, kinds[name]) for name, raw in values[area].items()}
             built[area] = cls(**parsed)
-        return PreposConfig(**built)
+        return combine(**built)
     except ConfigError as err:  # say where a value from the environment came from: config.pbtxt does not show it
         key = str(err).partition(":")[0]
         if key in from_environ:

@@ -151,7 +151,9 @@ def test_the_bridge_settings_come_from_its_parameters_and_the_environment_wins()
 
 
 @pytest.mark.parametrize(("parameters", "environ", "message"), [
-    ({"bridge.max_streams": "many"}, {}, "bridge.max_streams: cannot read 'many' as an integer"),
+    ({"bridge.max_streams": "many"}, {}, "bridge.max_streams: cannot read 'many' as int"),
+    ({"bridge.max_stream": "8"}, {},
+     "bridge.max_stream: unknown parameter; known: bridge.max_streams, bridge.target_model"),
     ({}, {"PREPOS_BRIDGE_MAX_STREAMS": "0"},
      "bridge.max_streams: must be at least 1, got 0 (set by the environment variable PREPOS_BRIDGE_MAX_STREAMS)"),
     ({"bridge.target_model": " "}, {}, "bridge.target_model: empty"),
