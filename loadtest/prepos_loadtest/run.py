@@ -10,7 +10,10 @@ JSONL trace given with ``--trace``). Into ``--out`` go Locust's CSV statistics
 table by served path is printed. Arguments after ``--`` go to Locust unchanged.
 
 Exit codes: 0 the error rate is within the bound; 1 it is not, no request
-completed, or the user code raised; 2 usage, or Locust did not run.
+completed, or the user code raised; 2 usage, or Locust did not run; 130 the run
+was interrupted (SIGINT or SIGTERM): Locust stops its users, ends their
+sessions and writes what it measured, and ``summary.json`` says
+``"interrupted": true, "passed": false``. A second interrupt stops Locust at once.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +41,7 @@ from .replay import SERVER_TTFT, TOTAL, TPOT, TTFT, ReplayOptions
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 LOADTEST_DIR = Path(__file__).resolve().parents[1]
 LOCUSTFILES = LOADTEST_DIR / "locustfiles"
@@ -265,31 +270,75 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(f"--trace: no such file: {args.trace}")
 
 
-def run_locust(command: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> int:
+class _Interrupted(Exception):
+    """SIGINT or SIGTERM reached the load test."""
+
+
+@contextmanager
+def _interrupts_raised() -> Iterator[None]:
+    """Raise `_Interrupted` in the main thread on SIGINT and SIGTERM, instead of their defaults."""
+    def interrupt(signum, _frame):
+        raise _Interrupted(signal.Signals(signum).name)
+
+    try:
+        previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: signals stay as they were
+        yield
+        return
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclass(frozen=True)
+class LocustRun:
+    """How the Locust subprocess ended."""
+
+    returncode: int
+    interrupted: bool = False  # SIGINT or SIGTERM reached the load test, which passed it on
+    timed_out: bool = False  # it outlived the run time plus its allowances and was stopped
+
+
+def _stop(process: subprocess.Popen, wait_s: float) -> int:
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def run_locust(command: list[str], env: dict[str, str], log_path: Path, timeout_s: float,
+               stop_s: float = _SHUTDOWN_MARGIN_S) -> LocustRun:
     """Run Locust with its output in `log_path`; stop it (SIGTERM, then SIGKILL) if it outlives `timeout_s`.
 
-    Returns Locust's exit status.
+    Locust runs in a session of its own, so a terminal's Ctrl-C reaches only this process, whichever
+    way the signal comes (the terminal, `kill` of this process or of its group). On SIGINT or SIGTERM
+    Locust gets one SIGINT: it stops its users (their sessions are ended) and writes its statistics,
+    within `stop_s`; a second interrupt kills it.
     """
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with log_path.open("wb") as log, _interrupts_raised():
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            return process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGTERM)
             try:
-                process.wait(30)
+                return LocustRun(process.wait(timeout_s))
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            print(f"Locust ran past {timeout_s:.0f} s and was stopped", file=sys.stderr)
-            return EXIT_USAGE
-        except KeyboardInterrupt:
-            # Ctrl-C reached Locust too: it stops its users and writes its files; report what it has.
-            try:
-                return process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                return process.wait()
+                returncode = _stop(process, 30)
+                print(f"Locust ran past {timeout_s:.0f} s and was stopped (status {returncode})", file=sys.stderr)
+                return LocustRun(EXIT_USAGE, timed_out=True)
+            except _Interrupted as interrupt:
+                print(f"{interrupt}: stopping Locust's users and writing what they measured "
+                      f"(interrupt again to stop at once)", file=sys.stderr, flush=True)
+                process.send_signal(signal.SIGINT)
+                try:
+                    return LocustRun(process.wait(stop_s), interrupted=True)
+                except subprocess.TimeoutExpired:
+                    return LocustRun(_stop(process, 5), interrupted=True)
+        except _Interrupted:
+            process.kill()
+            return LocustRun(process.wait(), interrupted=True)
 
 
 def _log_tail(path: Path, num_lines: int = 25) -> str:
@@ -336,20 +385,27 @@ def main(argv: list[str] | None = None) -> int:
     timeout_s = parse_run_time(args.run_time) + args.stop_timeout + _SHUTDOWN_MARGIN_S
     print(f"prepos load test: {locustfile.stem}, {args.users} users (+{args.spawn_rate:g}/s) for {args.run_time} "
           f"against {args.host}", flush=True)
-    returncode = run_locust(command, env, out / LOG_NAME, timeout_s)
+    run = run_locust(command, env, out / LOG_NAME, timeout_s, stop_s=args.stop_timeout + _SHUTDOWN_MARGIN_S)
+    returncode = run.returncode
 
     try:
         result = read_results(out / CSV_PREFIX)
     except FileNotFoundError:
         print(f"Locust wrote no statistics (exit status {returncode}); its log ({out / LOG_NAME}) ends:\n"
               f"{_log_tail(out / LOG_NAME)}", file=sys.stderr)
-        return EXIT_USAGE
-    print("\n".join(summary_lines(result, args.max_error_rate)))
+        return EXIT_INTERRUPTED if run.interrupted else EXIT_USAGE
+    lines = summary_lines(result, args.max_error_rate)
+    if run.interrupted:
+        lines.append("interrupted before the end of --run-time: FAIL (the figures cover the part that ran)")
+    print("\n".join(lines))
     summary = {"error_rate": None if result.num_requests == 0 else result.error_rate,
-               "max_error_rate": args.max_error_rate, "passed": passed(result, args.max_error_rate),
-               "locust_exit_status": returncode, **asdict(result)}
+               "max_error_rate": args.max_error_rate,
+               "passed": passed(result, args.max_error_rate) and not run.interrupted and returncode == 0,
+               "interrupted": run.interrupted, "locust_exit_status": returncode, **asdict(result)}
     (out / "summary.json").write_text(json.dumps(_finite(summary), indent=1, default=str))
     print(f"report: {out / REPORT_NAME}  csv: {out / CSV_PREFIX}_stats.csv  log: {out / LOG_NAME}")
+    if run.interrupted:
+        return EXIT_INTERRUPTED
     if returncode != 0:
         print(f"Locust exited with status {returncode}; its log ({out / LOG_NAME}) ends:\n{_log_tail(out / LOG_NAME)}",
               file=sys.stderr)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from prepos_loadtest import run
@@ -137,3 +141,90 @@ def test_an_output_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys)
         run.main(["--host", "127.0.0.1:9", "--out", str(blocker / "out")])
     assert exit_info.value.code == 2
     assert f"--out {blocker / 'out'}: cannot make the output folder" in capsys.readouterr().err
+
+
+# Users that record a request every 20 ms; one that never finishes its task when asked to, for the second interrupt.
+INTERRUPTIBLE_USERS = '''
+import os, time
+from pathlib import Path
+import gevent
+from locust import User, task, constant
+
+MARKS = Path(os.environ["MARKS"])
+
+class Steady(User):
+    wait_time = constant(0.02)
+
+    def on_start(self):
+        (MARKS / "started").touch()
+
+    def on_stop(self):
+        (MARKS / "stopped").touch()
+
+    @task
+    def ask(self):
+        if os.environ.get("STUCK"):
+            gevent.sleep(3600)
+        self.environment.events.request.fire(request_type="TOTAL", name="gated", response_time=1.0,
+                                             response_length=1, exception=None, context={})
+'''
+
+
+@pytest.fixture
+def loadtests():
+    """Started load tests; any still running at the end is killed with its Locust (in a session of its own)."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+            process.kill()
+            process.communicate()
+
+
+def _start_interruptible(tmp_path, stuck: bool, loadtests) -> subprocess.Popen:
+    locustfile = tmp_path / "users.py"
+    locustfile.write_text(INTERRUPTIBLE_USERS)
+    env = {**run.os.environ, "MARKS": str(tmp_path), "PYTHONPATH": str(run.LOADTEST_DIR)}
+    if stuck:
+        env["STUCK"] = "1"
+    command = [sys.executable, "-m", "prepos_loadtest.run", "--locustfile", str(locustfile), "--host", "127.0.0.1:9",
+               "--users", "2", "--spawn-rate", "10", "--run-time", "5m", "--stop-timeout", "60",
+               "--out", str(tmp_path / "out")]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    loadtests.append(process)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():
+        assert process.poll() is None, process.communicate()[0]
+        assert time.monotonic() < deadline, "the users never started"
+        time.sleep(0.1)
+    time.sleep(1.0 if not stuck else 0.3)
+    return process
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_sent_to_the_load_test_alone_stops_the_run_and_does_not_call_it_passed(tmp_path, signum, loadtests):
+    # Sent to the process, not its group (as `kill` or a job runner does): Locust still gets it, through us.
+    process = _start_interruptible(tmp_path, stuck=False, loadtests=loadtests)
+    process.send_signal(signum)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == run.EXIT_INTERRUPTED, output
+    assert "interrupted before the end of --run-time: FAIL" in output
+    assert (tmp_path / "stopped").exists(), "the users were not stopped (their sessions would stay open)"
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["passed"] is False
+    assert summary["num_requests"] > 0 and summary["num_failed"] == 0
+
+
+def test_a_second_interrupt_stops_a_run_whose_users_do_not_finish(tmp_path, loadtests):
+    process = _start_interruptible(tmp_path, stuck=True, loadtests=loadtests)
+    process.send_signal(signal.SIGINT)
+    time.sleep(2.0)
+    assert process.poll() is None, "the first interrupt should wait for the users (--stop-timeout 60)"
+    started = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=30)
+    assert time.monotonic() - started < 15, output
+    assert process.returncode == run.EXIT_INTERRUPTED, output
+    assert "interrupt again to stop at once" in output
