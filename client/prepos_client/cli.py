@@ -336,15 +336,20 @@ def _read_line(interactive: bool) -> str | None:
 def _run_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     options = generation_options(args)
-    with connect(args) as client, open_session(client, args, keep_open=args.keep_open) as session:
-        if args.system is not None:
-            session.append(args.system, role="system")
-        if interactive:
-            print(_dim(f"session {session.session_id} on {args.url}; /help for commands"), file=sys.stderr)
-        try:
-            _chat_loop(session, options, interactive)
-        except KeyboardInterrupt:
-            sys.stdout.write("\n")
+    with connect(args) as client:
+        if not args.wait_for_ready:
+            # Sessions open at their first request: say now, not after the first line typed (or never, on an
+            # empty stdin), that the server cannot be reached or the model is not ready.
+            client.ensure_ready()
+        with open_session(client, args, keep_open=args.keep_open) as session:
+            if args.system is not None:
+                session.append(args.system, role="system")
+            if interactive:
+                print(_dim(f"session {session.session_id} on {args.url}; /help for commands"), file=sys.stderr)
+            try:
+                _chat_loop(session, options, interactive)
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
     return EXIT_OK
 
 

@@ -245,7 +245,7 @@ def test_closing_a_session_that_is_not_open_says_there_is_nothing_to_close(fake_
 def test_chat_loop(fake_triton, stdin, capsys):
     stdin("hello\n/role tool\n/append result=3\n\nnext\n/nope\n/quit\nnever sent\n")
     assert cli.main(["chat", "--system", "be brief", "--session-id", "c1", "--max-tokens", "5"]) == cli.EXIT_OK
-    requests = fake_triton[0].requests
+    requests = fake_triton[-1].requests
     sent = [
         (
             request.inputs["text_input"][0].decode() if "text_input" in request.inputs else None,
@@ -287,7 +287,7 @@ def test_chat_reports_a_server_error_and_goes_on(fake_triton, stdin, capsys):
     captured = capsys.readouterr()
     assert "error: text_input: too long" in captured.err
     assert captured.out.endswith("good\n")
-    assert fake_triton[0].requests[-1].sequence_end
+    assert fake_triton[-1].requests[-1].sequence_end
 
 
 def test_chat_drops_a_role_the_server_refused(fake_triton, stdin, capsys):
@@ -301,13 +301,30 @@ def test_chat_drops_a_role_the_server_refused(fake_triton, stdin, capsys):
 
 def test_chat_says_what_became_of_a_question_that_ran_out_of_time_and_goes_on(fake_triton, stdin, capsys):
     rules = fake_triton.responder = SessionRules()
-    threading.Timer(0.4, lambda: rules.finish_held(fake_triton[0], accepted=False)).start()
+    threading.Timer(0.4, lambda: rules.finish_held(fake_triton[-1], accepted=False)).start()
     stdin("SLOW\ngood\n")
     assert cli.main(["chat", "--timeout", "0.2"]) == cli.EXIT_OK
     captured = capsys.readouterr()
     assert "no complete response to request 1 within 0.2 s" in captured.err
     assert "[settled: the server stopped it; its turn was not accepted]" in captured.err
     assert captured.out.endswith("good\n") and rules.accepted[0] == "good"
+
+
+@pytest.mark.parametrize("typed", ["", "hi\n"])
+def test_chat_says_at_once_that_the_server_cannot_be_reached(stdin, capsys, typed):
+    # Sessions open at their first request; an empty stdin used to leave with status 0 and not a word.
+    stdin(typed)
+    assert cli.main(["chat", "--url", "127.0.0.1:1", "--timeout", "5"]) == cli.EXIT_UNREACHABLE
+    assert "cannot reach prepos at 127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_chat_with_wait_for_ready_does_not_check_the_server_before_its_first_request(fake_triton, stdin):
+    stdin("")
+    assert cli.main(["chat", "--wait-for-ready"]) == cli.EXIT_OK
+    assert sum(fake.num_ready_checks for fake in fake_triton) == 0
+    stdin("")
+    assert cli.main(["chat"]) == cli.EXIT_OK
+    assert sum(fake.num_ready_checks for fake in fake_triton) == 1
 
 
 def test_chat_closes_the_session_on_ctrl_c(fake_triton, monkeypatch):
@@ -317,7 +334,7 @@ def test_chat_closes_the_session_on_ctrl_c(fake_triton, monkeypatch):
 
     monkeypatch.setattr(sys, "stdin", Interrupting())
     assert cli.main(["chat", "--system", "s"]) == cli.EXIT_OK
-    assert fake_triton[0].requests[-1].sequence_end
+    assert fake_triton[-1].requests[-1].sequence_end
 
 
 def test_registered_commands_join_the_parser(monkeypatch):
