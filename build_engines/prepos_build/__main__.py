@@ -14,7 +14,7 @@ from .framing import FramingError
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m prepos_build",
+        prog="prepos build",
         description="Convert a GGUF file or a Hugging Face causal-LM directory into a prepos engine directory.",
     )
     p.add_argument(

@@ -20,11 +20,14 @@ import logging
 import sys
 from pathlib import Path
 
+from prepos_loadtest.workloads import WORKLOADS
+
 log = logging.getLogger("prepos.calibrate")
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 DEFAULT_ENGINE_DIR = "engines/smollm2-135m-instruct"
 REPO_ROOT = Path(__file__).resolve().parents[2]  # a source checkout: client/prepos_client/calibrate_cli.py
+WORKLOAD_NAMES = f"{', '.join(WORKLOADS)}, or bigbench[:TASK]"
 
 
 def _placeholder(value: str) -> tuple[str, str]:
@@ -48,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prepos calibrate", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="JSONL trace (the load tests' format)")
-    source.add_argument("--workload", help="built-in workload: bfcl, or bigbench[:TASK] (a BIG-bench yes/no task)")
+    source.add_argument("--workload", help=f"built-in workload: {WORKLOAD_NAMES} (a BIG-bench yes/no task)")
     source.add_argument("--report-only", action="store_true",
                         help="no replay: report on the records already in the records file")
     parser.add_argument("--sessions", type=int, default=None, help="sessions to build from --workload (default: "
@@ -106,12 +109,11 @@ def load_sessions(args: argparse.Namespace) -> list:
                                                        seed=args.seed)
         except (OSError, RuntimeError, ValueError) as error:  # not fetched, not in the sdist, not a yes/no task
             raise ValueError(f"--workload: BIG-bench task {task!r}: {error}") from None
+    if name not in WORKLOADS:
+        raise ValueError(f"--workload: unknown workload {name!r}; choose one of {WORKLOAD_NAMES}")
     if task:
         raise ValueError(f"--workload: only bigbench takes a task, got {args.workload!r}")
-    try:
-        return build_workload(name, args.sessions or 100, seed=args.seed)
-    except ValueError as error:
-        raise ValueError(f"--workload: {error}") from None
+    return build_workload(name, args.sessions or 100, seed=args.seed)
 
 
 def replay(args: argparse.Namespace, sessions: list, placeholders: dict[str, str], records: Path):

@@ -170,12 +170,17 @@ def connect(args: argparse.Namespace) -> Client:
                   wait_for_ready=getattr(args, "wait_for_ready", False), **options)
 
 
+def check_session_arguments(args: argparse.Namespace) -> None:
+    """Raise ValueError (a usage error) for session flags that do not go together."""
+    if args.resume and args.session_id is None:
+        raise ValueError("--continue needs --session-id: the session to go on with")
+
+
 @contextlib.contextmanager
 def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -> Iterator[Session]:
     """Yield the session of `args`; on exit, close it (END) or, with keep_open, leave it open (saying its id on
     stderr when it was made up here: the only way to go on with it)."""
-    if args.resume and args.session_id is None:
-        raise ValueError("--continue needs --session-id: the session to go on with")
+    check_session_arguments(args)
     session = client.session(args.session_id, resume=args.resume)
     if keep_open and args.session_id is None:
         print(_dim(f"[session {session.session_id} is left open: go on with --session-id {session.session_id} "
@@ -336,6 +341,7 @@ def _read_line(interactive: bool) -> str | None:
 def _run_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     options = generation_options(args)
+    check_session_arguments(args)  # a usage error before the server is asked anything
     with connect(args) as client:
         if not args.wait_for_ready:
             # Sessions open at their first request: say now, not after the first line typed (or never, on an

@@ -54,7 +54,7 @@ def test_calibrate_writes_report_and_resumes(setup, capsys):
 @pytest.mark.parametrize(("extra", "message"), [
     (["--trace", "missing.jsonl"], "--trace"),
     (["--workload", "bfcl:x"], "--workload"),
-    (["--workload", "nope"], "--workload"),
+    (["--workload", "nope"], "--workload: unknown workload 'nope'; choose one of bfcl, monitor, chat, or bigbench[:TASK]"),
     (["--workload", "bfcl", "--sessions", "2", "--device", "cuda:99"], "engine.device: 'cuda:99'"),
 ])
 def test_bad_input_exits_1_naming_the_argument(setup, capsys, extra, message):
@@ -64,6 +64,13 @@ def test_bad_input_exits_1_naming_the_argument(setup, capsys, extra, message):
     assert code == calibrate_cli.EXIT_INVALID
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_help_names_the_workloads_that_are_accepted(capsys):
+    with pytest.raises(SystemExit):
+        calibrate_cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "built-in workload: bfcl, monitor, chat, or bigbench[:TASK]" in text
 
 
 @pytest.mark.parametrize("argv", [

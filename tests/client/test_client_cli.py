@@ -191,10 +191,13 @@ def test_a_session_left_open_under_a_made_up_id_is_named(fake_triton, capsys):
     assert "is left open" not in capsys.readouterr().err  # the caller knows it
 
 
-def test_continue_without_a_session_id_is_a_usage_error_sent_nowhere(fake_triton, capsys):
-    assert cli.main(["ask", "q", "--continue"]) == cli.EXIT_USAGE
+@pytest.mark.parametrize("argv", [["ask", "q", "--continue"], ["chat", "--continue"]])
+def test_continue_without_a_session_id_is_a_usage_error_sent_nowhere(fake_triton, capsys, stdin, argv):
+    stdin("")
+    assert cli.main(argv) == cli.EXIT_USAGE
     assert "--continue needs --session-id" in capsys.readouterr().err
     assert not [request for fake in fake_triton for request in fake.requests]
+    assert sum(fake.num_ready_checks for fake in fake_triton) == 0
 
 
 def test_an_answer_piped_into_a_reader_that_goes_away_stops_quietly(fake_triton, capsys, monkeypatch):
