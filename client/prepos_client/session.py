@@ -17,15 +17,14 @@ from .inflight import Inflight, final_delivery, next_delivery, record_delivered_
 from .lifetime import close_when_dropped, streaming_sessions
 from .protocol import (Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk,
                        resume_input)
-from .refusals import server_away, says_not_open
+from .refusals import (REOPEN, WHEN_READY, gone_error, may_send_again, not_open_error, send_again_as,
+                       server_away, says_not_open)
 from .session_ids import check_session_id
 from .stream import ResponseRouter
 
 logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "prepos-session-id"
-
-
 
 _ENDED_ANYWAY = "the request carried END, so the session is closed"  # Triton ends the sequence whatever happens
 
@@ -378,41 +377,20 @@ class Session:
                 return
 
     def _send_again(self, inflight: Inflight, error: PreposError) -> Inflight | None:
-        """Send a refused request again, for refusals that changed nothing:
-
-        - the server does not hold the session (its sequence was ended: by the server's drain before a stop, which
-          keeps the session's journal, by its idle timeout, or by an END sent from elsewhere): sent again with START
-          and `resume`, once; the server reopens the session from its journal, or answers that it has none, or that
-          it is draining;
-        - the server refused a START because it is draining before a stop: sent again on a new stream, once (the
-          old one is pinned to that server, and holding it delays its stop), which a router in front of several
-          replicas takes to another; with a journal they share, the session resumes there;
-        - with `wait_for_ready`, the server is stopping, restarting or not reachable (:func:`server_away`): sent
-          again on a new stream once the server reports the model ready, as often as that happens within the
-          call's time limit; a request that had not opened the session goes with START and `resume`.
-
-        Only a request sent alone, and the session's latest, within its own time limit: pipelined requests are
-        refused the same way, and sending one again could put it before another. Returns the request sent again,
-        or None; after the first refusal the next call reopens the session either way."""
-        away = server_away(error)
-        if error.status is None and not inflight.opens_session and says_not_open(error):
+        """Send a refused request again, for refusals that changed nothing (:func:`~prepos_client.refusals.
+        send_again_as`), within its own time limit. Returns the request sent again, or None; after the first
+        refusal for a session the server does not hold, the next call reopens the session either way."""
+        kind = send_again_as(error, inflight, wait_for_ready=self.wait_for_ready)
+        if kind == REOPEN:
             self._needs_start = self._resume = self._reopening = True
-            kind = "reopen"
-        elif away == "draining before a stop" and inflight.opens_session and "new stream" not in inflight.sent_again:
-            kind = "new stream"
-        elif away is not None and self.wait_for_ready:
-            kind = "when ready"
-        else:
+        if kind is None or not may_send_again(kind, inflight, str(self._num_requests), time.perf_counter()):
             return None
-        if (kind != "when ready" and kind in inflight.sent_again) or not inflight.alone \
-                or inflight.request_id != str(self._num_requests) or inflight.deadline <= time.perf_counter():
-            return None
-        if kind != "reopen":
+        if kind != REOPEN:
             self._stop_stream()
             if not inflight.opens_session:  # the server may have lost the session's sequence: reopen it
                 self._resume = self._reopening = True
             self._needs_start = True
-        if kind == "when ready" and not self._wait_until_ready(inflight.deadline, inflight.waits, away):
+        if kind == WHEN_READY and not self._wait_until_ready(inflight.deadline, inflight.waits, server_away(error)):
             return None
         left_s = inflight.deadline - time.perf_counter()
         if left_s <= 0:
@@ -424,7 +402,7 @@ class Session:
             self._needs_start = True
             return None
         again.sent_again = (*inflight.sent_again, kind)
-        again.waits += inflight.waits + (kind == "when ready")
+        again.waits += inflight.waits + (kind == WHEN_READY)
         logger.info("session %s: request %s sent again as %s (%s): %s", self.session_id, inflight.request_id,
                     again.request_id, kind, error.message)
         return again
@@ -449,18 +427,12 @@ class Session:
         replaced = None
         if not inflight.opens_session and error.status is None and says_not_open(error):
             # Not sent again (see _send_again): the next request carries START and `resume`.
-            return PreposError(f"session {self.session_id} is not open on the server (ended by a drain before a "
-                               "stop, by its idle timeout, or by an END from elsewhere); this request changed "
-                               "nothing, and the next call asks the server to reopen the session from its journal. "
-                               f"The server said: {error.message}", field=error.field, status=error.status)
+            return not_open_error(self.session_id, error)
         if inflight.opens_session and self._reopening and error.status is None and error.field == "resume":
             # The server has no journal of it: the session was closed (its idle timeout, or an END sent by another
             # client), or the server keeps no journals; its log is gone.
             self._release()
-            return PreposError(f"session {self.session_id} is no longer open on the server (closed by its idle "
-                               f"timeout or by an END from elsewhere, or ended by a server that keeps no journals); "
-                               f"open a new session. The server said: {error.message}", field=error.field,
-                               status=error.status)
+            return gone_error(self.session_id, error)
         if inflight.opens_session:
             self._needs_start = True
             if self._opening_unknown and error.field == "START" and "already open" in error.message:
