@@ -7,7 +7,8 @@ package's `main(argv)`, imported only when that subcommand runs (so the
 client commands never pay for the server's imports).
 
 Exit codes: 0 ok, 1 the server rejected a request (the message names the
-field), 2 usage, 3 the server cannot be reached, 130 interrupted.
+field) or its model is not ready, 2 usage, 3 the server cannot be reached,
+130 interrupted, 141 the reader of the output went away.
 """
 
 from __future__ import annotations
@@ -414,7 +415,8 @@ register_module_command("calibrate", "prepos_client.calibrate_cli", help="certif
 
 def build_parser() -> argparse.ArgumentParser:
     """The `prepos` parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(prog="prepos", description="prepos: stateful LLM sessions on Triton")
+    parser = argparse.ArgumentParser(prog="prepos", description="prepos: stateful LLM sessions on Triton",
+                                     epilog="exit codes: " + __doc__.split("Exit codes: ", 1)[1].strip())
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, command in COMMANDS.items():
