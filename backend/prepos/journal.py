@@ -137,16 +137,22 @@ class SessionJournal:
         path = self.path(session_id)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         try:
-            size_before = os.fstat(fd).st_size
+            before = os.fstat(fd)
             try:
                 _write_all(fd, record)
                 if self.fsync:
                     os.fsync(fd)
             except OSError:
                 try:
-                    os.ftruncate(fd, size_before)
+                    if os.fstat(fd).st_size != before.st_size:
+                        os.ftruncate(fd, before.st_size)
                 except OSError:
                     pass  # recovery drops the torn tail
+                else:
+                    # The cut-back (a write, as far as the file's times go) is this server's own: unless another
+                    # server had changed the journal before it, this server's note follows it.
+                    if self._left_as.get(path) == _identity(before):
+                        self._left_as[path] = _identity(os.fstat(fd))
                 raise
             self._left_as[path] = _identity(os.fstat(fd))
         finally:
@@ -208,10 +214,17 @@ class SessionJournal:
     def recover(self, session_id: str | int) -> RecoveredSession | None:
         """Read the session back; None when it has no usable journal (none, or a bad magic/header, which
         is logged). A torn or corrupt tail is dropped from the first bad record on, the file truncated to
-        the last good record and a warning logged; earlier entries are kept."""
+        the last good record and a warning logged; earlier entries are kept. Raises OSError when the journal
+        exists but cannot be read."""
         path = self.path(session_id)
         try:
             os.utime(path)  # read back to reopen: written, as far as expire() is concerned
+        except FileNotFoundError:
+            return None
+        except OSError as err:  # a read-only or failing file system: the journal may still be read
+            log.warning("journal of session %r: could not mark it reopened (%s); it may expire early", session_id,
+                        err.strerror or err)
+        try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None

@@ -51,6 +51,7 @@ class Residency:
         self.store = SessionStore(max_sessions)
         self._journal_expire_s = journal_expire_s  # 0: journals never expire
         self._next_expiry = 0.0  # clock time of the next expire_journals pass
+        self._undeleted: set[str | int] = set()  # ended sessions whose journal could not be deleted
         self.kv = KvLedger(kv_budget_bytes, eviction_policy, kv_total=engine.kv_total_bytes)
         self._engine = engine
         self._metrics = metrics
@@ -60,10 +61,13 @@ class Residency:
 
     # --- lifecycle -----------------------------------------------------
 
-    def open(self, session_id: str | int) -> Session:
-        """A new session (START); its journal starts empty, replacing any left under the same id."""
+    def open(self, session_id: str | int, *, journaled: bool = True) -> Session:
+        """A new session (START); its journal starts empty, replacing any left under the same id. Not
+        ``journaled`` (a START+END request: the session ends with the request that opens it, and nothing could
+        resume it), it has none; a journal left under its id is deleted when it closes, as any is."""
         session = self.store.open(session_id, self._clock())
-        if self._journal is not None:
+        session.journaled = journaled
+        if self._journal is not None and journaled:
             try:
                 self._journal.create(session_id)
             except OSError as err:
@@ -71,14 +75,26 @@ class Residency:
                 log.error("session %r: could not create its journal: %s", session_id, err)
                 raise ProtocolError("journal", f"could not create the session journal ({err.strerror or err})",
                                     Status.UNAVAILABLE) from None
+            self._undeleted.discard(session_id)
         return session
 
     def recover(self, session_id: str | int) -> Session | None:
         """Reopen a session this server does not hold from its journal (a restart, or a replica taking
-        over); its KV is rebuilt from the log on its next request (path ``rebuild``). None: no journal."""
+        over); its KV is rebuilt from the log on its next request (path ``rebuild``). None: no journal, or
+        one this server failed to delete when the session closed (it is deleted now, if it can be).
+
+        Raises ProtocolError (UNAVAILABLE) when the journal cannot be read."""
         if self._journal is None:
             return None
-        recovered = self._journal.recover(session_id)
+        if session_id in self._undeleted:
+            self._delete_undeleted(session_id)
+            return None
+        try:
+            recovered = self._journal.recover(session_id)
+        except OSError as err:
+            log.error("session %r: could not read its journal: %s", session_id, err)
+            raise ProtocolError("journal", f"could not read the session journal ({err.strerror or err})",
+                                Status.UNAVAILABLE) from None
         if recovered is None:
             return None
         session = self.store.open(session_id, self._clock())
@@ -112,18 +128,27 @@ class Residency:
             try:
                 self._journal.delete(session.session_id, only_if_unchanged=journal_if_unchanged)
             except OSError as err:
-                log.error("session %r: could not delete its journal: %s", session.session_id, err)
+                log.error("session %r: could not delete its journal: %s%s", session.session_id, err,
+                          "" if journal_if_unchanged else "; this server will not reopen the session from it, "
+                          "and tries again at its next reopening and hourly")
+                if not journal_if_unchanged:  # an END: the session is over
+                    self._undeleted.add(session.session_id)
         log.info("session %r closed (%s), %d tokens in its log%s", session.session_id, reason, len(session.token_log),
                  f"; its opening turn ({opening} tokens) is kept for later sessions to copy" if kept else "")
 
     def expire_journals(self) -> int:
         """Delete the journals of sessions this server does not hold that were not written for
         ``journal_expire_s`` (:meth:`prepos.journal.SessionJournal.expire`), at most once every
-        :data:`JOURNAL_EXPIRY_INTERVAL_S`; returns how many went."""
+        :data:`JOURNAL_EXPIRY_INTERVAL_S`; returns how many went. Journals of ended sessions that could not be
+        deleted then are tried again too."""
         now = self._clock()
-        if self._journal is None or not self._journal_expire_s or now < self._next_expiry:
+        if self._journal is None or now < self._next_expiry:
             return 0
         self._next_expiry = now + JOURNAL_EXPIRY_INTERVAL_S
+        for session_id in list(self._undeleted):
+            self._delete_undeleted(session_id)
+        if not self._journal_expire_s:
+            return 0
         held = {self._journal.path(session.session_id) for session in self.store}
         expired = self._journal.expire(self._journal_expire_s, keep=held)
         if expired:
@@ -131,6 +156,16 @@ class Residency:
             log.info("%d session journals expired (not written for %g s, sessions no client came back for)",
                      expired, self._journal_expire_s)
         return expired
+
+    def _delete_undeleted(self, session_id: str | int) -> None:
+        # The journal of a session that ended while it could not be deleted (a read-only or failing disk).
+        try:
+            self._journal.delete(session_id)
+        except OSError as err:
+            log.warning("session %r: its journal still cannot be deleted: %s", session_id, err)
+        else:
+            self._undeleted.discard(session_id)
+            log.info("session %r: its journal, left when the session ended, is deleted", session_id)
 
     # --- the token log -------------------------------------------------
 
@@ -142,7 +177,7 @@ class Residency:
 
         Raises ProtocolError (UNAVAILABLE) and changes nothing when the journal cannot be written.
         """
-        if self._journal is not None and (turn_ids or kept is not None):
+        if self._journal is not None and session.journaled and (turn_ids or kept is not None):
             from prepos.journal import JournalEntry
 
             if kept is None:

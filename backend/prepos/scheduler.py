@@ -262,11 +262,16 @@ class Scheduler:
             elif request.start:
                 if existing is not None and self._expired(existing, self._clock()):
                     self._close(existing, IDLE_REASON)
-                session = self._residency.open(request.session_id)
+                session = self._residency.open(request.session_id, journaled=not request.end)
             else:
                 session = existing or self.store.lookup(request.session_id)
         except ProtocolError as err:
             self._reject(request, sink, err)
+            return
+        except Exception as err:  # noqa: BLE001 - a request is always answered, never left waiting
+            log.exception("session %r: admitting a request failed", request.session_id)
+            self._reject(request, sink, ProtocolError("request", f"the server failed to admit it: {err}",
+                                                      Status.INTERNAL))
             return
         if session.task is not None and isinstance(request, Request) and request.deadline_s is not None \
                 and not (request.start or request.end):
@@ -297,7 +302,7 @@ class Scheduler:
     def _open_or_resume(self, request: Request) -> Session:
         """The session a START opens: a new one, or (with ``resume``) the one its journal holds."""
         if not request.resume:
-            return self._residency.open(request.session_id)
+            return self._residency.open(request.session_id, journaled=not request.end)
         session = self._residency.recover(request.session_id)
         if session is None:
             raise ProtocolError("resume", f"session {request.session_id!r} is not open on this server and has no "

@@ -56,6 +56,7 @@ class Session:
     evicted: bool = False  # KV was dropped under memory pressure; the next request rebuilds it
     serving: bool = False
     ending: bool = False  # the request being served carries END: the session closes when it is done
+    journaled: bool = True  # its accepted turns go to its journal (where there is one); not a START+END session's
     last_role: str = "user"
     last_choices: tuple[str, ...] | None = None
     last_active_s: float = 0.0

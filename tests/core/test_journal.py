@@ -316,3 +316,50 @@ def test_a_journal_another_server_reopened_or_wrote_since_is_not_deleted_if_unch
     assert not mine.delete("untouched", only_if_unchanged=True)  # none left
     assert mine.delete("reopened") and not mine.path("reopened").exists()  # an END deletes it whoever wrote it
     assert other.delete("written", only_if_unchanged=True)  # the server that wrote it last may
+
+
+@pytest.mark.parametrize("written_before_failing", [0, 1, 2])  # nothing, half the record, all but its fsync
+def test_a_failed_append_is_not_taken_for_another_servers_write(tmp_path, monkeypatch, written_before_failing):
+    # The cut-back after a failed write touches the file; it is this server's own doing, not a takeover.
+    mine, other = SessionJournal(tmp_path, fsync=True), SessionJournal(tmp_path, fsync=False)
+    for sid in ("mine", "taken"):
+        mine.create(sid)
+        mine.append(sid, ENTRIES[0])
+    other.append("taken", ENTRIES[1])  # another server wrote it: that must still show after the failure
+    real_write, real_fsync = os.write, os.fsync
+
+    def failing_write(fd, data):
+        if written_before_failing == 2:
+            return real_write(fd, data)
+        if written_before_failing == 1 and len(data) > 4:
+            real_write(fd, bytes(data[:len(data) // 2]))
+        raise OSError(28, "No space left on device")
+
+    def failing_fsync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(journal_module.os, "write", failing_write)
+    if written_before_failing == 2:
+        monkeypatch.setattr(journal_module.os, "fsync", failing_fsync)
+    for sid in ("mine", "taken"):
+        size = mine.path(sid).stat().st_size
+        with pytest.raises(OSError):
+            mine.append(sid, JournalEntry((10, 11, 12), "user", None))
+        assert mine.path(sid).stat().st_size == size
+    monkeypatch.setattr(journal_module.os, "write", real_write)
+    monkeypatch.setattr(journal_module.os, "fsync", real_fsync)
+    assert not mine.changed_elsewhere("mine")
+    assert mine.changed_elsewhere("taken")
+    assert mine.delete("mine", only_if_unchanged=True)  # an idle timeout deletes it, as after no failure
+
+
+def test_a_journal_on_a_read_only_file_system_is_still_read_back(tmp_path, monkeypatch, caplog):
+    journal = written(tmp_path)
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(journal_module.os, "utime", read_only)
+    with caplog.at_level(logging.WARNING, logger="prepos.journal"):
+        assert journal.recover("s").turns == [(1, 2, 3), (4, 5), (6, 7, 8, 9)]
+    assert "could not mark it reopened (Read-only file system)" in caplog.text

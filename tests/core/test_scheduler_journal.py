@@ -310,3 +310,117 @@ def test_a_session_reopened_by_a_bare_resume_is_rebuilt_and_positioned_in_the_ba
     session = h2.sched.store.lookup("s1")
     assert session.has_kv and session.positioned_valid()
     assert h2.serve(h2.request("s1", "", max_tokens=1)).path in ("exact", "gated")  # from the positioned distribution
+
+
+def test_a_turn_refused_for_a_full_disk_is_not_taken_for_a_takeover(tmp_path, monkeypatch):
+    # The journal's cut-back after a failed write used to look like another server's write: the next request
+    # dropped the session's KV and rebuilt it from the journal (path rebuild, counted as taken over).
+    from prepos import journal as journal_module
+
+    h = restarted(tmp_path, tmp_path / "journal")
+    open_session(h)
+    assert h.serve(h.request("s1", "first question", max_tokens=3)).error is None
+    log = h.log("s1")
+    real_write = os.write
+
+    def full(fd, data):
+        real_write(fd, bytes(data[:len(data) // 2]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal_module.os, "write", full)
+    refused = h.serve(h.request("s1", "second question", max_tokens=3))
+    assert refused.error.field == "journal" and h.log("s1") == log
+    monkeypatch.setattr(journal_module.os, "write", real_write)
+    again = h.serve(h.request("s1", "second question", max_tokens=3))
+    assert again.error is None and again.path != "rebuild"
+    assert h.metrics.sink.get("prepos_sessions_taken_over_total") in (None, 0)
+    assert h.sched._residency._journal.recover("s1").token_log == h.log("s1")
+
+
+class UnreadableJournal(SessionJournal):
+    def recover(self, session_id):
+        raise OSError(5, "Input/output error")
+
+
+def test_a_journal_that_cannot_be_read_is_a_named_error_even_while_another_session_is_served(tmp_path):
+    journal_dir = tmp_path / "journal"
+    open_session(restarted(tmp_path, journal_dir), sid="old")  # left by the server before a restart
+    h = Harness(tmp_path, journal=UnreadableJournal(journal_dir, fsync=False))
+    open_session(h, sid="busy")
+    busy = h.submit(h.request("busy", "a long answer please", max_tokens=30))
+    h.sched.run_once()
+    resumed = h.serve(h.request("old", "back", start=True, resume=True, max_tokens=2))
+    assert resumed.error.field == "journal" and resumed.error.status is Status.UNAVAILABLE
+    assert "could not read the session journal (Input/output error)" in str(resumed.error)
+    assert h.sched.store.get("old") is None
+    while not busy.done:
+        h.sched.run_once()
+    assert busy.error is None
+
+
+class FailingDeletes(SessionJournal):
+    failing = True
+
+    def delete(self, session_id, *, only_if_unchanged=False):
+        if self.failing:
+            raise OSError(30, "Read-only file system")
+        return super().delete(session_id, only_if_unchanged=only_if_unchanged)
+
+
+def test_a_session_ended_while_its_journal_could_not_be_deleted_is_not_reopened_from_it(tmp_path):
+    h = Harness(tmp_path, journal=FailingDeletes(tmp_path / "journal", fsync=False), journal_expire_s=86400.0)
+    journal = h.sched._residency._journal
+    for sid in ("s1", "s2"):
+        open_session(h, sid=sid)
+        assert h.serve(h.request(sid, "hello", max_tokens=2, end=True)).error is None
+    assert sorted(journal.session_ids()) == ["s1", "s2"]  # left behind by the failing disk
+    resumed = h.serve(h.request("s1", "back", start=True, resume=True, max_tokens=2))
+    assert resumed.error.field == "resume" and resumed.error.status is Status.NOT_FOUND  # ended: not revived
+    journal.failing = False
+    h.clock.t += 3600
+    h.sched.run_once()  # hourly housekeeping deletes what is left
+    assert journal.session_ids() == []
+    assert h.serve(h.request("s2", "back", start=True, resume=True, max_tokens=2)).error.field == "resume"
+    open_session(h, sid="s1")  # the id is free for a new session, journaled as any
+    assert journal.session_ids() == ["s1"]
+
+
+class CountingJournal(SessionJournal):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.writes = []
+
+    def replace(self, session_id, entries):
+        self.writes.append(("replace", session_id))
+        super().replace(session_id, entries)
+
+    def append(self, session_id, entry):
+        self.writes.append(("append", session_id))
+        super().append(session_id, entry)
+
+
+def test_a_session_opened_and_ended_by_one_request_writes_no_journal(tmp_path):
+    # Nothing could resume it; a journal left under its id is deleted as before.
+    h = Harness(tmp_path, journal=CountingJournal(tmp_path / "journal", fsync=False))
+    journal = h.sched._residency._journal
+    one_turn = h.serve(h.request("once", "hello", start=True, end=True, max_tokens=3))
+    assert one_turn.error is None and one_turn.ids and one_turn.done
+    assert journal.writes == [] and journal.session_ids() == []
+    open_session(h, sid="old")
+    h.sched.store.close("old")  # as if left by a crash
+    assert h.serve(h.request("old", "hello", start=True, end=True, max_tokens=2)).error is None
+    assert journal.session_ids() == []
+    assert h.serve(h.request("kept", "hello", start=True, max_tokens=2)).error is None
+    assert ("replace", "kept") in journal.writes and ("append", "kept") in journal.writes
+
+
+class BuggyJournal(SessionJournal):
+    def recover(self, session_id):
+        raise RuntimeError("unexpected")
+
+
+def test_a_request_whose_admission_fails_unexpectedly_is_answered_with_an_internal_error(tmp_path):
+    h = Harness(tmp_path, journal=BuggyJournal(tmp_path / "journal", fsync=False))
+    failed = h.serve(h.request("old", "back", start=True, resume=True, max_tokens=2))
+    assert failed.error.status is Status.INTERNAL and "unexpected" in str(failed.error)
+    open_session(h)  # the loop goes on
