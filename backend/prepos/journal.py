@@ -199,14 +199,14 @@ class SessionJournal:
     def changed_elsewhere(self, session_id: str | int) -> bool:
         """Whether another server has reopened, written or replaced the session's journal since this one last
         wrote or read it (replicas sharing the directory): this server's copy of the session is then stale. False
-        when this server has no note of it, or the journal is gone."""
+        when this server has no note of it, or the journal is gone or cannot be looked at."""
         path = self.path(session_id)
         left_as = self._left_as.get(path)
         if left_as is None:
             return False
         try:
             return _identity(path.stat()) != left_as
-        except FileNotFoundError:
+        except OSError:  # gone, or a failing file system: nothing tells of another server's write
             return False
 
     # --- reading -------------------------------------------------------

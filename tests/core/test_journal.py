@@ -363,3 +363,15 @@ def test_a_journal_on_a_read_only_file_system_is_still_read_back(tmp_path, monke
     with caplog.at_level(logging.WARNING, logger="prepos.journal"):
         assert journal.recover("s").turns == [(1, 2, 3), (4, 5), (6, 7, 8, 9)]
     assert "could not mark it reopened (Read-only file system)" in caplog.text
+
+
+def test_a_journal_that_cannot_be_looked_at_is_not_taken_for_another_servers_write(tmp_path, monkeypatch):
+    journal = written(tmp_path)
+
+    class Failing(type(journal.path("s"))):
+        def stat(self, *args, **kwargs):
+            raise OSError(5, "Input/output error")
+
+    failing = Failing(journal.path("s"))
+    monkeypatch.setattr(journal, "path", lambda session_id: failing)
+    assert journal.changed_elsewhere("s") is False
