@@ -145,8 +145,7 @@ class Residency:
         if self._journal is None or now < self._next_expiry:
             return 0
         self._next_expiry = now + JOURNAL_EXPIRY_INTERVAL_S
-        for session_id in list(self._undeleted):
-            self._delete_undeleted(session_id)
+        self.delete_undeleted()
         if not self._journal_expire_s:
             return 0
         held = {self._journal.path(session.session_id) for session in self.store}
@@ -156,6 +155,11 @@ class Residency:
             log.info("%d session journals expired (not written for %g s, sessions no client came back for)",
                      expired, self._journal_expire_s)
         return expired
+
+    def delete_undeleted(self) -> None:
+        """Try again to delete the journals of ended sessions that could not be deleted when they closed."""
+        for session_id in list(self._undeleted):
+            self._delete_undeleted(session_id)
 
     def _delete_undeleted(self, session_id: str | int) -> None:
         # The journal of a session that ended while it could not be deleted (a read-only or failing disk).

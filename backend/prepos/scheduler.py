@@ -213,6 +213,7 @@ class Scheduler:
             for session in self.store:
                 self.drain_ids.put(session.session_id)
             self.drain_listed = True  # after the ids: the drain is done once they are ended
+            self._residency.delete_undeleted()  # a last try before the stop, which forgets them
         self._admit_queued()  # first: a session with a request waiting is not idle
         now = self._clock()
         if self._queued_deadlines.due(now):

@@ -424,3 +424,15 @@ def test_a_request_whose_admission_fails_unexpectedly_is_answered_with_an_intern
     failed = h.serve(h.request("old", "back", start=True, resume=True, max_tokens=2))
     assert failed.error.status is Status.INTERNAL and "unexpected" in str(failed.error)
     open_session(h)  # the loop goes on
+
+
+def test_a_drain_tries_again_to_delete_the_journals_of_ended_sessions(tmp_path):
+    h = Harness(tmp_path, journal=FailingDeletes(tmp_path / "journal", fsync=False))
+    journal = h.sched._residency._journal
+    open_session(h, sid="ended")
+    assert h.serve(h.request("ended", "hello", max_tokens=2, end=True)).error is None
+    open_session(h, sid="open")
+    journal.failing = False  # the disk is back before the stop
+    h.sched.drain()
+    h.sched.run_once()
+    assert journal.session_ids() == ["open"]  # the drained session's is kept, the ended one's is gone
