@@ -298,7 +298,6 @@ class LocustRun:
 
     returncode: int
     interrupted: bool = False  # SIGINT or SIGTERM reached the load test, which passed it on
-    timed_out: bool = False  # it outlived the run time plus its allowances and was stopped
 
 
 def _stop(process: subprocess.Popen, wait_s: float) -> int:
@@ -327,7 +326,7 @@ def run_locust(command: list[str], env: dict[str, str], log_path: Path, timeout_
             except subprocess.TimeoutExpired:
                 returncode = _stop(process, 30)
                 print(f"Locust ran past {timeout_s:.0f} s and was stopped (status {returncode})", file=sys.stderr)
-                return LocustRun(EXIT_USAGE, timed_out=True)
+                return LocustRun(EXIT_USAGE)
             except _Interrupted as interrupt:
                 print(f"{interrupt}: stopping Locust's users and writing what they measured "
                       f"(interrupt again to stop at once)", file=sys.stderr, flush=True)
