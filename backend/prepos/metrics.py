@@ -26,18 +26,25 @@ class MetricSpec:
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
     values: tuple[str, ...] = ()
-    """A counter's known values of its one label, published at 0 from the start (as is an unlabelled counter),
-    so a scrape finds every series before its first event and rates start from 0."""
+    """A counter's known values of its one label (all it takes, but for prepos_request_errors_total's fields),
+    published at 0 from the start (as is an unlabelled counter), so a scrape finds every series before its first
+    event and rates start from 0."""
     initial: float | None = None
     """An unlabelled gauge's value from the start (None: none until its first event)."""
 
+
+SERVER_STATE_FIELDS = ("START", "resume", "journal", "timeout", "request")
+"""The fields of refusals for the server's or the session's state rather than a bad input (draining, a session open
+or not, the journal's disk, a deadline, an internal failure): published at 0 for alerts; an input's field appears
+with its first refusal."""
 
 SPECS = (
     MetricSpec("prepos_requests_total", "counter",
                "Client requests served to their end, by path (append and close included; rejected ones are in "
                "prepos_request_errors_total, stopped ones in prepos_requests_abandoned_total)", ("path",),
                values=("exact", "gated", "prepaid", "prefix", "rebuild", "append", "close")),
-    MetricSpec("prepos_request_errors_total", "counter", "Requests rejected, by the input the error names", ("field",)),
+    MetricSpec("prepos_request_errors_total", "counter", "Requests rejected, by the input the error names", ("field",),
+               values=SERVER_STATE_FIELDS),
     MetricSpec("prepos_first_token_ms", "histogram", "Server-side time from arrival to first response, by path (ms)",
                ("path",), FIRST_TOKEN_BUCKETS_MS),
     MetricSpec("prepos_gate_decisions_total", "counter", "Gate decisions on requests with a delta, by outcome", ("outcome",),
