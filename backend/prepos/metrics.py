@@ -81,6 +81,9 @@ SPECS = (
     MetricSpec("prepos_requests_abandoned_total", "counter",
                "Requests stopped before their end, by reason (cancelled, deadline); their turn is not accepted",
                ("reason",), values=("cancelled", "deadline")),
+    MetricSpec("prepos_sessions_opened_total", "counter", "New sessions opened by a START (not a resume)"),
+    MetricSpec("prepos_sessions_closed_total", "counter", "Sessions closed, by reason", ("reason",),
+               values=("end", "idle_timeout", "drain", "taken_over", "start_rejected")),
     MetricSpec("prepos_sessions_recovered_total", "counter",
                "Sessions reopened from their journal (a resume, a request after a restart, a copy taken over)"),
     MetricSpec("prepos_sessions_drained_total", "counter",
@@ -277,6 +280,12 @@ class Metrics:
 
     def request_abandoned(self, reason: str) -> None:
         self.sink.inc("prepos_requests_abandoned_total", {"reason": reason}, 1)
+
+    def session_opened(self) -> None:
+        self.sink.inc("prepos_sessions_opened_total", {}, 1)
+
+    def session_closed(self, reason: str) -> None:
+        self.sink.inc("prepos_sessions_closed_total", {"reason": reason}, 1)
 
     def session_recovered(self) -> None:
         self.sink.inc("prepos_sessions_recovered_total", {}, 1)

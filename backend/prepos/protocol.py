@@ -112,13 +112,17 @@ class Request:
         return bool(self.delta_text) or bool(self.delta_ids)
 
 
+END_REASON = "END"
+"""Why a session closed by a client's END was closed."""
 DRAIN_REASON = "drain"
 """Why a session closed by its drain END was closed: it keeps its journal (see :mod:`prepos.drain`)."""
+START_REJECTED_REASON = "its START request was rejected"
+"""Why a session whose opening request was refused when served was closed: it leaves nothing behind."""
 
 
 def end_reason(request: Request) -> str:
     """Why an END request closes its session: ``END``, or :data:`DRAIN_REASON` for the drain's own END."""
-    return DRAIN_REASON if request.drain else "END"
+    return DRAIN_REASON if request.drain else END_REASON
 
 
 @dataclass(slots=True)

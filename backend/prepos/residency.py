@@ -76,6 +76,7 @@ class Residency:
                 raise ProtocolError("journal", f"could not create the session journal ({err.strerror or err})",
                                     Status.UNAVAILABLE) from None
             self._undeleted.discard(session_id)
+        self._metrics.session_opened()
         return session
 
     def recover(self, session_id: str | int) -> Session | None:

@@ -37,7 +37,8 @@ from prepos.gate import Gate
 from prepos.gate_watch import GateWatch
 from prepos.kv_writes import WriteReportingEngine
 from prepos.metrics import Metrics
-from prepos.protocol import DRAIN_REASON, ProtocolError, Rejection, Request, ResponseSink, Status
+from prepos.protocol import (DRAIN_REASON, END_REASON, START_REJECTED_REASON, ProtocolError, Rejection, Request,
+                             ResponseSink, Status)
 from prepos.queued_deadlines import QueuedDeadlines
 from prepos.residency import Residency
 from prepos.scan import ScanFn
@@ -55,6 +56,9 @@ log = logging.getLogger("prepos.scheduler")
 HOUSEKEEPING_INTERVAL_S = 0.5
 IDLE_REASON = "idle timeout"  # why a session closed that had no request for the session idle timeout
 TAKEN_OVER_REASON = "taken over"  # why a session's stale copy was dropped: another server wrote its journal since
+# prepos_sessions_closed_total's reason for each reason a session closes
+CLOSED_LABELS = {END_REASON: "end", IDLE_REASON: "idle_timeout", DRAIN_REASON: "drain",
+                 TAKEN_OVER_REASON: "taken_over", START_REJECTED_REASON: "start_rejected"}
 
 DRAINING_MESSAGE = ("the server is draining before it stops: no session opens or resumes here now; resume the "
                     "session on another replica or once the server is back (a journaled session keeps its log)")
@@ -439,6 +443,7 @@ class Scheduler:
         # the shared journal): its journal is then that replica's.
         self._residency.close(session, reason, keep_journal=drained or reason == TAKEN_OVER_REASON,
                               journal_if_unchanged=reason == IDLE_REASON)
+        self._metrics.session_closed(CLOSED_LABELS[reason])
         if drained:
             self._metrics.session_drained()
 
@@ -447,7 +452,7 @@ class Scheduler:
         sequence on END whatever the model answers)."""
         self._reject(rejection, sink, rejection.error)
         if rejection.end:
-            self._close(session, "END")
+            self._close(session, END_REASON)
 
     def _reject(self, request: Request | Rejection, sink: ResponseSink, err: ProtocolError) -> None:
         if not (isinstance(request, Request) and request.drain):  # the drain's own ENDs are no client's requests

@@ -28,7 +28,7 @@ from prepos.engines.base import Engine, KVCapacityError
 from prepos.gate import Gate
 from prepos.gate_watch import Audit, GateWatch
 from prepos.metrics import Metrics
-from prepos.protocol import ProtocolError, Request, ResponseSink, Status, end_reason
+from prepos.protocol import START_REJECTED_REASON, ProtocolError, Request, ResponseSink, Status, end_reason
 from prepos.residency import Residency
 from prepos.scan import ScanFn, ScanResult
 from prepos.session import Session
@@ -149,7 +149,7 @@ class RequestServer:
         if request.end and self._residency.store.get(session.session_id) is session:
             self._close_session(session, end_reason(request))
         elif not served and request.start and not session.token_log:
-            self._close_session(session, "its START request was rejected")
+            self._close_session(session, START_REJECTED_REASON)
 
     def expire_queued(self, session: Session, request: Request, sink: ResponseSink) -> None:
         """Answer a request whose deadline passed while it waited behind its session's earlier requests (taken out

@@ -6,6 +6,7 @@ import os
 import time
 
 from fakes import IM_END, CollectSink
+from prepos.drain import drain_end
 from prepos.journal import SessionJournal
 from prepos.protocol import Status
 from test_scheduler import Harness, open_session
@@ -241,6 +242,7 @@ def test_a_replica_whose_copy_of_a_session_went_stale_goes_on_from_the_journal(t
     assert back.ids == [t for t in first.reference(prompt, 4) if t != IM_END]
     assert first.log("moved")[: len(log)] == log
     assert first.metrics.sink.get("prepos_sessions_taken_over_total") == 1
+    assert first.metrics.sink.get("prepos_sessions_closed_total", reason="taken_over") == 1
     journal = SessionJournal(journal_dir, fsync=False)
     assert [t for turn in journal.recover("moved").turns for t in turn] == first.log("moved")
     # A session no other server touched is served from its copy here, as before.
@@ -436,3 +438,40 @@ def test_a_drain_tries_again_to_delete_the_journals_of_ended_sessions(tmp_path):
     h.sched.drain()
     h.sched.run_once()
     assert journal.session_ids() == ["open"]  # the drained session's is kept, the ended one's is gone
+
+
+def test_sessions_opened_and_closed_are_counted_once_each_by_reason(tmp_path):
+    h = restarted(tmp_path, tmp_path / "journal", idle_timeout_s=60.0)
+    sink = h.metrics.sink
+
+    def counts():
+        closed = {reason: sink.get("prepos_sessions_closed_total", reason=reason)
+                  for reason in ("end", "idle_timeout", "drain", "taken_over", "start_rejected")}
+        return sink.get("prepos_sessions_opened_total"), sink.get("prepos_sessions_recovered_total"), closed
+
+    for sid in ("ended", "idle", "drained", "kept"):
+        open_session(h, sid=sid)
+    assert h.serve(h.request("refused", "hi", start=True, role="wizard")).error.field == "role"
+    assert h.serve(h.request("ended", None, end=True, max_tokens=0)).error is None
+    assert h.serve(h.request("once", "hi", start=True, end=True, max_tokens=2)).error is None
+    assert h.serve(h.request("ended", "again?", start=True, resume=True)).error.field == "resume"  # opens nothing
+    h.clock.t += 30
+    for sid in ("drained", "kept"):
+        h.serve(h.request(sid, "still here", max_tokens=0))
+    h.clock.t += 40
+    h.sched.run_once()  # "idle" passed its idle timeout
+    opened, recovered, closed = counts()
+    assert (opened, recovered) == (6, 0)
+    assert closed == {"end": 2, "idle_timeout": 1, "drain": 0, "taken_over": 0, "start_rejected": 1}
+    assert opened + recovered - sum(closed.values()) == h.sched.open_sessions == 2
+    closes = h.metrics.sink.get("prepos_requests_total", path="close")
+    h.sched.drain()
+    h.sched.run_once()
+    while not h.sched.drain_ids.empty():
+        h.serve(drain_end(h.sched.drain_ids.get_nowait()))
+    assert counts()[2]["drain"] == 2 and h.sched.open_sessions == 0
+    assert h.metrics.sink.get("prepos_requests_total", path="close") == closes  # the drain's ENDs are no client's
+    h2 = restarted(tmp_path, tmp_path / "journal")
+    assert h2.serve(h2.request("kept", "back", start=True, resume=True, max_tokens=0)).error is None
+    assert h2.metrics.sink.get("prepos_sessions_recovered_total") == 1
+    assert h2.metrics.sink.get("prepos_sessions_opened_total") == 0
