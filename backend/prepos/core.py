@@ -19,7 +19,7 @@ from prepos.engines.base import Engine
 from prepos.engines.openmp import cpu_quota, default_num_threads, release_calling_thread, usable_cpus
 from prepos.heap import CollectorPauses
 from prepos.metrics import BufferedSink, Metrics, MetricsSink
-from prepos.protocol import Rejection, Request, ResponseSink, parse_request
+from prepos.protocol import CONTROL_NAMES, INPUT_NAMES, Rejection, Request, ResponseSink, parse_request
 from prepos.scan import get_scan
 from prepos.scan_cpu import CpuKernelScan, CpuKernelUnavailable
 from prepos.scheduler import Scheduler
@@ -125,6 +125,7 @@ class Core:
             config.scheduler.max_decode_batch)
         # Requests record into memory; the engine loop publishes to the sink off the path of any request.
         self.metrics = Metrics(BufferedSink(metrics_sink) if metrics_sink is not None else None)
+        self.metrics.publish_error_fields((*INPUT_NAMES, *CONTROL_NAMES))  # besides SERVER_STATE_FIELDS
         self._collector_pauses = CollectorPauses()  # timed from start() to stop(), published with the metrics
         self.framing = manifest.framing
         journal = None

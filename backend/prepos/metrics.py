@@ -238,6 +238,12 @@ class Metrics:
         if first_token_ms is not None:
             self.sink.observe("prepos_first_token_ms", {"path": path}, first_token_ms)
 
+    def publish_error_fields(self, fields) -> None:
+        """Publish ``prepos_request_errors_total`` at 0 for each of ``fields`` (the model's inputs): rates of
+        refusals naming them then start from 0 too. A field named by no input still appears with its first."""
+        for field in fields:
+            self.sink.inc("prepos_request_errors_total", {"field": field}, 0)
+
     def request_rejected(self, field: str) -> None:
         self.sink.inc("prepos_request_errors_total", {"field": field}, 1)
 

@@ -315,6 +315,9 @@ def test_metrics_on_the_metrics_port(server):
         published = response.read().decode()
     for generation in ("0", "1", "2"):
         assert f'prepos_gc_collections_total{{generation="{generation}"' in published
+    # Refusals by every field of the model's inputs and of the server's state are there before the first one.
+    for field in ("max_tokens", "role", "text_input", "START", "END", "journal", "timeout", "request"):
+        assert re.search(rf'prepos_request_errors_total{{[^}}]*field="{field}"', published), field
 
 
 # ---- the HTTP bridge (prepos_http) over Triton's generate endpoints ----------------------------------------------
