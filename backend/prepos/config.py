@@ -79,24 +79,27 @@ class EngineConfig:
     for ``scheduler.session_idle_timeout_s`` after each request, so session prefixes outlive other traffic."""
 
     def __post_init__(self) -> None:
-        check_setting(self.name in ("torch", "trtllm"), "engine.name", f"unknown engine {self.name!r}; use torch or trtllm")
+        check_setting(self.name in ("torch", "trtllm"), "engine.name",
+                      f"unknown engine {self.name!r}; use torch or trtllm")
         check_setting(self.dtype in ("float32", "bfloat16", "float16"), "engine.dtype", f"unknown dtype {self.dtype!r}")
         check_setting(self.num_threads >= 0, "engine.num_threads", "must be >= 0")
         check_setting(self.kept_prefixes >= 0, "engine.kept_prefixes", "must be >= 0")
         check_setting(0.0 < self.trtllm_free_gpu_memory_fraction <= 1.0, "engine.trtllm_free_gpu_memory_fraction",
-               "must lie in (0, 1]")
-        check_setting(0 <= self.trtllm_retention_priority <= 100, "engine.trtllm_retention_priority", "must lie in [0, 100]")
+                      "must lie in (0, 1]")
+        check_setting(0 <= self.trtllm_retention_priority <= 100, "engine.trtllm_retention_priority",
+                      "must lie in [0, 100]")
         check_setting(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "engine.device",
-               f"unknown device {self.device!r}; use cpu, cuda or cuda:N")
+                      f"unknown device {self.device!r}; use cpu, cuda or cuda:N")
         check_setting(self.name != "trtllm" or self.device.startswith("cuda"), "engine.device",
-               f"the trtllm engine runs on CUDA; engine.device is {self.device!r}")
-        check_setting(1 <= self.page_tokens <= 4096 and not self.page_tokens & (self.page_tokens - 1), "engine.page_tokens",
-               f"must be a power of two in [1, 4096], got {self.page_tokens}")
-        check_setting(self.scan in SCAN_NAMES, "engine.scan", f"unknown scan {self.scan!r}; use {', '.join(SCAN_NAMES)}")
+                      f"the trtllm engine runs on CUDA; engine.device is {self.device!r}")
+        check_setting(1 <= self.page_tokens <= 4096 and not self.page_tokens & (self.page_tokens - 1),
+                      "engine.page_tokens", f"must be a power of two in [1, 4096], got {self.page_tokens}")
+        check_setting(self.scan in SCAN_NAMES, "engine.scan",
+                      f"unknown scan {self.scan!r}; use {', '.join(SCAN_NAMES)}")
         check_setting(self.scan != "triton" or self.device.startswith("cuda"), "engine.scan",
-               f"triton runs on CUDA only; engine.device is {self.device!r} (use auto or torch)")
+                      f"triton runs on CUDA only; engine.device is {self.device!r} (use auto or torch)")
         check_setting(self.scan != "tensorrt" or bool(self.scan_engine), "engine.scan_engine",
-               "required with engine.scan = tensorrt (build one with python -m prepos_build.scan_tensorrt)")
+                      "required with engine.scan = tensorrt (build one with python -m prepos_build.scan_tensorrt)")
 
 
 IDLE_POLICY_NAMES = ("most_recent", "least_recent")  # prepos.policies.IDLE_POLICIES
@@ -148,9 +151,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check_setting(self.chunk_tokens >= 1, "scheduler.chunk_tokens", "must be >= 1")
         check_setting(self.idle_policy in IDLE_POLICY_NAMES, "scheduler.idle_policy",
-               f"unknown policy {self.idle_policy!r}; use {' or '.join(IDLE_POLICY_NAMES)}")
+                      f"unknown policy {self.idle_policy!r}; use {' or '.join(IDLE_POLICY_NAMES)}")
         check_setting(self.context_overflow in ("reject", "drop_oldest"), "scheduler.context_overflow",
-               f"unknown policy {self.context_overflow!r}; use reject or drop_oldest")
+                      f"unknown policy {self.context_overflow!r}; use reject or drop_oldest")
         check_setting(0 <= self.background_delay_ms <= 10_000, "scheduler.background_delay_ms", "must be in [0, 10000]")
         check_setting(self.session_idle_timeout_s > 0, "scheduler.session_idle_timeout_s", "must be > 0")
         check_setting(self.default_max_tokens >= 0, "scheduler.default_max_tokens", "must be >= 0")
@@ -206,7 +209,7 @@ class MemoryConfig:
         check_setting(self.kv_budget_bytes >= 0, "memory.kv_budget_bytes", "must be >= 0")
         check_setting(self.max_log_tokens >= 0, "memory.max_log_tokens", "must be >= 0")
         check_setting(self.eviction_policy in EVICTION_POLICY_NAMES, "memory.eviction_policy",
-               f"unknown policy {self.eviction_policy!r}; use {' or '.join(EVICTION_POLICY_NAMES)}")
+                      f"unknown policy {self.eviction_policy!r}; use {' or '.join(EVICTION_POLICY_NAMES)}")
         check_setting(self.max_sessions >= 1, "memory.max_sessions", "must be >= 1")
 
     def resolved_budget(self) -> int:
@@ -271,8 +274,8 @@ class PreposConfig:
     def __post_init__(self) -> None:
         idle_s = self.scheduler.session_idle_timeout_s
         check_setting(self.journal.expire_s == 0 or self.journal.expire_s > idle_s, "journal.expire_s",
-               f"must exceed the session idle timeout ({idle_s:g} s; a journal is written only at accepted turns), "
-               "or be 0 (never)")
+                      f"must exceed the session idle timeout ({idle_s:g} s; a journal is written only at accepted "
+                      "turns), or be 0 (never)")
 
     def engine_dir(self, model_dir: str | Path) -> Path:
         return _in_model_dir(self.engine.dir, model_dir)
