@@ -53,6 +53,10 @@ def server_away(error: PreposError) -> str | None:
     return None
 
 
+def refused_as_not_open(error: PreposError, inflight: Inflight) -> bool:
+    """Whether a request that had not opened the session was refused because the server does not hold it."""
+    return error.status is None and not inflight.opens_session and says_not_open(error)
+
 
 def send_again_as(error: PreposError, inflight: Inflight, *, wait_for_ready: bool) -> str | None:
     """How a request refused with ``error`` is sent again, for refusals that changed nothing; None: not at all.
@@ -69,9 +73,9 @@ def send_again_as(error: PreposError, inflight: Inflight, *, wait_for_ready: boo
       happens within the call's time limit; a request that had not opened the session goes with START and `resume`.
 
     Whether it may be sent again at all is :func:`may_send_again`."""
-    away = server_away(error)
-    if error.status is None and not inflight.opens_session and says_not_open(error):
+    if refused_as_not_open(error, inflight):
         return REOPEN
+    away = server_away(error)
     if away == "draining before a stop" and inflight.opens_session and NEW_STREAM not in inflight.sent_again:
         return NEW_STREAM
     if away is not None and wait_for_ready:

@@ -17,8 +17,8 @@ from .inflight import Inflight, final_delivery, next_delivery, record_delivered_
 from .lifetime import close_when_dropped, streaming_sessions
 from .protocol import (Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk,
                        resume_input)
-from .refusals import (REOPEN, WHEN_READY, gone_error, may_send_again, not_open_error, send_again_as,
-                       server_away, says_not_open)
+from .refusals import (REOPEN, WHEN_READY, gone_error, may_send_again, not_open_error, refused_as_not_open,
+                       send_again_as, server_away)
 from .session_ids import check_session_id
 from .stream import ResponseRouter
 
@@ -425,7 +425,7 @@ class Session:
                 self._release()
             return None
         replaced = None
-        if not inflight.opens_session and error.status is None and says_not_open(error):
+        if refused_as_not_open(error, inflight):
             # Not sent again (see _send_again): the next request carries START and `resume`.
             return not_open_error(self.session_id, error)
         if inflight.opens_session and self._reopening and error.status is None and error.field == "resume":
