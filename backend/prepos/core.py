@@ -125,7 +125,7 @@ class Core:
             config.scheduler.max_decode_batch)
         # Requests record into memory; the engine loop publishes to the sink off the path of any request.
         self.metrics = Metrics(BufferedSink(metrics_sink) if metrics_sink is not None else None)
-        self.metrics.publish_error_fields((*INPUT_NAMES, *CONTROL_NAMES))  # besides SERVER_STATE_FIELDS
+        self.metrics.publish_error_fields((*INPUT_NAMES, *CONTROL_NAMES))
         self._collector_pauses = CollectorPauses()  # timed from start() to stop(), published with the metrics
         self.framing = manifest.framing
         journal = None

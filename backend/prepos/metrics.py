@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,25 +27,22 @@ class MetricSpec:
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
     values: tuple[str, ...] = ()
-    """A counter's known values of its one label (all it takes, but for prepos_request_errors_total's fields),
-    published at 0 from the start (as is an unlabelled counter), so a scrape finds every series before its first
-    event and rates start from 0."""
+    """A counter's known values of its one label, published at 0 from the start (as is an unlabelled counter),
+    so a scrape finds every series before its first event and rates start from 0."""
     initial: float | None = None
     """An unlabelled gauge's value from the start (None: none until its first event)."""
 
 
-SERVER_STATE_FIELDS = ("START", "resume", "journal", "timeout", "request")
-"""The fields of refusals for the server's or the session's state rather than a bad input (draining, a session open
-or not, the journal's disk, a deadline, an internal failure): published at 0 for alerts; an input's field appears
-with its first refusal."""
+SERVER_STATE_FIELDS = ("journal", "timeout", "request")
+"""The fields of refusals for the server's state that name no input (the journal's disk, a deadline, an internal
+failure); :meth:`Metrics.publish_error_fields` publishes them at 0 with the inputs'."""
 
 SPECS = (
     MetricSpec("prepos_requests_total", "counter",
                "Client requests served to their end, by path (append and close included; rejected ones are in "
                "prepos_request_errors_total, stopped ones in prepos_requests_abandoned_total)", ("path",),
                values=("exact", "gated", "prepaid", "prefix", "rebuild", "append", "close")),
-    MetricSpec("prepos_request_errors_total", "counter", "Requests rejected, by the input the error names", ("field",),
-               values=SERVER_STATE_FIELDS),
+    MetricSpec("prepos_request_errors_total", "counter", "Requests rejected, by the input the error names", ("field",)),
     MetricSpec("prepos_first_token_ms", "histogram", "Server-side time from arrival to first response, by path (ms)",
                ("path",), FIRST_TOKEN_BUCKETS_MS),
     MetricSpec("prepos_gate_decisions_total", "counter", "Gate decisions on requests with a delta, by outcome", ("outcome",),
@@ -238,10 +236,11 @@ class Metrics:
         if first_token_ms is not None:
             self.sink.observe("prepos_first_token_ms", {"path": path}, first_token_ms)
 
-    def publish_error_fields(self, fields) -> None:
-        """Publish ``prepos_request_errors_total`` at 0 for each of ``fields`` (the model's inputs): rates of
-        refusals naming them then start from 0 too. A field named by no input still appears with its first."""
-        for field in fields:
+    def publish_error_fields(self, inputs: Sequence[str]) -> None:
+        """Publish ``prepos_request_errors_total`` at 0 for each of ``inputs`` (the model's, START and END
+        included) and :data:`SERVER_STATE_FIELDS`, so alerts see their first refusal. Another field a refusal
+        names (``session_id``, say) appears with it."""
+        for field in (*inputs, *SERVER_STATE_FIELDS):
             self.sink.inc("prepos_request_errors_total", {"field": field}, 0)
 
     def request_rejected(self, field: str) -> None:

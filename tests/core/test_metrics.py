@@ -126,9 +126,7 @@ def test_known_counter_series_are_published_at_zero_and_no_event_falls_outside_t
         h.serve(h.request(sid, "and then?", max_tokens=2))
         h.serve(h.request(sid, "", max_tokens=2))
     h.serve(h.request("s1", None, end=True, max_tokens=0))
-    # Every value such a label takes is listed, but a refusal's field, which may be any input's name.
-    known = {spec.name: (spec.labels[0], set(spec.values)) for spec in SPECS
-             if spec.values and spec.name != "prepos_request_errors_total"}
+    known = {spec.name: (spec.labels[0], set(spec.values)) for spec in SPECS if spec.values}
     seen = set()
     for name, labels in h.metrics.sink.values:
         if name in known:
@@ -136,3 +134,15 @@ def test_known_counter_series_are_published_at_zero_and_no_event_falls_outside_t
             assert dict(labels)[label] in values, (name, labels)
             seen.add((name, dict(labels)[label]))
     assert ("prepos_requests_total", "gated") in seen and ("prepos_requests_total", "close") in seen
+
+
+def test_refusals_by_every_input_and_by_the_servers_state_are_published_at_zero():
+    from prepos.metrics import Metrics
+    from prepos.protocol import CONTROL_NAMES, INPUT_NAMES
+
+    metrics = Metrics(MemorySink())
+    metrics.publish_error_fields((*INPUT_NAMES, *CONTROL_NAMES))
+    for field in (*INPUT_NAMES, "START", "END", "journal", "timeout", "request"):
+        assert metrics.sink.values["prepos_request_errors_total", (("field", field),)] == 0.0
+    metrics.request_rejected("journal")
+    assert metrics.sink.get("prepos_request_errors_total", field="journal") == 1
