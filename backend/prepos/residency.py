@@ -131,7 +131,7 @@ class Residency:
             except OSError as err:
                 log.error("session %r: could not delete its journal: %s%s", session.session_id, err,
                           "" if journal_if_unchanged else "; this server will not reopen the session from it, "
-                          "and tries again at its next reopening and hourly")
+                          "and tries again at its next reopening, hourly and at the drain before a stop")
                 if not journal_if_unchanged:  # an END: the session is over
                     self._undeleted.add(session.session_id)
         log.info("session %r closed (%s), %d tokens in its log%s", session.session_id, reason, len(session.token_log),
