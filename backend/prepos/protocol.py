@@ -53,14 +53,29 @@ TRITON_ERROR_CODES = {
 }
 
 
+def with_status(message: str, status: Status) -> str:
+    """An error's message as clients receive it: the status follows in brackets
+    (``max_tokens: must be in [0, 4096], got -1 [INVALID_ARGUMENT]``).
+
+    A gRPC stream, the only way to a decoupled model, carries an error's message and no status, and Triton's HTTP
+    generate endpoints answer 400 for most; so the text is where every client can read it from. The status is the
+    core's (``RESOURCE_EXHAUSTED``, ``DEADLINE_EXCEEDED``), not the Triton code it is sent as."""
+    return f"{message} [{status.value}]"
+
+
 class ProtocolError(Exception):
-    """A request the server will not serve. ``str(err)`` is ``"<field>: <problem>"``."""
+    """A request the server will not serve. ``str(err)`` is ``"<field>: <problem>"``; :attr:`sent_message` is what
+    clients receive."""
 
     def __init__(self, field: str, problem: str, status: Status = Status.INVALID_ARGUMENT):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
         self.status = status
+
+    @property
+    def sent_message(self) -> str:
+        return with_status(str(self), self.status)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,11 @@ _FIELD_PREFIX = re.compile(r"^([a-z][a-z0-9_]*|[A-Z][A-Z0-9_]*)\s*:")
 
 # gRPC codes that mean "no server answered", as tritonclient spells them.
 _UNREACHABLE_STATUSES = frozenset({"StatusCode.UNAVAILABLE"})
+# The statuses prepos names at the end of its error messages ("... [NOT_FOUND]"): a gRPC stream carries an
+# error's text and no status, so the server writes it into the text.
+CODES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
+                   "INTERNAL", "CANCELLED", "DEADLINE_EXCEEDED"})
+_CODE_SUFFIX = re.compile(r" \[([A-Z_]+)\]\Z")
 
 
 class PreposError(Exception):
@@ -31,13 +36,23 @@ class PreposError(Exception):
         status: the gRPC status of a stream-level failure as tritonclient
             reports it (e.g. "StatusCode.UNAVAILABLE"); None for an error the
             model returned for one request.
+        code: the status the server gave a refusal ("NOT_FOUND",
+            "RESOURCE_EXHAUSTED", one of `CODES`), read from the end of its
+            message and taken off it; None for Triton's own refusals and for
+            failures on the way.
     """
 
-    def __init__(self, message: str, *, field: str | None = None, status: str | None = None):
+    def __init__(self, message: str, *, field: str | None = None, status: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.message = message
         self.field = field
         self.status = status
+        self.code = code
+
+    def reworded(self, message: str) -> PreposError:
+        """The same refusal told in ``message`` (its field, status and code kept)."""
+        return PreposError(message, field=self.field, status=self.status, code=self.code)
 
     def __str__(self) -> str:
         return self.message
@@ -72,9 +87,12 @@ class PreposTimeout(PreposError, TimeoutError):
     """
 
     def __init__(self, message: str, *, field: str | None = None, status: str | None = None,
-                 accepted: bool | None = None):
-        super().__init__(message, field=field, status=status)
+                 code: str | None = None, accepted: bool | None = None):
+        super().__init__(message, field=field, status=status, code=code)
         self.accepted = accepted
+
+    def reworded(self, message: str) -> PreposTimeout:
+        return PreposTimeout(message, field=self.field, status=self.status, code=self.code, accepted=self.accepted)
 
 
 def parse_field(message: str) -> str | None:
@@ -89,6 +107,15 @@ def parse_field(message: str) -> str | None:
     return match.group(1) if match else None
 
 
+def split_code(message: str) -> tuple[str, str | None]:
+    """A server error message without the status it ends with (``"... [NOT_FOUND]"``), and that status; the
+    message unchanged and None when it ends with none of `CODES`."""
+    match = _CODE_SUFFIX.search(message)
+    if match is None or match.group(1) not in CODES:
+        return message, None
+    return message[:match.start()], match.group(1)
+
+
 def from_triton(error: InferenceServerException) -> PreposError:
     """Convert a tritonclient exception into the matching `PreposError`."""
     message = error.message() or str(error)
@@ -101,6 +128,7 @@ def from_triton(error: InferenceServerException) -> PreposError:
     if status == "StatusCode.DEADLINE_EXCEEDED":
         return PreposTimeout(message, status=status)
     message, field = _REQUEST_ID_PREFIX.sub("", message, count=1), parse_field(message)
+    message, code = split_code(message)
     if field == "timeout" and "deadline" in message:  # the server stopped the call at its time limit
-        return PreposTimeout(message, field=field, status=status, accepted=False)
-    return PreposError(message, field=field, status=status)
+        return PreposTimeout(message, field=field, status=status, code=code, accepted=False)
+    return PreposError(message, field=field, status=status, code=code)

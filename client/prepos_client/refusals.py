@@ -94,14 +94,14 @@ def may_send_again(kind: str, inflight: Inflight, latest_request_id: str, now: f
 
 def not_open_error(session_id: str | int, error: PreposError) -> PreposError:
     """The error for a request refused because the server does not hold the session, and not sent again."""
-    return PreposError(f"session {session_id} is not open on the server (ended by a drain before a stop, by its "
-                       "idle timeout, or by an END from elsewhere); this request changed nothing, and the next call "
-                       f"asks the server to reopen the session from its journal. The server said: {error.message}",
-                       field=error.field, status=error.status)
+    return error.reworded(f"session {session_id} is not open on the server (ended by a drain before a stop, by its "
+                          "idle timeout, or by an END from elsewhere); this request changed nothing, and the next "
+                          f"call asks the server to reopen the session from its journal. The server said: "
+                          f"{error.message}")
 
 
 def gone_error(session_id: str | int, error: PreposError) -> PreposError:
     """The error for a reopening refused because the server has no journal of the session: its log is gone."""
-    return PreposError(f"session {session_id} is no longer open on the server (closed by its idle timeout or by an "
-                       "END from elsewhere, or ended by a server that keeps no journals); open a new session. The "
-                       f"server said: {error.message}", field=error.field, status=error.status)
+    return error.reworded(f"session {session_id} is no longer open on the server (closed by its idle timeout or by "
+                          "an END from elsewhere, or ended by a server that keeps no journals); open a new session. "
+                          f"The server said: {error.message}")

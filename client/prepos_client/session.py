@@ -364,7 +364,8 @@ class Session:
                     continue
                 error = self._settle(inflight, delivery.error) or delivery.error
                 if isinstance(error, PreposTimeout) and inflight.closes_session:  # stopped at the server's deadline
-                    raise PreposTimeout(f"{error.message}; {_ENDED_ANYWAY}", field=error.field, status=error.status)
+                    raise PreposTimeout(f"{error.message}; {_ENDED_ANYWAY}", field=error.field, status=error.status,
+                                        code=error.code)
                 raise error
             chunk = parse_chunk(
                 delivery.result,
@@ -439,9 +440,8 @@ class Session:
                 # The opening whose answer was lost had opened the session after all: this START changed
                 # nothing, and the next request goes on without one.
                 self._needs_start = False
-                replaced = PreposError(f"{error.message}: the request that was to open it, whose answer was lost "
-                                       "with its stream, had opened it; the next call continues the session",
-                                       field=error.field, status=error.status)
+                replaced = error.reworded(f"{error.message}: the request that was to open it, whose answer was "
+                                          "lost with its stream, had opened it; the next call continues the session")
             self._opening_unknown = error.status is not None  # a lost stream tells nothing of the opening
         if inflight.closes_session and error.status is None:
             # Triton ends the sequence on END whatever the model

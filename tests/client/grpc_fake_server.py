@@ -68,7 +68,7 @@ class FakePreposServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         max_tokens = int(inputs["max_tokens"][0]) if "max_tokens" in inputs else 16
         text = inputs["text_input"][0].decode() if "text_input" in inputs else ""
         if max_tokens < 0:
-            return [service_pb2.ModelStreamInferResponse(error_message=f"max_tokens: must be >= 0, got {max_tokens}")]
+            return [service_pb2.ModelStreamInferResponse(error_message=f"max_tokens: must be >= 0, got {max_tokens} [INVALID_ARGUMENT]")]
         if max_tokens == 0:
             closing = request.parameters["sequence_end"].bool_param and "text_input" not in inputs
             return [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from prepos_client.errors import PreposError, PreposTimeout, PreposUnavailable, from_triton, parse_field
+from prepos_client.errors import CODES, PreposError, PreposTimeout, PreposUnavailable, from_triton, parse_field
 from tritonclient.utils import InferenceServerException
 
 
@@ -67,3 +67,41 @@ def test_a_missing_access_token_says_so_and_is_not_unreachable():
     error = from_triton(InferenceServerException(msg=message, status="StatusCode.UNAVAILABLE"))
     assert not isinstance(error, PreposUnavailable)
     assert error.field == "access token" and "--token" in str(error)
+
+
+@pytest.mark.parametrize("sent, message, code", [
+    ("resume: session 'a' has no journal [NOT_FOUND]", "resume: session 'a' has no journal", "NOT_FOUND"),
+    ("[request id: 2] START: past memory.max_sessions (8) [RESOURCE_EXHAUSTED]", "START: past memory.max_sessions (8)",
+     "RESOURCE_EXHAUSTED"),
+    ("max_tokens: must be in [0, 4096], got -1 [INVALID_ARGUMENT]", "max_tokens: must be in [0, 4096], got -1",
+     "INVALID_ARGUMENT"),
+    # only a known status at the very end is one
+    ("max_tokens: must be in [0, 4096], got -1", "max_tokens: must be in [0, 4096], got -1", None),
+    ("stop: got ['x'] [SOMETHING_ELSE]", "stop: got ['x'] [SOMETHING_ELSE]", None),
+    ("role: unknown [NOT_FOUND] role 'y'", "role: unknown [NOT_FOUND] role 'y'", None),
+    ("text_input: [NOT_FOUND]x", "text_input: [NOT_FOUND]x", None),
+])
+def test_the_status_a_refusal_ends_with_is_its_code_and_leaves_the_message(sent, message, code):
+    error = from_triton(InferenceServerException(msg=sent))
+    assert (error.message, str(error), error.code) == (message, message, code)
+    assert error.status is None  # the stream's status: none for a refusal by the model
+    assert error.field == message.split(":")[0]
+
+
+def test_a_deadline_refusal_keeps_its_code_through_the_timeout_error_and_a_rewording():
+    sent = "timeout: the request's deadline passed before it finished; its turn was not accepted [DEADLINE_EXCEEDED]"
+    error = from_triton(InferenceServerException(msg=sent))
+    assert isinstance(error, PreposTimeout) and error.code == "DEADLINE_EXCEEDED" and error.accepted is False
+    again = error.reworded("said otherwise")
+    assert isinstance(again, PreposTimeout)
+    assert (again.message, again.field, again.code, again.accepted) == ("said otherwise", "timeout",
+                                                                        "DEADLINE_EXCEEDED", False)
+
+
+def test_the_clients_codes_are_the_servers_statuses():
+    from prepos.protocol import ProtocolError, Status
+
+    assert CODES == {status.value for status in Status}
+    for status in Status:  # what the server sends is what the client reads back
+        error = from_triton(InferenceServerException(msg=ProtocolError("top_k", "must be >= 0", status).sent_message))
+        assert (error.message, error.field, error.code) == ("top_k: must be >= 0", "top_k", status.value)

@@ -175,6 +175,7 @@ def test_every_bad_input_names_its_field_and_changes_nothing(server):
         # lifecycle errors
         _, error = send(url, "target", dict(text_input=_b("again")), start=True)  # duplicate START
         assert names_field(error, "START") and "already open" in error, error
+        assert error.endswith(" [ALREADY_EXISTS]"), error  # the status a stream cannot carry, at the end
         _, error = send(url, "never-started", dict(text_input=_b("hi")))
         assert names_field(error, "START"), error
         _, error = send(url, "never-started-end", dict(max_tokens=_i32(0)), end=True)  # END of an unknown session
@@ -220,8 +221,9 @@ def test_a_session_ended_by_another_client_is_closed_for_its_owner_with_a_clear_
         owner = client.session("shared-id")
         owner.append(SYSTEM, role="system")
         client.session("shared-id", resume=True).close()  # another client continues it and sends END
-        with pytest.raises(PreposError, match="session shared-id is no longer open on the server"):
+        with pytest.raises(PreposError, match="session shared-id is no longer open on the server") as gone:
             owner.ask(QUESTION, max_tokens=2)
+        assert gone.value.code == "NOT_FOUND" and "[NOT_FOUND]" not in str(gone.value)  # the reopening's refusal
         assert owner.closed
         with pytest.raises(PreposError, match="session shared-id is closed"):
             owner.ask(QUESTION, max_tokens=2)  # refused before anything is sent

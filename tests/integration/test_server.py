@@ -387,6 +387,7 @@ def test_http_named_session_streams_and_keeps_its_log(server, engine_manifest, t
                         ({"session_id": "", "text_input": "hi"}, "session_id")):
         status, (error,) = _generate(server, body)
         assert status == 400 and error["error"].startswith(f"{field}: "), error
+        assert error["error"].endswith(" [INVALID_ARGUMENT]"), error  # prepos's and the bridge's, alike
     status, (answer,) = _generate(server, {"session_id": sid, "text_input": "And a third?", "max_tokens": 8})
     prompt = conv.prompt("user", "And a third?")
     assert _ids_of(answer) == reference_greedy(reference_model, prompt, 8, conv.f["stop_token_ids"])
@@ -411,15 +412,17 @@ def test_http_bad_values_are_named_before_they_reach_the_session(server, engine_
             ({"input_ids": [1, 2**31]}, 400, "input_ids: entry 1, 2147483648 does not fit INT32"),
             ({"max_tokens": 8, "timeout": "soon"}, 400, "timeout: expected whole microseconds"),
             # a deadline that passes: prepos refuses the turn, and the session's log stays as it was
-            ({"max_tokens": 8, "timeout": 1}, 400, "timeout: "),
+            ({"max_tokens": 8, "timeout": 1}, 400, "timeout: "),  # ... [DEADLINE_EXCEEDED], asserted below
             # a JSON value of the wrong kind: Triton's generate endpoint refuses it before any model runs
             ({"max_tokens": "eight"}, 500, "Unable to parse"),
     ):
         status, (error,) = _generate(server, {"session_id": sid, "text_input": question} | body)
         assert status == status_want and error["error"].startswith(start), (body, error)
+        if body.get("timeout") == 1:
+            assert error["error"].endswith(" [DEADLINE_EXCEEDED]"), error
     long_id = "x" * 129
     status, (error,) = _generate(server, {"session_id": long_id, "start": True, "text_input": "hi", "max_tokens": 0})
-    assert status == 400 and error["error"] == "session_id: 129 bytes; at most 128 allowed"
+    assert status == 400 and error["error"] == "session_id: 129 bytes; at most 128 allowed [INVALID_ARGUMENT]"
     status, (error,) = _generate(server, {"resume": True, "text_input": "hi", "max_tokens": 4})  # nothing to resume
     assert status == 400 and error["error"].startswith("resume: needs session_id"), error
     status, (answer,) = _generate(server, {"session_id": sid, "text_input": question, "max_tokens": 8,
@@ -475,7 +478,8 @@ def test_http_deadline_passing_mid_answer_ends_the_request_with_the_error(server
                  "timeout": 2_000_000}  # its first tokens come well within 2 s, its 400 tokens well after
     status, events = _generate(server, long_turn | {"stream": True}, stream=True)
     assert status == 200 and len(events) > 1 and all("error" not in e for e in events[:-1]), events[-1]
-    assert events[-1] == {"error": "timeout: the request's deadline passed before it finished; its turn was not accepted"}
+    assert events[-1] == {"error": "timeout: the request's deadline passed before it finished; its turn was not accepted"
+                                   " [DEADLINE_EXCEEDED]"}  # relayed as the bridge's last response: status kept
     status, (error,) = _generate(server, long_turn)
     assert status == 400 and error["error"].startswith("timeout: "), error
     # Neither turn was accepted: the next question is answered from the opening alone.

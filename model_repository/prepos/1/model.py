@@ -31,7 +31,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 def _triton_error(error: ProtocolError):
     # Looked up at use: the stub binds TritonError only once the model is initialised.
-    return pb_utils.TritonError(str(error), getattr(pb_utils.TritonError, TRITON_ERROR_CODES[error.status]))
+    return pb_utils.TritonError(error.sent_message, getattr(pb_utils.TritonError, TRITON_ERROR_CODES[error.status]))
 
 
 class TritonSink:

@@ -22,7 +22,7 @@ except ImportError:  # running from a source checkout: model_repository/prepos_h
 from prepos.bridge import (BRIDGE_PARAMETER, CHECKED_INPUTS, NARROWED_INPUTS, absent_outputs, bridge_target,
                            forwarded_inputs, merge_responses, narrowed_inputs, read_bridge_config, relayed_error)
 from prepos.heap import settle_heap
-from prepos.protocol import TRITON_ERROR_CODES, ProtocolError
+from prepos.protocol import TRITON_ERROR_CODES, ProtocolError, Status, with_status
 from prepos.stub import server_alive
 from prepos.supervise import BLS_THREADS
 
@@ -59,8 +59,8 @@ class TritonPythonModel:
                 narrowed = narrowed_inputs({name: inputs[name].as_numpy() for name in inputs
                                             if name in NARROWED_INPUTS})
             except ProtocolError as err:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG)),
-                            flags=FINAL)
+                code = getattr(pb_utils.TritonError, TRITON_ERROR_CODES[err.status])
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(err.sent_message, code)), flags=FINAL)
                 return
             flags = ((pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if target.start else 0)
                      | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if target.end else 0))
@@ -84,7 +84,8 @@ class TritonPythonModel:
                 if error is not None:  # an error after other responses (prepos.bridge), always the last response
                     message, status = error
                     code = getattr(pb_utils.TritonError, TRITON_ERROR_CODES[status])
-                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(with_status(message, status), code)),
+                                flags=FINAL)
                     return
                 if target.stream:
                     unset = absent_outputs(outputs)
@@ -104,8 +105,8 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
         except Exception as err:  # noqa: BLE001 - the client gets an answer, never a hang
             log.exception("relaying a request to %s failed", self.target_model)
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"prepos_http: {err}",
-                                                                              pb_utils.TritonError.INTERNAL)),
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                with_status(f"prepos_http: {err}", Status.INTERNAL), pb_utils.TritonError.INTERNAL)),
                         flags=FINAL)
 
     def finalize(self):
