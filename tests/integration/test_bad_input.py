@@ -266,3 +266,52 @@ def test_access_token_gates_inference_and_repository_control(tmp_path):
         assert http_status(srv.http_url, "/v2/repository/index", {ACCESS_TOKEN_HEADER: TOKEN}, b"{}") == 200
         assert http_status(srv.http_url, "/v2/health/ready") == 200
         assert TOKEN not in srv.log_file.read_text()
+
+
+def test_an_id_reused_right_behind_its_end_on_one_stream_opens_a_new_session(server):
+    """[answer, END] then [START, question, END] for one id, sent back to back on one stream: Triton gives the new
+    sequence a slot of its own and delivered its START before the END (2 of 2 tries before prepos held such a
+    START for the END); every request must still take effect in the order sent."""
+    url = server.grpc_url
+    for attempt in range(3):
+        session_id = f"reused-{attempt}"
+        open_raw(url, session_id)
+        finals: dict[str, list] = {}
+        done: queue.Queue = queue.Queue()
+
+        def collect(result, error):
+            if error is not None:
+                done.put(("error", str(error)))
+                return
+            response = result.get_response()
+            finals.setdefault(response.id, []).append(result.as_numpy("output_ids").tolist())
+            if response.parameters["triton_final_response"].bool_param:
+                done.put((response.id, None))
+
+        client = grpcclient.InferenceServerClient(url)
+        client.start_stream(collect)
+        requests = [("story", dict(text_input=_b("Tell me a story."), max_tokens=_i32(24)), False, False),
+                    ("end", dict(max_tokens=_i32(0)), False, True),
+                    ("start", dict(text_input=_b(SYSTEM), role=_b("system"), max_tokens=_i32(0)), True, False),
+                    ("question", dict(text_input=_b(QUESTION), max_tokens=_i32(3), speculate=np.array([False])),
+                     False, False),
+                    ("close", dict(max_tokens=_i32(0)), False, True)]
+        try:
+            for request_id, inputs, start, end in requests:
+                tensors = []
+                for name, array in inputs.items():
+                    tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+                    tensor.set_data_from_numpy(array)
+                    tensors.append(tensor)
+                client.async_stream_infer("prepos", tensors, request_id=request_id, sequence_id=session_id,
+                                          sequence_start=start, sequence_end=end, enable_empty_final_response=True)
+            answered = [done.get(timeout=120) for _ in requests]
+        finally:
+            client.stop_stream()
+            client.close()
+        assert all(error is None for _, error in answered), answered
+        # the new session answers from its own log: as a fresh session opened the same way
+        open_raw(url, f"{session_id}-twin")
+        question_ids = [i for ids in finals["question"] for i in ids]
+        assert question_ids == ask(url, f"{session_id}-twin", QUESTION, max_tokens=3)
+        assert send(url, f"{session_id}-twin", dict(max_tokens=_i32(0)), end=True)[1] is None
