@@ -29,9 +29,6 @@ class ParkedStarts:
     def __init__(self) -> None:
         self._parked: dict[str | int, deque[tuple[float, Request, ResponseSink]]] = {}
 
-    def __len__(self) -> int:
-        return sum(len(starts) for starts in self._parked.values())
-
     def park(self, request: Request, sink: ResponseSink, now: float) -> None:
         self._parked.setdefault(request.session_id, deque()).append((now + REORDER_GRACE_S, request, sink))
 

@@ -58,7 +58,8 @@ def with_status(message: str, status: Status) -> str:
     (``max_tokens: must be in [0, 4096], got -1 [INVALID_ARGUMENT]``).
 
     A gRPC stream, the only way to a decoupled model, carries an error's message and no status, and Triton's HTTP
-    generate endpoints answer 400 for most; so the text is where every client can read it from. The status is the
+    generate endpoints answer 400 for a NOT_FOUND as for an INVALID_ARGUMENT; so the text is where every client can
+    read it from. The status is the
     core's (``RESOURCE_EXHAUSTED``, ``DEADLINE_EXCEEDED``), not the Triton code it is sent as."""
     return f"{message} [{status.value}]"
 
