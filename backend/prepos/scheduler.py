@@ -37,7 +37,6 @@ from prepos.gate import Gate
 from prepos.gate_watch import GateWatch
 from prepos.kv_writes import WriteReportingEngine
 from prepos.metrics import Metrics
-from prepos.parked_starts import ParkedStarts
 from prepos.protocol import (DRAIN_REASON, END_REASON, START_REJECTED_REASON, ProtocolError, Rejection, Request,
                              ResponseSink, Status)
 from prepos.queued_deadlines import QueuedDeadlines
@@ -120,7 +119,6 @@ class Scheduler:
         self._loop_lock = threading.Lock()  # held by whichever thread runs loop steps
         self._ready: deque[Session] = deque()
         self._queued_deadlines = QueuedDeadlines()  # requests waiting behind their session's earlier ones
-        self._parked_starts = ParkedStarts()  # STARTs for open sessions, waiting a moment for those sessions' END
         self._steps = StepBatches(engine=engine, config=config, metrics=metrics, clock=clock,
                                   done=self._foreground_done)
         self._background_after_s = 0.0  # no background work before this time (see background_delay_ms)
@@ -181,14 +179,11 @@ class Scheduler:
         self._wake.put(None)
         if self._thread is not None:
             self._thread.join(timeout_s)
-        sinks = [sink for _, sink in self._parked_starts.take_all()]
         while True:
             try:
                 _, sink = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            sinks.append(sink)
-        for sink in sinks:
             sink.send_error(ProtocolError("model", "server is shutting down", Status.UNAVAILABLE))
         self._metrics.flush()
 
@@ -206,9 +201,6 @@ class Scheduler:
                 pause = HOUSEKEEPING_INTERVAL_S
                 if self._background.waiting:
                     pause = min(pause, max(1e-4, self._background_after_s - self._clock()))
-                parked_due_s = self._parked_starts.next_due_s()
-                if parked_due_s is not None:
-                    pause = min(pause, max(1e-4, parked_due_s - self._clock()))
                 try:
                     self._wake.get(timeout=pause)
                 except queue.Empty:
@@ -231,8 +223,6 @@ class Scheduler:
         if self._queued_deadlines.due(now):
             for session, request, sink in self._queued_deadlines.expired(now):
                 self._server.expire_queued(session, request, sink)
-        for request, sink in self._parked_starts.expired(now):  # no END came: refused if the session is still open
-            self._admit(request, sink, may_park=False)
         if now >= self._next_housekeeping:  # also under sustained load: gauges stay fresh, idle sessions close
             self._housekeeping(now)
         if self._steps.due(self._ready):
@@ -251,15 +241,7 @@ class Scheduler:
                 return
             self._admit(*item)
 
-    def _admit(self, request: Request | Rejection, sink: ResponseSink, *, may_park: bool = True) -> None:
-        """Queue ``request`` on its session (opening it for a START), or answer it now; a START for a session that
-        is open may wait a moment for that session's END (see :mod:`prepos.parked_starts`)."""
-        self._admit_one(request, sink, may_park)
-        if request.end:  # a START held for this END follows it (the END closes the session whatever it answered)
-            for start, start_sink in self._parked_starts.release(request.session_id):
-                self._admit_one(start, start_sink, False)
-
-    def _admit_one(self, request: Request | Rejection, sink: ResponseSink, may_park: bool) -> None:
+    def _admit(self, request: Request | Rejection, sink: ResponseSink) -> None:
         if self._draining and request.start:
             self._reject(request, sink, ProtocolError("START", DRAINING_MESSAGE, Status.UNAVAILABLE))
             return
@@ -285,9 +267,6 @@ class Scheduler:
             elif request.start:
                 if existing is not None and self._expired(existing, self._clock()):
                     self._close(existing, IDLE_REASON)
-                elif existing is not None and may_park:
-                    self._parked_starts.park(request, sink, self._clock())
-                    return
                 session = self._residency.open(request.session_id, journaled=not request.end)
             else:
                 session = existing or self.store.lookup(request.session_id)

@@ -13,7 +13,6 @@ from prepos.config import GateConfig, SchedulerConfig
 from prepos.engines.base import KVCapacityError
 from prepos.journal import SessionJournal
 from prepos.metrics import Metrics
-from prepos.parked_starts import REORDER_GRACE_S
 from prepos.protocol import Request, Sampling, Status
 from prepos.scan import scan_numpy
 from prepos.scheduler import Scheduler
@@ -421,11 +420,7 @@ def test_seeded_sampling_is_reproducible(h):
 def test_end_frees_the_session_and_start_rules_hold(h):
     open_session(h)
     h.idle()
-    dup = h.submit(h.request("s1", "again", start=True, max_tokens=0))
-    h.sched.run_once()
-    assert not dup.done  # held a moment for an END that Triton may deliver after it (prepos.parked_starts)
-    h.clock.t += REORDER_GRACE_S
-    h.sched.run_once()
+    dup = h.serve(h.request("s1", "again", start=True, max_tokens=0))
     assert dup.error.field == "START" and dup.error.status is Status.ALREADY_EXISTS
     closed = h.serve(h.request("s1", None, end=True, max_tokens=0))
     assert closed.chunks[-1].path == "close" and closed.chunks[-1].finish_reason == "closed"
@@ -630,61 +625,6 @@ def test_a_start_for_an_id_whose_end_is_being_served_opens_once_that_end_is_done
     assert ending.done and ending.error is None
     assert again.done and again.error is None and again.path == "prefix"
     assert h.tok.decode(h.log("s1")).count("long story") == 0  # a new log
-
-
-@pytest.mark.parametrize("busy", [False, True])
-def test_a_start_delivered_before_the_end_it_followed_opens_after_that_end(h, busy):
-    """Triton gives a START sent right behind its session's END a slot of its own and can deliver it first (seen:
-    START, then END 5 ms later, on one gRPC stream): the START waits for that END, and the new session's requests
-    after it are the new session's, as in the order they were sent."""
-    open_session(h)
-    h.idle()
-    story = h.submit(h.request("s1", "tell me a story", max_tokens=8)) if busy else None
-    h.sched.run_once()
-    again = h.submit(h.request("s1", "hello again", start=True, max_tokens=0))
-    h.sched.run_once()
-    assert not again.done  # held for the END
-    end = h.submit(h.request("s1", None, end=True, max_tokens=0))  # the old session's END, delivered late
-    question = h.submit(h.request("s1", "what came before?", max_tokens=3))
-    for _ in range(500):
-        if question.done:
-            break
-        h.sched.run_once()
-    assert end.error is None and end.chunks[-1].finish_reason == "closed"
-    assert again.error is None and question.error is None, (again.error, question.error)
-    assert story is None or (story.error is None and story.chunks[-1].finish_reason in ("stop", "length"))
-    log = h.tok.decode(h.log("s1"))
-    assert "hello again" in log and "what came before?" in log and "tell me a story" not in log  # a new log
-    twin = h.serve(h.request("twin", "hello again", start=True, max_tokens=0))
-    assert twin.error is None
-    assert question.ids == expected(h, "twin", "what came before?", max_tokens=3)
-
-
-def test_a_start_for_an_open_session_whose_end_does_not_come_is_refused_after_a_moment(h):
-    open_session(h)
-    h.idle()
-    dup = h.submit(h.request("s1", "again", start=True, max_tokens=0))
-    question = h.submit(h.request("s1", "still the first session?", max_tokens=2))  # the open session's
-    for _ in range(100):
-        if question.done:
-            break
-        h.sched.run_once()
-    assert question.error is None and not dup.done
-    h.clock.t += REORDER_GRACE_S
-    h.sched.run_once()
-    assert dup.error.status is Status.ALREADY_EXISTS and "already open" in str(dup.error)
-    assert "again" not in h.tok.decode(h.log("s1"))  # the refused START changed nothing
-    late_end = h.serve(h.request("s1", None, end=True, max_tokens=0))  # after the grace: nothing held for it
-    assert late_end.error is None and h.sched.store.get("s1") is None
-
-
-def test_a_start_held_for_an_end_is_answered_when_the_server_stops(h):
-    open_session(h)
-    h.idle()
-    held = h.submit(h.request("s1", "again", start=True, max_tokens=0))
-    h.sched.run_once()
-    h.sched.stop()
-    assert held.error is not None and held.error.status is Status.UNAVAILABLE
 
 
 def test_a_session_that_goes_idle_takes_over_the_background_between_chunks(tmp_path):
