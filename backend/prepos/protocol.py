@@ -59,24 +59,25 @@ def with_status(message: str, status: Status) -> str:
 
     A gRPC stream, the only way to a decoupled model, carries an error's message and no status, and Triton's HTTP
     generate endpoints answer 400 for a NOT_FOUND as for an INVALID_ARGUMENT; so the text is where every client can
-    read it from. The status is the
-    core's (``RESOURCE_EXHAUSTED``, ``DEADLINE_EXCEEDED``), not the Triton code it is sent as."""
+    read it from. The status is the core's (``RESOURCE_EXHAUSTED``, ``DEADLINE_EXCEEDED``), not the Triton code it
+    is sent as."""
     return f"{message} [{status.value}]"
 
 
+def triton_error(error_type, message: str, status: Status):
+    """The Python backend's error (``error_type``: its ``TritonError``, which only a backend stub can import) for a
+    refusal: the message with its status (:func:`with_status`), sent as that status's Triton code."""
+    return error_type(with_status(message, status), getattr(error_type, TRITON_ERROR_CODES[status]))
+
+
 class ProtocolError(Exception):
-    """A request the server will not serve. ``str(err)`` is ``"<field>: <problem>"``; :attr:`sent_message` is what
-    clients receive."""
+    """A request the server will not serve. ``str(err)`` is ``"<field>: <problem>"``."""
 
     def __init__(self, field: str, problem: str, status: Status = Status.INVALID_ARGUMENT):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
         self.status = status
-
-    @property
-    def sent_message(self) -> str:
-        return with_status(str(self), self.status)
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,9 @@ def test_a_deadline_refusal_keeps_its_code_through_the_timeout_error_and_a_rewor
 
 
 def test_the_clients_codes_are_the_servers_statuses():
-    from prepos.protocol import ProtocolError, Status
+    from prepos.protocol import Status, with_status
 
     assert CODES == {status.value for status in Status}
     for status in Status:  # what the server sends is what the client reads back
-        error = from_triton(InferenceServerException(msg=ProtocolError("top_k", "must be >= 0", status).sent_message))
+        error = from_triton(InferenceServerException(msg=with_status("top_k: must be >= 0", status)))
         assert (error.message, error.field, error.code) == ("top_k: must be >= 0", "top_k", status.value)

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepos.config import LimitsConfig
-from prepos.protocol import CancelPoll, INPUT_NAMES, ProtocolError, parse_request
+from prepos.protocol import (INPUT_NAMES, TRITON_ERROR_CODES, CancelPoll, ProtocolError, Status, parse_request,
+                             triton_error)
 
 LIMITS = LimitsConfig(max_delta_bytes=64, max_delta_tokens=4, max_role_bytes=8, max_choices=4, max_choice_bytes=16,
                       max_stops=2, max_stop_bytes=8, max_top_k=100)
@@ -194,3 +195,16 @@ def test_a_cancel_poll_asks_at_once_then_at_most_once_per_interval_and_keeps_a_y
     assert poll() is True and len(asked) == 3
     now[0] += 10
     assert poll() is True and len(asked) == 3  # a cancelled request stays cancelled without asking
+
+
+def test_a_refusal_is_sent_with_its_status_in_the_text_and_as_the_matching_triton_code():
+    class FakeTritonError:  # the Python backend's TritonError: a message, a code, and the codes as attributes
+        INVALID_ARG, NOT_FOUND, ALREADY_EXISTS, UNAVAILABLE, INTERNAL, CANCELLED = range(6)
+
+        def __init__(self, message, code):
+            self.message, self.code = message, code
+
+    for status in Status:
+        error = triton_error(FakeTritonError, "resume: no journal", status)
+        assert error.message == f"resume: no journal [{status.value}]"
+        assert error.code == getattr(FakeTritonError, TRITON_ERROR_CODES[status])

@@ -22,7 +22,7 @@ from prepos.core import Core
 from prepos.drain import Drainer
 from prepos.heap import settle_heap
 from prepos.bridge import BRIDGE_PARAMETER, relayed_error_outputs
-from prepos.protocol import TRITON_ERROR_CODES, CancelPoll, ProtocolError, Rejection, ResponseChunk, control_flags
+from prepos.protocol import CancelPoll, ProtocolError, Rejection, ResponseChunk, control_flags, triton_error
 from prepos.stub import server_alive
 from triton_metrics import TritonMetricsSink
 
@@ -31,7 +31,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 def _triton_error(error: ProtocolError):
     # Looked up at use: the stub binds TritonError only once the model is initialised.
-    return pb_utils.TritonError(error.sent_message, getattr(pb_utils.TritonError, TRITON_ERROR_CODES[error.status]))
+    return triton_error(pb_utils.TritonError, str(error), error.status)
 
 
 class TritonSink:

@@ -22,7 +22,7 @@ except ImportError:  # running from a source checkout: model_repository/prepos_h
 from prepos.bridge import (BRIDGE_PARAMETER, CHECKED_INPUTS, NARROWED_INPUTS, absent_outputs, bridge_target,
                            forwarded_inputs, merge_responses, narrowed_inputs, read_bridge_config, relayed_error)
 from prepos.heap import settle_heap
-from prepos.protocol import TRITON_ERROR_CODES, ProtocolError, Status, with_status
+from prepos.protocol import ProtocolError, Status, triton_error
 from prepos.stub import server_alive
 from prepos.supervise import BLS_THREADS
 
@@ -59,8 +59,8 @@ class TritonPythonModel:
                 narrowed = narrowed_inputs({name: inputs[name].as_numpy() for name in inputs
                                             if name in NARROWED_INPUTS})
             except ProtocolError as err:
-                code = getattr(pb_utils.TritonError, TRITON_ERROR_CODES[err.status])
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(err.sent_message, code)), flags=FINAL)
+                sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError, str(err), err.status)),
+                            flags=FINAL)
                 return
             flags = ((pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if target.start else 0)
                      | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if target.end else 0))
@@ -83,8 +83,7 @@ class TritonPythonModel:
                 error = relayed_error(outputs)
                 if error is not None:  # an error after other responses (prepos.bridge), always the last response
                     message, status = error
-                    code = getattr(pb_utils.TritonError, TRITON_ERROR_CODES[status])
-                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(with_status(message, status), code)),
+                    sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError, message, status)),
                                 flags=FINAL)
                     return
                 if target.stream:
@@ -105,8 +104,8 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
         except Exception as err:  # noqa: BLE001 - the client gets an answer, never a hang
             log.exception("relaying a request to %s failed", self.target_model)
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                with_status(f"prepos_http: {err}", Status.INTERNAL), pb_utils.TritonError.INTERNAL)),
+            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError, f"prepos_http: {err}",
+                                                                     Status.INTERNAL)),
                         flags=FINAL)
 
     def finalize(self):
