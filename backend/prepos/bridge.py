@@ -56,6 +56,9 @@ MAX_SESSION_ID_BYTES = 128  # Triton's limit on a string correlation id
 ONE_TURN_PREFIX = "http-"
 # prepos's INT32 inputs, INT64 on the bridge (module docstring): the type prepos takes each as.
 NARROWED_INPUTS = {"input_ids": np.int32, "max_tokens": np.int32, "top_k": np.int32}
+# Every field the bridge's own refusals name (its inputs, those it checks, the timeout parameter, and "request" for
+# a failure of its own), counted in prepos_request_errors_total{model="prepos_http"} and published at 0 from the start.
+ERROR_FIELDS = (*CHECKED_INPUTS, *NARROWED_INPUTS, "timeout", "request")
 
 # The bridge's settings: model parameters in its config.pbtxt, each overridable by PREPOS_BRIDGE_<FIELD>.
 DEFAULT_TARGET_MODEL = "prepos"

@@ -33,9 +33,10 @@ class MetricSpec:
     """An unlabelled gauge's value from the start (None: none until its first event)."""
 
 
-SERVER_STATE_FIELDS = ("journal", "timeout", "request")
-"""The fields of refusals for the server's state that name no input (the journal's disk, a deadline, an internal
-failure); :meth:`Metrics.publish_error_fields` publishes them at 0 with the inputs'."""
+SERVER_STATE_FIELDS = ("journal", "timeout", "request", "model", "correlation_id")
+"""The fields of refusals that name no input: the journal's disk, a deadline, an internal failure, the model's
+state (no KV memory left, shutting down) and a request without a sequence id;
+:meth:`Metrics.publish_error_fields` publishes them at 0 with the inputs'."""
 
 SPECS = (
     MetricSpec("prepos_requests_total", "counter",
@@ -238,8 +239,7 @@ class Metrics:
 
     def publish_error_fields(self, inputs: Sequence[str]) -> None:
         """Publish ``prepos_request_errors_total`` at 0 for each of ``inputs`` (the model's, START and END
-        included) and :data:`SERVER_STATE_FIELDS`, so alerts see their first refusal. Another field a refusal
-        names (``session_id``, say) appears with it."""
+        included) and :data:`SERVER_STATE_FIELDS`, so alerts see their first refusal."""
         for field in (*inputs, *SERVER_STATE_FIELDS):
             self.sink.inc("prepos_request_errors_total", {"field": field}, 0)
 
@@ -330,3 +330,23 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
         if all(f'{key}="{value}"' in rest for key, value in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+class RefusalCounter:
+    """``prepos_request_errors_total`` alone, for a model that refuses requests but serves none itself (the HTTP
+    bridge, ``prepos_http``): its refusals are counted under its own ``model`` label, the fields it can name
+    published at 0 from the start. Each refusal is one update of ``sink`` on the refusing thread (an IPC on
+    Triton's sink, on the error path only). Thread-safe."""
+
+    NAME = "prepos_request_errors_total"
+
+    def __init__(self, sink: MetricsSink, fields: Sequence[str]):
+        self._sink = sink
+        self._lock = threading.Lock()
+        self._sink.declare(next(spec for spec in SPECS if spec.name == self.NAME))
+        for field in fields:
+            self._sink.inc(self.NAME, {"field": field}, 0)
+
+    def refused(self, field: str) -> None:
+        with self._lock:
+            self._sink.inc(self.NAME, {"field": field}, 1)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import threading
 import time
+from pathlib import Path
 
 from prepos.metrics import BufferedSink, MemorySink
 from test_scheduler import Harness, open_session
@@ -146,3 +148,99 @@ def test_refusals_by_every_input_and_by_the_servers_state_are_published_at_zero(
         assert metrics.sink.values["prepos_request_errors_total", (("field", field),)] == 0.0
     metrics.request_rejected("journal")
     assert metrics.sink.get("prepos_request_errors_total", field="journal") == 1
+
+
+def _fields_named(source: Path) -> set[str]:
+    """The fields that the ``ProtocolError(...)`` calls of a source file name as a string literal."""
+    calls = (node for node in ast.walk(ast.parse(source.read_text())) if isinstance(node, ast.Call))
+    return {call.args[0].value for call in calls
+            if getattr(call.func, "id", None) == "ProtocolError" and call.args
+            and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)}
+
+
+def test_every_field_a_refusal_names_is_published_at_zero_by_the_model_that_refuses():
+    import prepos
+    from prepos.bridge import ERROR_FIELDS
+    from prepos.metrics import SERVER_STATE_FIELDS
+    from prepos.protocol import CONTROL_NAMES, INPUT_NAMES
+
+    backend = Path(prepos.__file__).parent
+    repository = backend.parents[1] / "model_repository"
+    published = {"prepos": {*INPUT_NAMES, *CONTROL_NAMES, *SERVER_STATE_FIELDS}, "prepos_http": set(ERROR_FIELDS)}
+    named = {"prepos": set(), "prepos_http": set()}
+    for source in [*backend.rglob("*.py"), repository / "prepos/1/model.py"]:
+        named["prepos_http" if source.name == "bridge.py" else "prepos"] |= _fields_named(source)
+    named["prepos_http"] |= _fields_named(repository / "prepos_http/1/model.py")
+    for model in named:
+        assert named[model] and named[model] <= published[model], (model, named[model] - published[model])
+    assert {"model", "correlation_id", "journal"} <= named["prepos"]  # what a refusal of the server's state names
+    assert {"session_id", "timeout", "resume"} <= named["prepos_http"]
+
+
+def test_the_bridge_counts_its_own_refusals_by_field_with_every_field_at_zero_from_the_start():
+    from prepos.bridge import ERROR_FIELDS
+    from prepos.metrics import RefusalCounter
+
+    sink = MemorySink()
+    counter = RefusalCounter(sink, ERROR_FIELDS)
+    assert {labels for name, labels in sink.values} == {(("field", field),) for field in ERROR_FIELDS}
+    assert set(sink.values.values()) == {0.0}
+    for field in ("session_id", "session_id", "max_tokens"):
+        counter.refused(field)
+    assert sink.get("prepos_request_errors_total", field="session_id") == 2
+    assert sink.get("prepos_request_errors_total", field="max_tokens") == 1
+    assert sink.get("prepos_request_errors_total", field="timeout") == 0
+
+
+class _FakeFamily:
+    """``pb_utils.MetricFamily`` as far as the sink uses it: families made, and each metric's labels and value."""
+
+    COUNTER, GAUGE, HISTOGRAM = "counter-kind", "gauge-kind", "histogram-kind"
+    made: list[tuple[str, str, str]] = []
+
+    def __init__(self, name, description, kind):
+        self.made.append((name, description, kind))
+        self.metrics = []
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils's name
+        metric = _FakeMetric(labels, buckets)
+        self.metrics.append(metric)
+        return metric
+
+
+class _FakeMetric:
+    def __init__(self, labels, buckets):
+        self.labels, self.buckets, self.values = labels, buckets, []
+
+    def increment(self, value):
+        self.values.append(value)
+
+    set = observe = increment
+
+
+def test_the_triton_sink_labels_every_series_with_its_model_and_makes_each_series_once(monkeypatch):
+    from prepos import triton_metrics
+    from prepos.metrics import SPECS, RefusalCounter
+
+    monkeypatch.setattr(triton_metrics, "server_alive", lambda: True)
+    monkeypatch.setattr(_FakeFamily, "made", [])
+    sink = triton_metrics.TritonMetricsSink("prepos_http", _FakeFamily)
+    counter = RefusalCounter(sink, ("session_id", "timeout"))
+    counter.refused("session_id")
+    counter.refused("session_id")
+    errors = next(spec for spec in SPECS if spec.name == "prepos_request_errors_total")
+    # The same family as the prepos model declares: Triton keeps one, told apart by the model label.
+    assert _FakeFamily.made == [(errors.name, errors.description, _FakeFamily.COUNTER)]
+    family = sink._families[errors.name]
+    assert [(m.labels, m.values) for m in family.metrics] == [
+        ({"model": "prepos_http", "field": "session_id"}, [0, 1, 1]),
+        ({"model": "prepos_http", "field": "timeout"}, [0]),
+    ]
+    histogram = next(spec for spec in SPECS if spec.kind == "histogram")
+    sink.declare(histogram)
+    sink.observe(histogram.name, {}, 2.5)
+    (metric,) = sink._families[histogram.name].metrics
+    assert metric.buckets == list(histogram.buckets) and metric.values == [2.5]
+    monkeypatch.setattr(triton_metrics, "server_alive", lambda: False)  # tritonserver gone: updates dropped
+    counter.refused("timeout")
+    assert family.metrics[1].values == [0]

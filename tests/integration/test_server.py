@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from prepos.bridge import NARROWED_INPUTS
+from prepos.bridge import ERROR_FIELDS, NARROWED_INPUTS
 from prepos_client import Client, PreposError
 
 from .conftest import start_server
@@ -315,9 +315,14 @@ def test_metrics_on_the_metrics_port(server):
         published = response.read().decode()
     for generation in ("0", "1", "2"):
         assert f'prepos_gc_collections_total{{generation="{generation}"' in published
-    # Refusals by every field of the model's inputs and of the server's state are there before the first one.
-    for field in ("max_tokens", "role", "text_input", "START", "END", "journal", "timeout", "request"):
-        assert re.search(rf'prepos_request_errors_total{{[^}}]*field="{field}"', published), field
+    # Refusals by every field of the model's inputs and of the server's state are there before the first one, and
+    # the HTTP bridge's own refusals by every field it names, under its model.
+    series = [line for line in published.splitlines() if line.startswith("prepos_request_errors_total{")]
+    for model, fields in (("prepos", ("max_tokens", "role", "text_input", "START", "END", "journal", "timeout",
+                                      "request", "model", "correlation_id")),
+                          ("prepos_http", ERROR_FIELDS)):
+        for field in fields:
+            assert any(f'model="{model}"' in line and f'field="{field}"' in line for line in series), (model, field)
 
 
 # ---- the HTTP bridge (prepos_http) over Triton's generate endpoints ----------------------------------------------
@@ -406,6 +411,13 @@ def test_http_bad_values_are_named_before_they_reach_the_session(server, engine_
     assert status == 200
     conv.append("system", SYSTEM)
     question = "Name a primary colour."
+    fields = ("max_tokens", "input_ids", "timeout", "session_id", "resume")
+
+    def refusals(model):
+        return [server.metric("prepos_request_errors_total", model=model, field=field) for field in fields]
+
+    bridge_before, prepos_before = refusals("prepos_http"), refusals("prepos")
+    deadlines_before = server.metric("prepos_requests_abandoned_total", model="prepos", reason="deadline")
     for body, status_want, start in (
             # a whole number INT32 cannot hold: named by the bridge (Triton alone would store 4294967299 as 3)
             ({"max_tokens": 4294967299}, 400, "max_tokens: 4294967299 does not fit INT32"),
@@ -425,6 +437,12 @@ def test_http_bad_values_are_named_before_they_reach_the_session(server, engine_
     assert status == 400 and error["error"] == "session_id: 129 bytes; at most 128 allowed [INVALID_ARGUMENT]"
     status, (error,) = _generate(server, {"resume": True, "text_input": "hi", "max_tokens": 4})  # nothing to resume
     assert status == 400 and error["error"].startswith("resume: needs session_id"), error
+    # The bridge's own refusals are counted under its model, each once, before their answer, and reached no
+    # session; the deadline that passed in prepos is prepos's (published when its engine loop goes idle).
+    assert [a - b for a, b in zip(refusals("prepos_http"), bridge_before)] == [1, 1, 1, 1, 1]
+    eventually(lambda: server.metric("prepos_requests_abandoned_total", model="prepos", reason="deadline")
+               == deadlines_before + 1)
+    assert refusals("prepos") == prepos_before
     status, (answer,) = _generate(server, {"session_id": sid, "text_input": question, "max_tokens": 8,
                                            "timeout": 120_000_000})
     prompt = conv.prompt("user", question)

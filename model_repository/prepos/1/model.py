@@ -24,7 +24,7 @@ from prepos.heap import settle_heap
 from prepos.bridge import BRIDGE_PARAMETER, relayed_error_outputs
 from prepos.protocol import CancelPoll, ProtocolError, Rejection, ResponseChunk, control_flags, triton_error
 from prepos.stub import server_alive
-from triton_metrics import TritonMetricsSink
+from prepos.triton_metrics import TritonMetricsSink
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -91,7 +91,8 @@ class TritonPythonModel:
         if idle_s and "scheduler.session_idle_timeout_s" not in parameters:
             parameters["scheduler.session_idle_timeout_s"] = str(idle_s)
         model_dir = f"{args['model_repository']}"
-        self.core = Core.from_parameters(parameters, model_dir, TritonMetricsSink(args["model_name"]),
+        metrics = TritonMetricsSink(args["model_name"], pb_utils.MetricFamily)
+        self.core = Core.from_parameters(parameters, model_dir, metrics,
                                          sequence_slots=sequence_slots(model_config), sequence_idle_s=idle_s)
         settle_heap()  # this process's startup objects leave the garbage collector's walks (see prepos.heap)
         self.core.start()

@@ -19,12 +19,15 @@ try:
 except ImportError:  # running from a source checkout: model_repository/prepos_http/1/model.py -> backend/
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
 
-from prepos.bridge import (BRIDGE_PARAMETER, CHECKED_INPUTS, NARROWED_INPUTS, absent_outputs, bridge_target,
-                           forwarded_inputs, merge_responses, narrowed_inputs, read_bridge_config, relayed_error)
+from prepos.bridge import (BRIDGE_PARAMETER, CHECKED_INPUTS, ERROR_FIELDS, NARROWED_INPUTS, absent_outputs,
+                           bridge_target, forwarded_inputs, merge_responses, narrowed_inputs, read_bridge_config,
+                           relayed_error)
 from prepos.heap import settle_heap
+from prepos.metrics import RefusalCounter
 from prepos.protocol import ProtocolError, Status, triton_error
 from prepos.stub import server_alive
 from prepos.supervise import BLS_THREADS
+from prepos.triton_metrics import TritonMetricsSink
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("prepos.bridge")
@@ -41,6 +44,8 @@ class TritonPythonModel:
                         settings.max_streams, BLS_THREADS)
         self.target_model = settings.target_model
         self.outputs = [output["name"] for output in config["output"]]
+        # Only the bridge's own refusals: prepos counts those of the requests it relays.
+        self.refusals = RefusalCounter(TritonMetricsSink(args["model_name"], pb_utils.MetricFamily), ERROR_FIELDS)
         self.pool = ThreadPoolExecutor(max_workers=settings.max_streams, thread_name_prefix="bridge")
         settle_heap()  # as in prepos: the relay's requests do not wait on walks of the startup objects
 
@@ -59,6 +64,7 @@ class TritonPythonModel:
                 narrowed = narrowed_inputs({name: inputs[name].as_numpy() for name in inputs
                                             if name in NARROWED_INPUTS})
             except ProtocolError as err:
+                self.refusals.refused(err.field)  # counted before the answer: a scrape after it sees the refusal
                 sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError, str(err), err.status)),
                             flags=FINAL)
                 return
@@ -107,6 +113,7 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError, f"prepos_http: {err}",
                                                                      Status.INTERNAL)),
                         flags=FINAL)
+            self.refusals.refused("request")  # after the answer: the client has one whatever this does
 
     def finalize(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
