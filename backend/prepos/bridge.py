@@ -36,6 +36,10 @@ the bridge, because the generate endpoints store a JSON number into an INT32
 input by truncation (4294967299 arrives as 3): the bridge reads the whole value
 and names the input when it does not fit INT32. This module holds the bridge's
 logic on NumPy values; ``model_repository/prepos_http/1/model.py`` only converts.
+
+Refusals are counted in ``prepos_request_errors_total`` under the bridge's model:
+its own, and Triton's of the requests it relays (:func:`triton_refusal`), which
+prepos never sees; prepos counts its own refusals of relayed requests.
 """
 
 from __future__ import annotations
@@ -56,9 +60,10 @@ MAX_SESSION_ID_BYTES = 128  # Triton's limit on a string correlation id
 ONE_TURN_PREFIX = "http-"
 # prepos's INT32 inputs, INT64 on the bridge (module docstring): the type prepos takes each as.
 NARROWED_INPUTS = {"input_ids": np.int32, "max_tokens": np.int32, "top_k": np.int32}
-# Every field the bridge's own refusals name (its inputs, those it checks, the timeout parameter, and "request" for
-# a failure of its own), counted in prepos_request_errors_total{model="prepos_http"} and published at 0 from the start.
-ERROR_FIELDS = (*CHECKED_INPUTS, *NARROWED_INPUTS, "timeout", "request")
+# Every field the bridge counts a refusal under (its inputs, those it checks, the timeout parameter, START for a
+# relayed request Triton refused for a session it does not hold, "request" for any other failure: triton_refusal),
+# in prepos_request_errors_total{model="prepos_http"}, each published at 0 from the start.
+ERROR_FIELDS = (*CHECKED_INPUTS, *NARROWED_INPUTS, "timeout", "START", "request")
 
 # The bridge's settings: model parameters in its config.pbtxt, each overridable by PREPOS_BRIDGE_<FIELD>.
 DEFAULT_TARGET_MODEL = "prepos"
@@ -256,6 +261,23 @@ def relayed_error(outputs: Mapping[str, np.ndarray]) -> tuple[str, Status] | Non
         return None
     message = _as_bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8", errors="replace")
     return message, Status(_as_bytes(outputs["finish_reason"].reshape(-1)[0]).decode())
+
+
+TRITON_NOT_OPEN = "must specify the START flag on the first request of the sequence"
+"""How Triton (2.51) words its refusal of a request without START for a sequence it does not hold."""
+
+
+def triton_refusal(message: str) -> tuple[str, Status | None] | None:
+    """For an error of a relayed request: None when prepos sent it (its text ends with a status, see
+    ``prepos.protocol.with_status``; prepos counts it), else Triton refused the request before prepos saw it, and
+    this is the field the bridge counts it under and the status it adds to the text. A request to a session Triton
+    does not hold (never opened, ended, or idle past the timeout) is ``("START", NOT_FOUND)``, as prepos words a
+    session that is not open; any other is ``("request", None)``, passed on as Triton wrote it."""
+    if any(message.endswith(f" [{status.value}]") for status in Status):
+        return None
+    if TRITON_NOT_OPEN in message:
+        return "START", Status.NOT_FOUND
+    return "request", None
 
 
 def _as_bytes(raw: object) -> bytes:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prepos.bridge import (ONE_TURN_PREFIX, absent_outputs, bridge_target, forwarded_inputs, merge_responses,
-                           narrowed_inputs, relayed_error, relayed_error_outputs)
-from prepos.protocol import TRITON_ERROR_CODES, ProtocolError, Status
+from prepos.bridge import (ERROR_FIELDS, ONE_TURN_PREFIX, absent_outputs, bridge_target, forwarded_inputs,
+                           merge_responses, narrowed_inputs, relayed_error, relayed_error_outputs, triton_refusal)
+from prepos.protocol import TRITON_ERROR_CODES, ProtocolError, Status, with_status
 
 
 def _b(*values) -> np.ndarray:
@@ -163,3 +163,16 @@ def test_a_bad_bridge_setting_is_named(parameters, environ, message):
     with pytest.raises(ValueError) as err:
         read_bridge_config(parameters, environ)
     assert str(err.value) == message
+
+
+def test_an_error_prepos_sent_is_told_from_tritons_own_refusal_of_a_relayed_request():
+    for status in Status:  # prepos's own, every status: prepos counts it, and the bridge passes it on unchanged
+        assert triton_refusal(with_status("START: session 's' is not open", status)) is None
+    # Triton 2.51's words for a request without START to a sequence it does not hold
+    not_open = ("inference request for sequence s1 to model 'prepos' must specify the START flag on the first "
+                "request of the sequence")
+    assert triton_refusal(not_open) == ("START", Status.NOT_FOUND)
+    assert triton_refusal("Request for unknown model: 'prepos' is not found") == ("request", None)
+    assert triton_refusal(f"{not_open} [SOMETHING]") == ("START", Status.NOT_FOUND)  # no status of ours
+    for message in (not_open, "anything else"):
+        assert triton_refusal(message)[0] in ERROR_FIELDS  # published at 0 from the start

@@ -398,8 +398,12 @@ def test_http_named_session_streams_and_keeps_its_log(server, engine_manifest, t
     assert _ids_of(answer) == reference_greedy(reference_model, prompt, 8, conv.f["stop_token_ids"])
     status, (closed,) = _generate(server, {"session_id": sid, "end": True, "max_tokens": 0})
     assert status == 200 and closed["path"] == "close"
+    not_open = server.metric("prepos_request_errors_total", model="prepos_http", field="START")
     status, (error,) = _generate(server, {"session_id": sid, "text_input": "Still there?"})
     assert status == 400 and "START" in error["error"]  # closed: the next request must open it again
+    # Triton's refusal, before prepos saw it: the bridge counts it and gives it the status prepos would
+    assert error["error"].endswith(" [NOT_FOUND]"), error
+    assert server.metric("prepos_request_errors_total", model="prepos_http", field="START") == not_open + 1
 
 
 def test_http_bad_values_are_named_before_they_reach_the_session(server, engine_manifest, tokenizer,

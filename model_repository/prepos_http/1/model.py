@@ -21,7 +21,7 @@ except ImportError:  # running from a source checkout: model_repository/prepos_h
 
 from prepos.bridge import (BRIDGE_PARAMETER, CHECKED_INPUTS, ERROR_FIELDS, NARROWED_INPUTS, absent_outputs,
                            bridge_target, forwarded_inputs, merge_responses, narrowed_inputs, read_bridge_config,
-                           relayed_error)
+                           relayed_error, triton_refusal)
 from prepos.heap import settle_heap
 from prepos.metrics import RefusalCounter
 from prepos.protocol import ProtocolError, Status, triton_error
@@ -44,7 +44,7 @@ class TritonPythonModel:
                         settings.max_streams, BLS_THREADS)
         self.target_model = settings.target_model
         self.outputs = [output["name"] for output in config["output"]]
-        # Only the bridge's own refusals: prepos counts those of the requests it relays.
+        # The bridge's own refusals, and Triton's of the requests it relays: prepos counts its own.
         self.refusals = RefusalCounter(TritonMetricsSink(args["model_name"], pb_utils.MetricFamily), ERROR_FIELDS)
         self.pool = ThreadPoolExecutor(max_workers=settings.max_streams, thread_name_prefix="bridge")
         settle_heap()  # as in prepos: the relay's requests do not wait on walks of the startup objects
@@ -79,7 +79,14 @@ class TritonPythonModel:
             held = []
             for response in forward.exec(decoupled=True):
                 if response.has_error():
-                    sender.send(pb_utils.InferenceResponse(error=response.error()), flags=FINAL)
+                    error = response.error()
+                    refusal = triton_refusal(error.message())  # None: prepos's own, which prepos counts
+                    if refusal is not None:  # Triton's, before prepos saw it: counted here, its status added
+                        field, status = refusal
+                        self.refusals.refused(field)
+                        if status is not None:
+                            error = triton_error(pb_utils.TritonError, error.message(), status)
+                    sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
                     return
                 tensors = response.output_tensors()
                 # a cancelled client's request still runs to its end; no is_cancelled once the server is gone
