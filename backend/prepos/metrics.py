@@ -350,3 +350,61 @@ class RefusalCounter:
     def refused(self, field: str) -> None:
         with self._lock:
             self._sink.inc(self.NAME, {"field": field}, 1)
+
+
+BRIDGE_RELAYS = MetricSpec(
+    "prepos_bridge_relays", "gauge",
+    "HTTP bridge requests by state: relaying (on a relay thread until prepos answers) or waiting (for a relay "
+    "thread: more than bridge.max_streams at once)", ("state",))
+
+
+class RelayGauge:
+    """``prepos_bridge_relays{state=relaying|waiting}`` for the HTTP bridge: requests holding a relay thread, and
+    requests waiting for one. Each change is a dictionary update; a thread of its own publishes the values every
+    ``interval_s`` when they changed (:class:`BufferedSink`), so no request waits on a metrics IPC. Both are 0 from
+    the start. Thread-safe."""
+
+    STATES = ("relaying", "waiting")
+
+    def __init__(self, sink: MetricsSink, interval_s: float = 0.5):
+        self._sink = BufferedSink(sink)
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.STATES, 0)
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._sink.declare(BRIDGE_RELAYS)
+        for state in self.STATES:
+            self._sink.set(BRIDGE_RELAYS.name, {"state": state}, 0)
+        self._sink.flush()
+        self._thread = threading.Thread(target=self._publish, name="bridge-relays", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _move(self, left: str | None, entered: str | None) -> None:
+        with self._lock:
+            for state, step in ((left, -1), (entered, 1)):
+                if state is not None:
+                    self._counts[state] += step
+                    self._sink.set(BRIDGE_RELAYS.name, {"state": state}, self._counts[state])
+
+    def queued(self) -> None:
+        """A request came in; it waits for a relay thread."""
+        self._move(None, "waiting")
+
+    def started(self) -> None:
+        """A waiting request is on a relay thread now."""
+        self._move("waiting", "relaying")
+
+    def finished(self) -> None:
+        """A relayed request was answered (or its relay failed)."""
+        self._move("relaying", None)
+
+    def _publish(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            self._sink.flush()

@@ -244,3 +244,32 @@ def test_the_triton_sink_labels_every_series_with_its_model_and_makes_each_serie
     monkeypatch.setattr(triton_metrics, "server_alive", lambda: False)  # tritonserver gone: updates dropped
     counter.refused("timeout")
     assert family.metrics[1].values == [0]
+
+
+def test_the_bridges_relays_are_published_by_state_from_a_thread_of_their_own_when_they_change():
+    from prepos.metrics import RelayGauge
+
+    sink = MemorySink()
+    relays = RelayGauge(sink, interval_s=0.01)
+    assert sink.get("prepos_bridge_relays", state="relaying") == 0 and ("prepos_bridge_relays", (
+        ("state", "waiting"),)) in sink.values  # both there from the start
+    for _ in range(3):
+        relays.queued()
+    relays.started()
+    relays.started()
+    relays.finished()
+    assert sink.get("prepos_bridge_relays", state="waiting") == 0  # nothing published on a request's thread
+    relays.start()
+    try:
+        deadline = time.monotonic() + 10
+        while sink.get("prepos_bridge_relays", state="waiting") != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sink.get("prepos_bridge_relays", state="waiting") == 1
+        assert sink.get("prepos_bridge_relays", state="relaying") == 1
+    finally:
+        relays.stop()
+    relays.started()
+    relays.finished()
+    relays.finished()
+    time.sleep(0.05)
+    assert sink.get("prepos_bridge_relays", state="relaying") == 1  # stopped: nothing published any more

@@ -477,6 +477,9 @@ def test_http_requests_queued_on_one_session_do_not_hold_up_other_sessions(serve
     with lock:
         answered_before = len(done)
     assert answered_before < num_queued - 32  # enough still queued to take all of Triton's default 32 threads
+    # The bridge publishes its relays every half second: dozens on relay threads (256 at most), none waiting.
+    eventually(lambda: server.metric("prepos_bridge_relays", model="prepos_http", state="relaying") >= 16)
+    assert server.metric("prepos_bridge_relays", model="prepos_http", state="waiting") == 0
     other = threading.Thread(target=ask, args=("other", {"text_input": "Say hello.", "max_tokens": 1}))
     other.start()
     for thread in [*queued, other]:
@@ -486,6 +489,7 @@ def test_http_requests_queued_on_one_session_do_not_hold_up_other_sessions(serve
     waited_for = done.index("other:200") - answered_before
     assert waited_for <= 4, (answered_before, waited_for)
     assert _generate(server, {"session_id": sid, "end": True})[0] == 200
+    eventually(lambda: server.metric("prepos_bridge_relays", model="prepos_http", state="relaying") == 0)
 
 
 def test_http_deadline_passing_mid_answer_ends_the_request_with_the_error(server, engine_manifest, tokenizer,

@@ -23,7 +23,7 @@ from prepos.bridge import (BRIDGE_PARAMETER, CHECKED_INPUTS, ERROR_FIELDS, NARRO
                            bridge_target, forwarded_inputs, merge_responses, narrowed_inputs, read_bridge_config,
                            relayed_error, triton_refusal)
 from prepos.heap import settle_heap
-from prepos.metrics import RefusalCounter
+from prepos.metrics import RefusalCounter, RelayGauge
 from prepos.protocol import ProtocolError, Status, triton_error
 from prepos.stub import server_alive
 from prepos.supervise import BLS_THREADS
@@ -45,16 +45,27 @@ class TritonPythonModel:
         self.target_model = settings.target_model
         self.outputs = [output["name"] for output in config["output"]]
         # The bridge's own refusals, and Triton's of the requests it relays: prepos counts its own.
-        self.refusals = RefusalCounter(TritonMetricsSink(args["model_name"], pb_utils.MetricFamily), ERROR_FIELDS)
+        metrics = TritonMetricsSink(args["model_name"], pb_utils.MetricFamily)
+        self.refusals = RefusalCounter(metrics, ERROR_FIELDS)
+        self.relays = RelayGauge(metrics)  # requests on a relay thread, and waiting for one
+        self.relays.start()
         self.pool = ThreadPoolExecutor(max_workers=settings.max_streams, thread_name_prefix="bridge")
         settle_heap()  # as in prepos: the relay's requests do not wait on walks of the startup objects
 
     def execute(self, requests):
         for request in requests:
+            self.relays.queued()
             self.pool.submit(self._relay, request, time.perf_counter())
         return None
 
     def _relay(self, request, arrival_s):
+        self.relays.started()
+        try:
+            self._relay_request(request, arrival_s)
+        finally:
+            self.relays.finished()
+
+    def _relay_request(self, request, arrival_s):
         sender = request.get_response_sender()
         try:
             inputs = {tensor.name(): tensor for tensor in request.inputs()}
@@ -124,3 +135,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.relays.stop()
