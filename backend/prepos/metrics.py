@@ -360,7 +360,8 @@ BRIDGE_RELAYS = MetricSpec(
 
 class RelayGauge:
     """``prepos_bridge_relays{state=relaying|waiting}`` for the HTTP bridge: requests holding a relay thread, and
-    requests waiting for one. Each change is a dictionary update; a thread of its own publishes the values every
+    requests waiting for one (past ``bridge.max_streams``, and each for the moment between its arrival and its
+    thread). Each change is a dictionary update; a thread of its own publishes the values every
     ``interval_s`` when they changed (:class:`BufferedSink`), so no request waits on a metrics IPC. Both are 0 from
     the start. Thread-safe."""
 
