@@ -276,6 +276,9 @@ class PreposConfig:
         check_setting(self.journal.expire_s == 0 or self.journal.expire_s > idle_s, "journal.expire_s",
                       f"must exceed the session idle timeout ({idle_s:g} s; a journal is written only at accepted "
                       "turns), or be 0 (never)")
+        check_setting(self.scheduler.default_max_tokens <= self.limits.max_tokens, "scheduler.default_max_tokens",
+                      f"{self.scheduler.default_max_tokens} is above limits.max_tokens ({self.limits.max_tokens}), "
+                      "so every request that leaves max_tokens out would be refused")
 
     def engine_dir(self, model_dir: str | Path) -> Path:
         return _in_model_dir(self.engine.dir, model_dir)
@@ -340,11 +343,16 @@ def read_settings(classes: Mapping[str, type], parameters: Mapping[str, str], en
         values[area][name] = raw
     from_environ = {}  # key -> the environment variable that set it
     for area, cls in classes.items():
-        for f in dataclasses.fields(cls):
-            env_key = f"PREPOS_{area}_{f.name}".upper()
+        variables = {f"PREPOS_{area}_{f.name}".upper(): f.name for f in dataclasses.fields(cls)}
+        for env_key in environ:
+            if env_key.startswith(f"PREPOS_{area}_".upper()) and env_key not in variables:
+                # a misspelt variable would otherwise change nothing, silently
+                raise ConfigError(f"{env_key}: unknown environment variable for the {area} settings; known: "
+                                  f"{', '.join(sorted(variables))}")
+        for env_key, name in variables.items():
             if env_key in environ:
-                values[area][f.name] = environ[env_key]
-                from_environ[f"{area}.{f.name}"] = env_key
+                values[area][name] = environ[env_key]
+                from_environ[f"{area}.{name}"] = env_key
     try:
         built = {}
         for area, cls in classes.items():
@@ -367,15 +375,18 @@ def sequence_slots(model_config: Mapping[str, Any]) -> int | None:
     return int(slots) if slots else None
 
 
-def check_sequence_slots(memory: MemoryConfig, slots: int | None) -> None:
+def check_sequence_slots(memory: MemoryConfig, slots: int | None, environ: Mapping[str, str] | None = None) -> None:
     """Triton holds a START past its sequence slots in a backlog until a slot frees, where prepos could not
     answer it, so ``memory.max_sessions`` must stay below them: the START past it is then rejected at once
     (RESOURCE_EXHAUSTED), and the slots left over hold rejected STARTs until their END or idle timeout."""
+    environ = os.environ if environ is None else environ
     if slots is not None and memory.max_sessions >= slots:
+        variable = "PREPOS_MEMORY_MAX_SESSIONS"
         raise ConfigError(
             f"memory.max_sessions: {memory.max_sessions} must be below Triton's sequence slots "
             f"(sequence_batching.oldest.max_candidate_sequences = {slots}); past them Triton queues a new START "
-            "instead of passing it on, so it would wait rather than be rejected")
+            "instead of passing it on, so it would wait rather than be rejected"
+            + (f" (set by the environment variable {variable})" if variable in environ else ""))
 
 
 def idle_timeout_mismatch(scheduler: SchedulerConfig, sequence_idle_s: float | None) -> str | None:

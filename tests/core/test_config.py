@@ -28,6 +28,9 @@ def test_parameters_and_environment_override_defaults():
     ({"journal.expire_s": "-1"}, "journal.expire_s"),
     ({"journal.expire_s": "300"}, "journal.expire_s"),  # below the 600 s idle timeout
     ({"journal.expire_s": "7200", "scheduler.session_idle_timeout_s": "86400"}, "journal.expire_s"),
+    # a default every request without max_tokens would be refused for
+    ({"scheduler.default_max_tokens": "5000"}, "scheduler.default_max_tokens"),
+    ({"scheduler.default_max_tokens": "65", "limits.max_tokens": "64"}, "scheduler.default_max_tokens"),
 ])
 def test_bad_values_name_the_key(params, key):
     with pytest.raises(ConfigError, match=f"^{key}: "):
@@ -136,3 +139,22 @@ def test_a_session_idle_timeout_other_than_tritons_is_named_with_what_goes_wrong
                               "sequence_batching.max_sequence_idle_microseconds (600 s)") and "slot" in shorter
     longer = idle_timeout_mismatch(SchedulerConfig(session_idle_timeout_s=900.0), 600.0)
     assert "is longer than" in longer and "START" in longer
+
+
+def test_an_unknown_variable_of_a_settings_area_stops_the_load_naming_it():
+    for variable in ("PREPOS_GATE_NOSUCH", "PREPOS_SCHEDULER_STREAM_INTERVALL"):  # a misspelt one changed nothing
+        with pytest.raises(ConfigError, match=f"^{variable}: unknown environment variable .*known: .*PREPOS_"):
+            read_config({}, environ={variable: "4"})
+    # Variables of no settings area (the cache, the bridge's, read by the bridge) are not this model's to judge.
+    config = read_config({}, environ={"PREPOS_CACHE_DIR": "/tmp/x", "PREPOS_BRIDGE_MAX_STREAMS": "8",
+                                      "PREPOS_SCHEDULER_STREAM_INTERVAL": "4"})
+    assert config.scheduler.stream_interval == 4
+    assert read_config({"scheduler.default_max_tokens": "4096"}, environ={}).scheduler.default_max_tokens == 4096
+
+
+def test_the_sequence_slots_check_names_the_variable_that_set_max_sessions():
+    with pytest.raises(ConfigError, match=r"PREPOS_MEMORY_MAX_SESSIONS\)$"):
+        check_sequence_slots(MemoryConfig(max_sessions=9000), 8192, environ={"PREPOS_MEMORY_MAX_SESSIONS": "9000"})
+    with pytest.raises(ConfigError) as raised:
+        check_sequence_slots(MemoryConfig(max_sessions=9000), 8192, environ={})
+    assert "environment" not in str(raised.value)
