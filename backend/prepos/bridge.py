@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prepos.config import check_setting, read_settings
-from prepos.protocol import ProtocolError, Status
+from prepos.protocol import ProtocolError, Status, sent_status
 
 BRIDGE_INPUTS = ("session_id", "start", "end", "stream")
 CHECKED_INPUTS = (*BRIDGE_INPUTS, "resume")  # what bridge_target reads: resume needs a session too
@@ -273,7 +273,7 @@ def triton_refusal(message: str) -> tuple[str, Status | None] | None:
     this is the field the bridge counts it under and the status it adds to the text. A request to a session Triton
     does not hold (never opened, ended, or idle past the timeout) is ``("START", NOT_FOUND)``, as prepos words a
     session that is not open; any other is ``("request", None)``, passed on as Triton wrote it."""
-    if any(message.endswith(f" [{status.value}]") for status in Status):
+    if sent_status(message) is not None:
         return None
     if TRITON_NOT_OPEN in message:
         return "START", Status.NOT_FOUND

@@ -64,6 +64,12 @@ def with_status(message: str, status: Status) -> str:
     return f"{message} [{status.value}]"
 
 
+def sent_status(message: str) -> Status | None:
+    """The status an error's text ends with (:func:`with_status`), None when it ends with none: the text is not
+    one prepos sent (Triton's own refusal, say)."""
+    return next((status for status in Status if message.endswith(with_status("", status))), None)
+
+
 def triton_error(error_type, message: str, status: Status):
     """The Python backend's error (``error_type``: its ``TritonError``, which only a backend stub can import) for a
     refusal: the message with its status (:func:`with_status`), sent as that status's Triton code."""

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from prepos.config import LimitsConfig
 from prepos.protocol import (INPUT_NAMES, TRITON_ERROR_CODES, CancelPoll, ProtocolError, Status, parse_request,
-                             triton_error)
+                             sent_status, triton_error)
 
 LIMITS = LimitsConfig(max_delta_bytes=64, max_delta_tokens=4, max_role_bytes=8, max_choices=4, max_choice_bytes=16,
                       max_stops=2, max_stop_bytes=8, max_top_k=100)
@@ -208,3 +208,6 @@ def test_a_refusal_is_sent_with_its_status_in_the_text_and_as_the_matching_trito
         error = triton_error(FakeTritonError, "resume: no journal", status)
         assert error.message == f"resume: no journal [{status.value}]"
         assert error.code == getattr(FakeTritonError, TRITON_ERROR_CODES[status])
+        assert sent_status(error.message) is status  # read back from the text, as the HTTP bridge does
+    for message in ("must specify the START flag", "resume: no journal [SOMETHING]", "[NOT_FOUND] first"):
+        assert sent_status(message) is None
