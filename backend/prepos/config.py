@@ -329,6 +329,17 @@ def read_config(parameters: Mapping[str, str], environ: Mapping[str, str] | None
     return read_settings(classes, parameters, environ, PreposConfig)
 
 
+def environment_variable(key: str) -> str:
+    """The environment variable that overrides the setting ``key`` (``memory.max_sessions``:
+    ``PREPOS_MEMORY_MAX_SESSIONS``)."""
+    return "PREPOS_" + key.replace(".", "_").upper()
+
+
+def _set_by(error: ConfigError, variable: str) -> ConfigError:
+    """``error`` saying which environment variable set its value: config.pbtxt does not show it."""
+    return ConfigError(f"{error} (set by the environment variable {variable})")
+
+
 def read_settings(classes: Mapping[str, type], parameters: Mapping[str, str], environ: Mapping[str, str],
                   combine: Callable[..., _T]) -> _T:
     """``combine`` of one settings dataclass per area (``classes``), from model parameters ``<area>.<field>`` and
@@ -343,7 +354,7 @@ def read_settings(classes: Mapping[str, type], parameters: Mapping[str, str], en
         values[area][name] = raw
     from_environ = {}  # key -> the environment variable that set it
     for area, cls in classes.items():
-        variables = {f"PREPOS_{area}_{f.name}".upper(): f.name for f in dataclasses.fields(cls)}
+        variables = {environment_variable(f"{area}.{f.name}"): f.name for f in dataclasses.fields(cls)}
         for env_key in environ:
             if env_key.startswith(f"PREPOS_{area}_".upper()) and env_key not in variables:
                 # a misspelt variable would otherwise change nothing, silently
@@ -360,10 +371,10 @@ def read_settings(classes: Mapping[str, type], parameters: Mapping[str, str], en
             parsed = {name: _parse_value(f"{area}.{name}", raw, kinds[name]) for name, raw in values[area].items()}
             built[area] = cls(**parsed)
         return combine(**built)
-    except ConfigError as err:  # say where a value from the environment came from: config.pbtxt does not show it
+    except ConfigError as err:  # say where a value from the environment came from
         key = str(err).partition(":")[0]
         if key in from_environ:
-            raise ConfigError(f"{err} (set by the environment variable {from_environ[key]})") from None
+            raise _set_by(err, from_environ[key]) from None
         raise
 
 
@@ -381,12 +392,12 @@ def check_sequence_slots(memory: MemoryConfig, slots: int | None, environ: Mappi
     (RESOURCE_EXHAUSTED), and the slots left over hold rejected STARTs until their END or idle timeout."""
     environ = os.environ if environ is None else environ
     if slots is not None and memory.max_sessions >= slots:
-        variable = "PREPOS_MEMORY_MAX_SESSIONS"
-        raise ConfigError(
+        error = ConfigError(
             f"memory.max_sessions: {memory.max_sessions} must be below Triton's sequence slots "
             f"(sequence_batching.oldest.max_candidate_sequences = {slots}); past them Triton queues a new START "
-            "instead of passing it on, so it would wait rather than be rejected"
-            + (f" (set by the environment variable {variable})" if variable in environ else ""))
+            "instead of passing it on, so it would wait rather than be rejected")
+        variable = environment_variable("memory.max_sessions")
+        raise _set_by(error, variable) if variable in environ else error
 
 
 def idle_timeout_mismatch(scheduler: SchedulerConfig, sequence_idle_s: float | None) -> str | None:
