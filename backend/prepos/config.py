@@ -10,7 +10,6 @@ override a value without editing the model repository.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -184,7 +183,7 @@ class GateConfig:
     the gate is suspended once the audits' upper bound on the false-accept rate passes it."""
 
     def __post_init__(self) -> None:
-        check_setting(math.isfinite(self.threshold), "gate.threshold", "must be finite")
+        check_setting(0.0 <= self.threshold <= 1.0, "gate.threshold", "must lie in [0, 1] (every score does)")
         check_setting(self.score in ("p_max", "margin", "certainty"), "gate.score", f"unknown score {self.score!r}")
         check_setting(0.0 <= self.epsilon < 1.0, "gate.epsilon", "must lie in [0, 1); 0 = not calibrated")
         check_setting(0.0 <= self.watch_fraction <= 1.0, "gate.watch_fraction", "must lie in [0, 1]")

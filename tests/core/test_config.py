@@ -20,6 +20,10 @@ def test_parameters_and_environment_override_defaults():
     ({"scheduler.stream_interval": "0"}, "scheduler.stream_interval"),
     ({"scheduler.stream_interval": "2000"}, "scheduler.stream_interval"),
     ({"engine.name": "onnx"}, "engine.name"),
+    # every gate score lies in [0, 1], as a request's gate_threshold must
+    ({"gate.threshold": "1.5"}, "gate.threshold"),
+    ({"gate.threshold": "-0.1"}, "gate.threshold"),
+    ({"gate.threshold": "nan"}, "gate.threshold"),
     ({"scheduler.preposition": "perhaps"}, "scheduler.preposition"),
     ({"scheduler.idle_policy": "random"}, "scheduler.idle_policy"),
     ({"memory.eviction_policy": "mru"}, "memory.eviction_policy"),

@@ -22,7 +22,7 @@ _ids = itertools.count()
 
 
 class Harness:
-    def __init__(self, tmp_path, *, threshold=2.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True,
+    def __init__(self, tmp_path, *, threshold=1.0, chunk_tokens=16, kv_budget=10**9, retain_kv=True,
                  background_delay_ms=0.0, context_overflow="reject", max_log_tokens=0, journal=None, speculative_delta="",
                  gate_kw=None, max_sessions=100, idle_timeout_s=600.0, max_decode_batch=32, max_prefill_batch=16,
                  max_prefill_batch_tokens=512, stream_interval=1, eviction_policy="lru", preposition=True, engine=None,
@@ -152,7 +152,7 @@ def test_paths_are_token_identical_to_stateless_prefill(h):
 
     h.idle()
     want = expected(h, "s1", "next question")
-    prepaid = h.serve(h.request("s1", "next question"))  # gate threshold 2.0 never fires
+    prepaid = h.serve(h.request("s1", "next question"))  # gate threshold 1.0: no score of the fake engine's distributions reaches it
     assert prepaid.path == "prepaid" and prepaid.ids == want
     assert prepaid.chunks[-1].finish_reason in ("stop", "length")
 
