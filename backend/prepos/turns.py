@@ -98,12 +98,30 @@ class TurnBuilder:
             kept = session.turns_within(self.max_log_tokens - num_new - answer_room)
             if kept is not None:
                 return kept
+            if not request.choices and not request.is_append:
+                self._check_answer_fits(session, request, num_new)
         what = "the longest choice" if request.choices else "the answer"
         raise ProtocolError(
             field,
             f"the turn needs {num_new} tokens (+{answer_room} for {what}) but the session holds "
             f"{len(session.token_log)} of at most {self.max_log_tokens} tokens "
             f"(context overflow policy {self.overflow!r})",
+        )
+
+    def _check_answer_fits(self, session: Session, request: Request, num_new: int) -> None:
+        """Under ``drop_oldest``, for a free-text answer whose ``max_tokens`` cannot fit however many turns go:
+        raise ProtocolError naming ``max_tokens`` (not the delta) when the turn alone would fit, with the most
+        answer tokens that can."""
+        closing = len(self._framing.answer_terminator_ids)
+        if session.turns_within(self.max_log_tokens - num_new - 1 - closing) is None:
+            return  # the turn itself does not fit: the delta is what is too long
+        first = len(session.turns()[0]) if session.token_log else 0  # the system turn, never dropped
+        largest = self.max_log_tokens - first - num_new - closing
+        raise ProtocolError(
+            "max_tokens",
+            f"{request.max_tokens} answer tokens cannot fit even with every turn after the first dropped: the "
+            f"session's first turn takes {first} and this turn {num_new} of at most {self.max_log_tokens} tokens, "
+            f"which leaves room for at most {largest} (context overflow policy 'drop_oldest')",
         )
 
     def trie(self, choices: tuple[str, ...] | None) -> ChoiceTrie | None:

@@ -201,6 +201,21 @@ def test_choices_that_do_not_fit_the_context_are_rejected_whole_not_cut(tmp_path
     assert fits.error is None and fits.text in ("a" * 8, "b" * 8) and len(h.log("s1")) <= 80
 
 
+def test_under_drop_oldest_a_max_tokens_no_dropping_can_make_room_for_is_refused_naming_max_tokens(tmp_path):
+    h = Harness(tmp_path, max_log_tokens=90, context_overflow="drop_oldest")
+    open_session(h, text="sys")
+    assert h.serve(h.request("s1", "first question", max_tokens=4)).error is None
+    before, first = h.log("s1"), len(h.sched.store.lookup("s1").turns()[0])
+    turn = len(h.prompt("s1", "next")) - len(before)
+    largest = 90 - first - turn - len(h.framing.answer_terminator_ids)
+    sink = h.serve(h.request("s1", "next", max_tokens=largest + 1))
+    assert sink.error.field == "max_tokens" and f"at most {largest} " in str(sink.error)
+    assert h.log("s1") == before  # nothing dropped, nothing added
+    served = h.serve(h.request("s1", "next", max_tokens=largest))
+    assert served.error is None and h.metrics.sink.get("prepos_turns_dropped_total") >= 1
+    assert len(h.log("s1")) <= 90
+
+
 def test_a_turn_longer_than_the_whole_limit_is_rejected_under_either_policy(tmp_path):
     for policy in ("reject", "drop_oldest"):
         h = Harness(tmp_path, max_log_tokens=50, context_overflow=policy)
