@@ -8,7 +8,9 @@ client commands never pay for the server's imports).
 
 Exit codes: 0 ok, 1 the server rejected a request (the message names the
 field) or its model is not ready, 2 usage, 3 the server cannot be reached,
-130 interrupted, 141 the reader of the output went away.
+130 interrupted, 141 the reader of the output went away. `chat` reading lines
+from a pipe or file goes on after a refused line and exits 1 at the end when
+any was refused; at a terminal it exits 0.
 """
 
 from __future__ import annotations
@@ -300,16 +302,12 @@ def _add_close_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_close(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        try:
-            update = client.session(args.session_id, resume=True).close()
-        except PreposError as error:
-            if error.field != "resume" or error.status is not None:
-                raise
-            # The server's advice (send START without resume) is for a request that opens a session, not for END.
+        update = client.session(args.session_id, resume=True).close()
+        if update is None:  # the server holds neither the session nor a journal of it
             raise PreposError(f"session {args.session_id} is not open on the server (closed already, ended by its "
                               "idle timeout, or never opened), and no journal of it is left: nothing to close",
-                              field=error.field) from None
-        if args.json and update is not None:
+                              field="resume")
+        if args.json:
             _print_json(update.to_dict())
     return EXIT_OK
 
@@ -353,20 +351,22 @@ def _run_chat(args: argparse.Namespace) -> int:
                 session.append(args.system, role="system")
             if interactive:
                 print(_dim(f"session {session.session_id} on {args.url}; /help for commands"), file=sys.stderr)
+            num_refused = 0
             try:
-                _chat_loop(session, options, interactive)
+                num_refused = _chat_loop(session, options, interactive)
             except KeyboardInterrupt:
                 sys.stdout.write("\n")
-    return EXIT_OK
+    return EXIT_SERVER_ERROR if num_refused and not interactive else EXIT_OK
 
 
-def _chat_loop(session: Session, options: dict, interactive: bool) -> None:
-    role = None
+def _chat_loop(session: Session, options: dict, interactive: bool) -> int:
+    """Run the chat's lines; return how many the server refused."""
+    role, num_refused = None, 0
     while (line := _read_line(interactive)) is not None:
         command, _, rest = line.partition(" ")
         try:
             if command == "/quit":
-                return
+                break
             if command == "/help":
                 print(CHAT_HELP, file=sys.stderr)
             elif command == "/role":
@@ -384,12 +384,16 @@ def _chat_loop(session: Session, options: dict, interactive: bool) -> None:
         except PreposUnavailable:
             raise
         except PreposError as error:
+            if error.field == "resume" and error.status is None:
+                raise  # --continue of a session the server neither holds nor has a journal of: no line can go on
+            num_refused += 1
             sys.stdout.flush()
             settle_for_message(session, error)
             reset = ""
             if error.field == "role" and role is not None:  # a role the model has no framing for: not kept
                 role, reset = None, f" [/role {role} dropped: the next turns take the default role]"
             print(f"error: {error}{settled_outcome(error)}{reset}", file=sys.stderr)
+    return num_refused
 
 
 # --- entry point ---------------------------------------------------------------

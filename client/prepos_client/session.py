@@ -220,7 +220,9 @@ class Session:
 
         Sends END (no delta, max_tokens=0) and waits for its acknowledgement,
         then stops the stream. Returns the acknowledgement, or None when no
-        request was ever sent on a session that was not resumed (nothing to end). If the request that was to
+        request was ever sent on a session that was not resumed (nothing to end), or when the server holds
+        neither the session to be resumed nor a journal of it (nothing to end; Triton ends the sequence at this END).
+        If the request that was to
         open the session was rejected, or timed out and the server answered that
         it stopped it, END goes out together with START, so that no half-opened
         sequence is left behind (the server opens and closes the session at once).
@@ -238,7 +240,12 @@ class Session:
             if self._num_requests == 0 and self._needs_start and not self._resume:
                 return None  # nothing was opened
             inflight = self._send(build_inputs(max_tokens=0), end=True, timeout_s=timeout_s, deadline=deadline)
-            return Update.from_chunks(list(self._receive(inflight, timeout_s)))
+            try:
+                return Update.from_chunks(list(self._receive(inflight, timeout_s)))
+            except PreposError as error:
+                if inflight.opens_session and error.field == "resume" and error.status is None:
+                    return None  # no such session and no journal: nothing to end
+                raise
         finally:
             self._release()
 

@@ -237,6 +237,18 @@ def test_close_command_sends_end_to_an_existing_session(fake_triton, capsys):
     assert json.loads(capsys.readouterr().out)["finish_reason"] == "closed"
 
 
+def test_chat_continuing_a_session_the_server_has_no_journal_of_says_so_once_and_stops(fake_triton, stdin, capsys):
+    fake_triton.responder = lambda request: [InferenceServerException(msg=NO_JOURNAL + " [NOT_FOUND]")]
+    stdin("hello\nagain\n")
+    assert cli.main(["chat", "--session-id", "s", "--continue"]) == cli.EXIT_SERVER_ERROR
+    err = capsys.readouterr().err
+    assert err.count("no journal to reopen it from") == 1 and "Traceback" not in err
+    requests = [request for fake in fake_triton for request in fake.requests]
+    texts = [r.inputs["text_input"][0] for r in requests if "text_input" in r.inputs]
+    assert texts == [b"hello"]  # no later line is sent to a session that cannot go on
+    assert requests[-1].sequence_end  # the sequence its START began is ended
+
+
 def test_closing_a_session_that_is_not_open_says_there_is_nothing_to_close(fake_triton, capsys):
     fake_triton.responder = lambda request: [InferenceServerException(msg=NO_JOURNAL)]
     assert cli.main(["close", "--session-id", "s"]) == cli.EXIT_SERVER_ERROR
@@ -283,10 +295,17 @@ def refusing(name: str, value: bytes, message: str):
     return responder
 
 
-def test_chat_reports_a_server_error_and_goes_on(fake_triton, stdin, capsys):
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("interactive", [False, True])
+def test_chat_reports_a_server_error_and_goes_on(fake_triton, capsys, monkeypatch, interactive):
     fake_triton.responder = refusing("text_input", b"bad", "text_input: too long")
-    stdin("bad\ngood\n")
-    assert cli.main(["chat"]) == cli.EXIT_OK
+    monkeypatch.setattr(sys, "stdin", (Terminal if interactive else io.StringIO)("bad\ngood\n"))
+    # lines from a pipe or file: the refused one shows in the exit status too, once every line was sent
+    assert cli.main(["chat"]) == (cli.EXIT_OK if interactive else cli.EXIT_SERVER_ERROR)
     captured = capsys.readouterr()
     assert "error: text_input: too long" in captured.err
     assert captured.out.endswith("good\n")
@@ -296,7 +315,7 @@ def test_chat_reports_a_server_error_and_goes_on(fake_triton, stdin, capsys):
 def test_chat_drops_a_role_the_server_refused(fake_triton, stdin, capsys):
     fake_triton.responder = refusing("role", b"wizard", "role: unknown role 'wizard'; expected one of system, user, tool")
     stdin("/role wizard\nhi\nagain\n")
-    assert cli.main(["chat"]) == cli.EXIT_OK
+    assert cli.main(["chat"]) == cli.EXIT_SERVER_ERROR
     captured = capsys.readouterr()
     assert captured.err.count("unknown role 'wizard'") == 1 and "/role wizard dropped" in captured.err
     assert captured.out.endswith("again\n")
@@ -306,7 +325,7 @@ def test_chat_says_what_became_of_a_question_that_ran_out_of_time_and_goes_on(fa
     rules = fake_triton.responder = SessionRules()
     threading.Timer(0.4, lambda: rules.finish_held(fake_triton[-1], accepted=False)).start()
     stdin("SLOW\ngood\n")
-    assert cli.main(["chat", "--timeout", "0.2"]) == cli.EXIT_OK
+    assert cli.main(["chat", "--timeout", "0.2"]) == cli.EXIT_SERVER_ERROR
     captured = capsys.readouterr()
     assert "no complete response to request 1 within 0.2 s" in captured.err
     assert "[settled: the server stopped it; its turn was not accepted]" in captured.err

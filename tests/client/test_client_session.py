@@ -171,6 +171,26 @@ def test_a_resumed_session_opens_with_start_and_resume(fake_triton):
     assert [r.inputs.get("resume") for r in requests] == [[True], None]
 
 
+def test_closing_a_session_the_server_could_not_resume_ends_its_sequence_and_raises_nothing(fake_triton, caplog):
+    fake_triton.responder = lambda request: [InferenceServerException(msg=NO_JOURNAL + " [NOT_FOUND]")]
+    with pytest.raises(PreposError, match="no journal") as raised:
+        with open_session(session_id="s", resume=True) as session:
+            session.ask("hi")
+    assert raised.value.field == "resume" and session.closed
+    opening, end = fake_triton[0].requests  # END with START and resume: Triton ends the sequence it began
+    assert (end.sequence_start, end.sequence_end) == (True, True) and end.inputs["resume"].tolist() == [True]
+    assert "closing session" not in caplog.text  # the with block's exit found nothing to end, and said nothing
+    assert session.close() is None and len(fake_triton[0].requests) == 2
+
+
+def test_close_still_raises_other_refusals_of_a_resumed_session(fake_triton):
+    fake_triton.responder = lambda request: [InferenceServerException(msg=DRAINING)]
+    session = open_session(session_id="s", resume=True)
+    with pytest.raises(PreposError, match="draining"):
+        session.close()
+    assert session.closed  # released all the same
+
+
 def test_ask_with_end_closes_the_session_with_the_last_request(fake_triton):
     session = open_session()
     answer = session.ask("bye", end=True)
