@@ -136,10 +136,13 @@ class BackgroundWork:
         except StopIteration:
             self.running = None
         except KVCapacityError as err:  # the session stays as it was; it is served from its log when asked
-            log.warning("pre-positioning of session %r abandoned: %s", background.session.session_id, err)
+            what = "pre-positioning" if background.positioning else "gate audit"
+            log.warning("%s of session %r abandoned: %s", what, background.session.session_id, err)
             self.running = None
             if background.positioning:
                 self._metrics.prepositioning_ended("abandoned")
+            else:
+                self._metrics.gate_audit_void()
         finally:
             self._stepping = False
         return True
@@ -170,6 +173,8 @@ class BackgroundWork:
             stopped = True
         if running and self.running is not None and self.running.session is session:
             self.running.stop()
+            if not self.running.positioning:  # an audit stopped part way: its prefill is void
+                self._metrics.gate_audit_void()
             self.running = None
             stopped = True
         return stopped
@@ -187,6 +192,7 @@ class BackgroundWork:
                     and not session.pending and not session.serving:
                 self.running = _Task(session, self._audit(audit), positioning=False)
                 return True
+            self._metrics.gate_audit_void()  # the session was served, closed or evicted since the answer
         return False
 
     def _audit(self, audit: Audit) -> Iterator[None]:

@@ -4,7 +4,10 @@ Every ``round(1 / gate.watch_fraction)``-th gated answer is audited: off the
 critical path, as background work of the engine loop, the full path (log +
 entry + the real delta + cue) is prefilled in the session's own KV (a prefix
 of its new log, so the work is not wasted) and its first decided token is
-compared with the gated one. Agreement is exported as metrics. When the
+compared with the gated one. Agreement is exported as metrics. An audit whose
+session is served, closed or evicted before it runs or finishes is void
+(``prepos_gate_audits_void_total``): it needs the session's KV as the answer
+left it. When the
 threshold was calibrated (``gate.epsilon`` > 0), the gate is suspended for
 the model once enough audits were made and the Clopper-Pearson upper bound on
 the false-accept rate passes ``epsilon``; only a reload with a new

@@ -95,6 +95,9 @@ SPECS = (
     MetricSpec("prepos_gate_audits_total", "counter",
                "Gated answers audited against the full path, by result (agreed, disagreed)", ("result",),
                values=("agreed", "disagreed")),
+    MetricSpec("prepos_gate_audits_void_total", "counter",
+               "Gated answers sampled for audit whose audit did not run or finish: their session was served, "
+               "closed or evicted first"),
     MetricSpec("prepos_gate_false_accept_upper_bound", "gauge",
                "Upper confidence bound on the gate's false-accept rate from the audits (none before the first)"),
     MetricSpec("prepos_gate_suspended", "gauge", "1 once the audits suspended the gate (until a reload), else 0",
@@ -307,6 +310,9 @@ class Metrics:
     def gate_audited(self, result: str, upper_bound: float) -> None:
         self.sink.inc("prepos_gate_audits_total", {"result": result}, 1)
         self.sink.set("prepos_gate_false_accept_upper_bound", {}, upper_bound)
+
+    def gate_audit_void(self) -> None:
+        self.sink.inc("prepos_gate_audits_void_total", {}, 1)
 
     def gate_suspended(self) -> None:
         self.sink.set("prepos_gate_suspended", {}, 1)

@@ -94,3 +94,45 @@ def test_an_audit_after_the_session_was_positioned_again_leaves_its_next_answer_
     want = expected(h, "a", "", max_tokens=4)
     answer = h.serve(h.request("a", "", max_tokens=4))
     assert answer.path == "exact" and answer.ids == want
+
+
+def audit_counts(h) -> tuple[float, float]:
+    sink = h.metrics.sink
+    audited = sink.get("prepos_gate_audits_total", result="agreed") + sink.get("prepos_gate_audits_total",
+                                                                                result="disagreed")
+    return audited, sink.get("prepos_gate_audits_void_total")
+
+
+def test_an_audit_its_session_leaves_no_idle_window_for_is_counted_void(tmp_path):
+    h = Harness(tmp_path, threshold=0.0, gate_kw={"watch_fraction": 1.0})
+    open_session(h)
+    h.idle()
+    assert h.serve(h.request("s1", "first", max_tokens=1)).path == "gated"
+    assert h.serve(h.request("s1", "second", max_tokens=1)).path == "prefix"  # served before any idle window
+    h.idle()
+    assert audit_counts(h) == (0, 1)  # the first answer's audit is void: its session went on
+    assert h.serve(h.request("s1", "third", max_tokens=1)).path == "gated"
+    h.serve(h.request("s1", end=True, max_tokens=0))  # closed at once
+    h.idle()
+    assert audit_counts(h) == (0, 2)
+    open_session(h, sid="s2")
+    h.idle()
+    assert h.serve(h.request("s2", "fourth", max_tokens=1)).path == "gated"
+    h.idle()
+    assert audit_counts(h) == (1, 2)  # an idle window: audited
+
+
+def test_an_audit_stopped_part_way_by_its_sessions_next_request_is_counted_void(tmp_path):
+    h = Harness(tmp_path, threshold=0.0, gate_kw={"watch_fraction": 1.0}, num_layers=4)
+    open_session(h)
+    h.idle()
+    assert h.serve(h.request("s1", "a question", max_tokens=1)).path == "gated"  # its audit takes a step per layer
+    background = h.sched._background
+    for _ in range(100):  # until the audit has started (the delta is ingested first)
+        h.sched.run_once()
+        if background.running is not None and not background.running.positioning:
+            break
+    assert background.running is not None and not background.running.positioning
+    h.serve(h.request("s1", "next", max_tokens=1))
+    h.idle()
+    assert audit_counts(h) == (0, 1)

@@ -273,3 +273,10 @@ def test_the_bridges_relays_are_published_by_state_from_a_thread_of_their_own_wh
     relays.finished()
     time.sleep(0.05)
     assert sink.get("prepos_bridge_relays", state="relaying") == 1  # stopped: nothing published any more
+
+
+def test_every_metric_family_is_documented_in_the_readme():
+    from prepos.metrics import SPECS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert [spec.name for spec in SPECS if f"`{spec.name}" not in readme] == []
