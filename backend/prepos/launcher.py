@@ -436,6 +436,10 @@ def serve(options: ServerOptions) -> int:
         print(f"prepos failed to start: {err}", file=sys.stderr)
         return 2
     interrupt_on_sigterm()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started as a background job of a script, which ignores SIGINT for its children: Ctrl-C and `kill -INT`
+        # stop the server all the same, as they do tritonserver.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with server:
             bridge = any((Path(repo) / "prepos_http").is_dir() for repo in options.model_repositories)

@@ -343,11 +343,12 @@ def serve_ready(tmp_path, **popen) -> tuple[subprocess.Popen, int]:
     return launcher, grpc
 
 
-def test_ctrl_c_in_a_terminal_drains_make_serve(tmp_path):
+@pytest.mark.parametrize("disposition", [signal.SIG_DFL, signal.SIG_IGN], ids=["foreground", "background"])
+def test_ctrl_c_in_a_terminal_drains_make_serve(tmp_path, disposition):
     """A terminal's Ctrl-C reaches the launcher's whole process group: tritonserver must not take it itself (it
-    would begin its exit before the drain) but be drained and stopped by the launcher."""
-    launcher, grpc = serve_ready(  # as a terminal's foreground job
-        tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    would begin its exit before the drain) but be drained and stopped by the launcher. Started as a background job
+    of a script (SIGINT ignored, as such a shell leaves it), the launcher stops on SIGINT all the same."""
+    launcher, grpc = serve_ready(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
     client = None
     try:
         client = Client(f"127.0.0.1:{grpc}")
