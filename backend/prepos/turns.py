@@ -117,11 +117,13 @@ class TurnBuilder:
             return  # the turn itself does not fit: the delta is what is too long
         first = len(session.turns()[0]) if session.token_log else 0  # the system turn, never dropped
         largest = self.max_log_tokens - first - num_new - closing
+        taken = f"the session's first turn takes {first} and this turn {num_new}" if first else \
+            f"this turn takes {num_new}"
         raise ProtocolError(
             "max_tokens",
-            f"{request.max_tokens} answer tokens cannot fit even with every turn after the first dropped: the "
-            f"session's first turn takes {first} and this turn {num_new} of at most {self.max_log_tokens} tokens, "
-            f"which leaves room for at most {largest} (context overflow policy 'drop_oldest')",
+            f"{request.max_tokens} answer tokens cannot fit even with every turn after the first dropped: {taken} "
+            f"of at most {self.max_log_tokens} tokens, which leaves room for at most {largest} (context overflow "
+            "policy 'drop_oldest')",
         )
 
     def trie(self, choices: tuple[str, ...] | None) -> ChoiceTrie | None:

@@ -214,6 +214,9 @@ def test_under_drop_oldest_a_max_tokens_no_dropping_can_make_room_for_is_refused
     served = h.serve(h.request("s1", "next", max_tokens=largest))
     assert served.error is None and h.metrics.sink.get("prepos_turns_dropped_total") >= 1
     assert len(h.log("s1")) <= 90
+    opening = h.serve(h.request("s2", "hi", start=True, max_tokens=89))  # a first turn: nothing to drop
+    assert opening.error.field == "max_tokens" and "this turn takes" in str(opening.error)
+    assert h.sched.store.get("s2") is None or h.log("s2") == []
 
 
 def test_a_turn_longer_than_the_whole_limit_is_rejected_under_either_policy(tmp_path):
