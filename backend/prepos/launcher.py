@@ -40,7 +40,7 @@ from prepos.access_token import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, GRPC_ACC
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
 from prepos.supervise import (DRAIN_ENV, STUB_CHECK_S, StubWatch, bls_threads_argument, describe_lost,
-                              drain_file_from, stop_server)
+                              drain_file_from, server_stack_limit, stop_server)
 
 log = logging.getLogger("prepos.launcher")
 
@@ -228,8 +228,9 @@ class TritonServer:
         # Its own session: a terminal's Ctrl-C goes to this process alone, which drains the model before it stops
         # tritonserver (one that got SIGINT itself would begin its exit before the drain, and refuse every request
         # its clients send from then on).
-        self.process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                        start_new_session=True)
+        with server_stack_limit():
+            self.process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                            start_new_session=True)
         handle.close()
         return self
 

@@ -14,8 +14,10 @@ installs prepos without dependencies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -29,6 +31,14 @@ from prepos.drain import request_drain
 from prepos.shm_regions import PREFIX_OPTION, backend_config_argument, region_prefix, remove_left_regions
 
 log = logging.getLogger("prepos.supervise")
+
+SERVER_STACK_BYTES = 64 << 20
+"""The stack limit tritonserver starts with, which sizes its threads' stacks. Triton 2.51's HTTP front end copies a
+body sent as form data (``Content-Type: application/x-www-form-urlencoded``, urllib's default for a POST) onto the
+stack of the thread serving it, about twice its size, before any check: with the usual 8 MiB, one such POST of 4 MB
+crashed the server (SIGSEGV), an access token notwithstanding. At 64 MiB a body up to about 32 MB is answered, ten times the
+largest a request within prepos's limits takes. It reserves address space only (85 GB of virtual size for tritonserver and its
+stubs, some 600 threads, against 14 GB; resident memory unchanged): a stack's memory is used as it is touched."""
 
 STOP_GRACE_S = 5.0
 """How long past its exit timeout a tritonserver that was not drained is given before it is killed."""
@@ -120,6 +130,23 @@ def describe_lost(lost: list[LostStub]) -> str:
                      for stub in lost) + (
         " exited while tritonserver runs: that model refuses every request from now on, though the server still "
         "reports itself ready")
+
+
+@contextlib.contextmanager
+def server_stack_limit():
+    """Within it, processes started get a stack limit of :data:`SERVER_STACK_BYTES` (or the hard limit, when lower)
+    where theirs would be lower or unlimited (threads then get 2 MiB); this process's own threads keep theirs (their
+    size was fixed when it started). Restored on the way out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    wanted = SERVER_STACK_BYTES if hard == resource.RLIM_INFINITY else min(hard, SERVER_STACK_BYTES)
+    if soft != resource.RLIM_INFINITY and soft >= wanted:
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_STACK, (wanted, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_STACK, (soft, hard))
 
 
 def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_timeout_s: float,
@@ -309,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     # remove them (the container restarted; an in-memory /dev/shm outlives it).
     remove_left_regions(prefix, "an earlier tritonserver")
     try:
-        child = subprocess.Popen(args, start_new_session=True)  # its own group: the stubs are killed with it
+        with server_stack_limit():
+            child = subprocess.Popen(args, start_new_session=True)  # its own group: the stubs are killed with it
     except OSError as err:
         print(f"prepos.supervise: cannot run {args[0]}: {err.strerror or err}", file=sys.stderr)
         return 127

@@ -5,6 +5,7 @@ server's own exit status on otherwise. The real server under it: tests/integrati
 from __future__ import annotations
 
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -261,3 +262,29 @@ def test_the_grpc_port_is_read_from_the_servers_arguments():
     assert grpc_port_of(["--grpc-port=7001", "--grpc-port", "7002"]) == 7002
     assert grpc_port_of(["--http-port=8000"]) == TRITON_GRPC_PORT == 8001
     assert grpc_port_of(["--grpc-port=soon"]) == TRITON_GRPC_PORT
+
+
+@pytest.mark.parametrize("soft_kib, child_kib", [
+    ("8192", "65536"),  # the usual 8 MiB: raised
+    ("unlimited", "65536"),  # unlimited gives threads 2 MiB: limited
+    ("131072", "131072"),  # already more: kept
+])
+def test_tritonserver_starts_with_a_stack_limit_its_http_threads_survive_a_large_form_body_with(soft_kib, child_kib):
+    """Triton 2.51's HTTP front end copies a form-data body onto its thread's stack; the threads' stacks are as
+    large as the stack limit the server started with."""
+    script = textwrap.dedent("""
+        import resource, subprocess, sys
+        from prepos.supervise import server_stack_limit
+        soft = sys.argv[1]
+        resource.setrlimit(resource.RLIMIT_STACK, (resource.RLIM_INFINITY if soft == "unlimited" else int(soft) << 10,
+                                                   resource.getrlimit(resource.RLIMIT_STACK)[1]))
+        with server_stack_limit():
+            inside = subprocess.run(["sh", "-c", "ulimit -s"], capture_output=True, text=True).stdout.strip()
+        after = subprocess.run(["sh", "-c", "ulimit -s"], capture_output=True, text=True).stdout.strip()
+        print(inside, after)
+    """)
+    if resource.getrlimit(resource.RLIMIT_STACK)[1] != resource.RLIM_INFINITY:
+        pytest.skip("this machine's hard stack limit is not unlimited")
+    out = subprocess.run([sys.executable, "-c", script, soft_kib], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": ":".join(sys.path), "PATH": "/usr/bin:/bin"}).stdout.split()
+    assert out == [child_kib, soft_kib]  # the server's limit inside; this process's own restored after

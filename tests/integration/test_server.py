@@ -533,3 +533,16 @@ def test_http_bridge_takes_every_prepos_input_and_gives_every_prepos_output(serv
         "session_id": ("TYPE_STRING", [1]), "start": ("TYPE_BOOL", [1]), "end": ("TYPE_BOOL", [1]),
         "stream": ("TYPE_BOOL", [1])}
     assert fields(bridge["output"]) == fields(prepos["output"])
+
+
+def test_a_large_body_sent_as_form_data_is_answered_and_the_server_lives_on(server):
+    """Triton 2.51's HTTP front end copies a form-data body (urllib's default Content-Type for a POST) onto its
+    thread's stack: with the usual 8 MiB stack limit one POST of 4 MB crashed the whole server."""
+    body = json.dumps({"text_input": "a" * (6 << 20), "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"{server.http_url}/v2/models/prepos_http/generate", data=body, method="POST")
+    assert request.get_header("Content-type") is None  # urllib adds application/x-www-form-urlencoded
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=120)
+    assert refused.value.code == 400 and "text_input" in refused.value.read().decode()  # the size limit, named
+    with urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=10) as response:
+        assert response.status == 200
