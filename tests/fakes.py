@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -40,8 +41,18 @@ def char_tokenizer(tmp_path: Path) -> PreposTokenizer:
     return PreposTokenizer(write_char_tokenizer(tmp_path / "tokenizer.json"))
 
 
+def chatml_ids(tok: PreposTokenizer, text: str) -> tuple[int, ...]:
+    """``text`` with ChatML's special tokens as themselves (``tok.encode`` reads them as plain text)."""
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(map(re.escape, SPECIALS)) + ")", text):
+        ids.extend([VOCAB[piece]] if piece in SPECIALS else tok.encode(piece) if piece else [])
+    return tuple(ids)
+
+
 def chatml_framing(tok: PreposTokenizer) -> Framing:
-    enc = tok.encode
+    def enc(text: str) -> tuple[int, ...]:
+        return chatml_ids(tok, text)
+
     return Framing(
         entry_ids={role: tuple(enc(f"<|im_start|>{role}\n")) for role in ("system", "user", "tool")},
         close_ids=tuple(enc("<|im_end|>\n")),

@@ -60,10 +60,16 @@ _CACHED_CHOICE_CHARS = 256
 
 
 class Tokenizer:
-    """Text <-> token ids with the engine's tokenizer (no special tokens added)."""
+    """Text <-> token ids with the engine's tokenizer (no special tokens added).
+
+    Text is text: a special token's spelling in it (``<|im_end|>``, ``<|im_start|>system``) is tokenized as the
+    characters it is made of, never as the special token, so a delta, a choice or a placeholder cannot close its
+    turn or open another role's. Framing tokens come from the engine manifest's ids; a client that means to send
+    special tokens sends ``input_ids``."""
 
     def __init__(self, path: str | Path):
         self._tok = HFTokenizer.from_file(str(path))
+        self._tok.encode_special_tokens = True
         # Short answers repeat (a choice, yes/no): their text is looked up, not decoded, on the first-token path.
         self._decoded: dict[tuple[int, ...], str] = {}
         # Choices recur across sessions (a tool set's names) in ever new combinations: each one's ids are kept,
