@@ -216,7 +216,7 @@ class RequestServer:
         # The turns the log keeps to make room (None: all of them); dropped when the turn is accepted, so that a
         # request stopped before then changes nothing. The prompt is built on them.
         kept = None if delta_ids is None else \
-            self._turns.fit_turns(session, request, framing_length + len(delta_ids), answer_room)
+            self._turns.fit_turns(session, request, framing_length + len(delta_ids), answer_room, len(forced))
         base = session.token_log if kept is None else [t for turn in kept for t in turn]
         has_delta = request.has_delta
 

@@ -83,38 +83,51 @@ class TurnBuilder:
         return len(request.delta_text or "") * 4 + 1 + framing_length + len(session.token_log) + answer_room \
             > self.max_log_tokens
 
-    def fit_turns(self, session: Session, request: Request, num_new: int, answer_room: int) -> list[list[int]] | None:
-        """Whether ``num_new`` more tokens and ``answer_room`` for the answer (:meth:`answer_room`) fit the session's
-        log: None when they fit as it is; under ``drop_oldest``, the turns it keeps when its oldest after the first
-        go to make room (the caller drops them when it accepts the turn, so that a request stopped before then
-        changes nothing). Changes nothing.
+    def fit_turns(self, session: Session, request: Request, num_new: int, answer_room: int,
+                  num_forced: int = 0) -> list[list[int]] | None:
+        """Whether ``num_new`` more tokens (``num_forced`` of them a choice set's forced leading tokens) and
+        ``answer_room`` for the answer (:meth:`answer_room`) fit the session's log: None when they fit as it is;
+        under ``drop_oldest``, the turns it keeps when its oldest after the first go to make room (the caller drops
+        them when it accepts the turn, so that a request stopped before then changes nothing). Changes nothing.
 
-        Raises ProtocolError naming the input when they do not fit (``reject``), or cannot (``drop_oldest``).
+        Raises ProtocolError when they do not fit (``reject``), or cannot (``drop_oldest``), naming what is too
+        long: ``choices`` or ``max_tokens`` when the turn would fit with a one-token answer, else the delta.
         """
-        field = "input_ids" if request.delta_ids is not None else "text_input"
         if len(session.token_log) + num_new + answer_room <= self.max_log_tokens:
             return None
         if self.overflow == "drop_oldest":
             kept = session.turns_within(self.max_log_tokens - num_new - answer_room)
             if kept is not None:
                 return kept
-            if not request.choices and not request.is_append:
-                self._check_answer_fits(session, request, num_new)
-        what = "the longest choice" if request.choices else "the answer"
+        turn, least = num_new - num_forced, 1 + len(self._framing.answer_terminator_ids)  # a one-token answer
+        policy = f"(context overflow policy {self.overflow!r})"
+        if request.choices:
+            longest = num_forced + answer_room
+            if self._fits(session, turn + least):
+                raise ProtocolError("choices", f"the longest choice needs {longest} tokens with the answer's closing "
+                                               f"and this turn {turn}, but the session holds "
+                                               f"{len(session.token_log)} of at most {self.max_log_tokens} tokens {policy}")
+            what = f"+{longest} for the longest choice"
+        else:
+            if not request.is_append and self._fits(session, turn + least):  # only drop_oldest reserves more
+                self._refuse_max_tokens(session, request, turn)
+            what = f"+{answer_room} for the answer"
         raise ProtocolError(
-            field,
-            f"the turn needs {num_new} tokens (+{answer_room} for {what}) but the session holds "
-            f"{len(session.token_log)} of at most {self.max_log_tokens} tokens "
-            f"(context overflow policy {self.overflow!r})",
+            "input_ids" if request.delta_ids is not None else "text_input",
+            f"the turn needs {turn} tokens ({what}) but the session holds {len(session.token_log)} of at most "
+            f"{self.max_log_tokens} tokens {policy}",
         )
 
-    def _check_answer_fits(self, session: Session, request: Request, num_new: int) -> None:
-        """Under ``drop_oldest``, for a free-text answer whose ``max_tokens`` cannot fit however many turns go:
-        raise ProtocolError naming ``max_tokens`` (not the delta) when the turn alone would fit, with the most
-        answer tokens that can."""
+    def _fits(self, session: Session, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` more fit the session's log, under ``drop_oldest`` once its oldest turns go."""
+        if len(session.token_log) + num_tokens <= self.max_log_tokens:
+            return True
+        return self.overflow == "drop_oldest" and session.turns_within(self.max_log_tokens - num_tokens) is not None
+
+    def _refuse_max_tokens(self, session: Session, request: Request, num_new: int) -> None:
+        """Under ``drop_oldest``, a free-text answer whose ``max_tokens`` cannot fit however many turns go, where the
+        turn alone would: raise ProtocolError naming ``max_tokens``, with the most answer tokens that can."""
         closing = len(self._framing.answer_terminator_ids)
-        if session.turns_within(self.max_log_tokens - num_new - 1 - closing) is None:
-            return  # the turn itself does not fit: the delta is what is too long
         first = len(session.turns()[0]) if session.token_log else 0  # the system turn, never dropped
         largest = self.max_log_tokens - first - num_new - closing
         taken = f"the session's first turn takes {first} and this turn {num_new}" if first else \

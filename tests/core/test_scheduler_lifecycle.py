@@ -195,8 +195,12 @@ def test_choices_that_do_not_fit_the_context_are_rejected_whole_not_cut(tmp_path
     before = h.log("s1")
     long_choices = ("a" * 40, "b" * 40)
     sink = h.serve(h.request("s1", "pick one", choices=long_choices))
-    assert sink.error.field == "text_input" and "longest choice" in str(sink.error)
+    assert sink.error.field == "choices" and "the longest choice needs 43 tokens" in str(sink.error)
     assert h.log("s1") == before
+    sole = h.serve(h.request("s1", "pick one", choices=("a" * 40,)))  # forced whole: counted as the choice's too
+    assert sole.error.field == "choices" and "the longest choice needs 43 tokens" in str(sole.error)
+    too_long = h.serve(h.request("s1", "q" * 80, choices=("a", "b")))  # the turn itself does not fit
+    assert too_long.error.field == "text_input" and h.log("s1") == before
     fits = h.serve(h.request("s1", "pick one", choices=("a" * 8, "b" * 8)))
     assert fits.error is None and fits.text in ("a" * 8, "b" * 8) and len(h.log("s1")) <= 80
 

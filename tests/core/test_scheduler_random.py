@@ -290,9 +290,9 @@ class Run:
         part = [*self.h.framing.opening_ids(not log, role), *self.h.framing.entry_ids[role], *self.h.tok.encode(text),
                 *self.h.framing.cue_ids]
         turns = self.fit(sid, len(part), answer_room)
-        if turns is None:  # under drop_oldest, max_tokens is named when the turn fits with a one-token answer
-            fits_alone = not choices and drop and self.fit(sid, len(part), 1 + len(closing)) is not None
-            return {"reject": "max_tokens" if fits_alone else "text_input"}
+        if turns is None:  # what is too long is named: choices or max_tokens when the turn fits a one-token answer
+            fits_alone = self.fit(sid, len(part), 1 + len(closing)) is not None
+            return {"reject": ("choices" if choices else "max_tokens") if fits_alone else "text_input"}
         prompt = [t for turn in turns for t in turn] + part
         gated = kw.get("gate_threshold") == 0.0
         if choices:
