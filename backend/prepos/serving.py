@@ -240,6 +240,9 @@ class RequestServer:
 
         # Choose the path that serves the first token.
         pos = session.positioned if session.positioned_valid() and kept is None else None
+        # Positioned for this role, but for other forced leading choice tokens: its distribution is not at this
+        # request's decision point, while its KV (the log's updates and the entry) serves the prompt as prepaid's.
+        prepaid_only = pos is not None and pos.role == request.role and pos.forced_ids != forced
         if pos is not None and (pos.role != request.role or pos.forced_ids != forced):
             self._metrics.prepositioning_ended("invalidated")
             pos = None
@@ -267,7 +270,7 @@ class RequestServer:
                     if rng is not None:  # the first token comes from the prefill's scan: it takes the first draw,
                         rng.bit_generator.state = drawn  # as on every other path, so a seed gives one answer
         else:
-            path = ServedPath.REBUILD if session.evicted else ServedPath.PREFIX
+            path = ServedPath.PREPAID if prepaid_only else ServedPath.REBUILD if session.evicted else ServedPath.PREFIX
         if path not in (ServedPath.EXACT, ServedPath.GATED):
             self._check_alive(request, sink)
             prompt = [*base, *turn_ids()]

@@ -964,3 +964,20 @@ def test_engine_block_reuse_is_published_as_counters(h):
     get = h.metrics.sink.get
     assert (get("prepos_kv_blocks_total", outcome="reused"), get("prepos_kv_blocks_total", outcome="new"),
             get("prepos_kv_blocks_total", outcome="missed")) == (9, 4, 1)
+
+
+def test_choices_forcing_leading_tokens_on_a_positioned_session_are_served_prepaid_and_right(h):
+    """The positioned distribution is not at the decision point of choices that share leading tokens, but the
+    positioning's KV (the entry) serves the prompt: the critical path pays delta + cue + forced tokens, as prepaid."""
+    open_session(h)
+    h.idle()
+    choices = ("go to A", "go to B")  # "go to " is forced
+    want = choice_reference(h, h.prompt("s1", "where?"), choices)
+    sink = h.serve(h.request("s1", "where?", choices=choices))
+    assert sink.error is None and sink.path == "prepaid" and sink.text == want
+    assert h.metrics.sink.get("prepos_prepositionings_total", result="invalidated") == 1
+    h.idle()  # positioned again, for a user turn and these choices' forced tokens
+    assert h.serve(h.request("s1", "and now?", choices=("go to C", "go to D"))).path == "prepaid"
+    h.idle()
+    other = h.serve(h.request("s1", "result", role="tool", choices=choices))  # another role's entry: not positioned
+    assert other.error is None and other.path == "prefix"
