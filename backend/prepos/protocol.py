@@ -293,12 +293,14 @@ def _string_list(inputs: Mapping[str, np.ndarray], name: str, max_count: int, ma
     return tuple(strings)
 
 
-def _finite(name: str, value: float | None, low: float, high: float, default: float) -> float:
+def _finite(name: str, value: float | None, low: float, high: float, default: float, *,
+            open_low: bool = False) -> float:
+    """The input's value, checked to lie in [low, high] (``open_low``: (low, high]); ``default`` when absent."""
     if value is None:
         return default
     number = float(value)
-    if not math.isfinite(number) or not low <= number <= high:
-        raise ProtocolError(name, f"must be a finite number in [{low}, {high}], got {number}")
+    if not math.isfinite(number) or not low <= number <= high or (open_low and number == low):
+        raise ProtocolError(name, f"must be a finite number in {'(' if open_low else '['}{low}, {high}], got {number}")
     return number
 
 
@@ -308,12 +310,10 @@ _SAMPLING_NAMES = ("temperature", "top_p", "top_k", "seed")
 def _sampling(inputs: Mapping[str, np.ndarray], limits: LimitsConfig) -> Sampling:
     sampling = Sampling(
         temperature=_finite("temperature", _scalar(inputs, "temperature", "f"), 0.0, 100.0, 0.0),
-        top_p=_finite("top_p", _scalar(inputs, "top_p", "f"), 0.0, 1.0, 1.0),
+        top_p=_finite("top_p", _scalar(inputs, "top_p", "f"), 0.0, 1.0, 1.0, open_low=True),
         top_k=int(_scalar(inputs, "top_k", "iu") or 0),
         seed=None if (seed := _scalar(inputs, "seed", "iu")) is None else int(seed),
     )
-    if sampling.top_p == 0.0:
-        raise ProtocolError("top_p", "must be > 0")
     if not 0 <= sampling.top_k <= limits.max_top_k:
         raise ProtocolError("top_k", f"must be in [0, {limits.max_top_k}] (0 = no cut), got {sampling.top_k}")
     if sampling.seed is not None and not 0 <= sampling.seed < 2**64:

@@ -96,6 +96,17 @@ def test_bad_inputs_name_the_field(inputs, field):
     assert str(err.value).startswith(f"{field}: ")
 
 
+@pytest.mark.parametrize("value, message", [
+    (0.0, "top_p: must be a finite number in (0.0, 1.0], got 0.0"),  # the range said is the range checked
+    (1.5, "top_p: must be a finite number in (0.0, 1.0], got 1.5"),
+])
+def test_top_p_refusals_state_one_range(value, message):
+    with pytest.raises(ProtocolError) as err:
+        parse(top_p=np.array([value], np.float32))
+    assert str(err.value).startswith(message)
+    assert parse(top_p=np.array([1e-6], np.float32)).sampling.top_p == pytest.approx(1e-6)
+
+
 def test_missing_session_id_is_rejected():
     with pytest.raises(ProtocolError, match="correlation_id"):
         parse_request({}, session_id=0, request_id="r", limits=LIMITS, default_max_tokens=1)
