@@ -36,9 +36,10 @@ SERVER_STACK_BYTES = 64 << 20
 """The stack limit tritonserver starts with, which sizes its threads' stacks. Triton 2.51's HTTP front end copies a
 body sent as form data (``Content-Type: application/x-www-form-urlencoded``, urllib's default for a POST) onto the
 stack of the thread serving it, about twice its size, before any check: with the usual 8 MiB, one such POST of 4 MB
-crashed the server (SIGSEGV), an access token notwithstanding. At 64 MiB a body up to about 32 MB is answered, ten times the
-largest a request within prepos's limits takes. It reserves address space only (85 GB of virtual size for tritonserver and its
-stubs, some 600 threads, against 14 GB; resident memory unchanged): a stack's memory is used as it is touched."""
+crashed the server (SIGSEGV), an access token notwithstanding. At 64 MiB a body up to about 32 MB is answered, ten
+times the largest a request within prepos's limits takes. It reserves address space only (85 GB of virtual size for
+tritonserver and its stubs, some 600 threads, against 14 GB; resident memory unchanged): a stack's memory is used as it
+is touched."""
 
 STOP_GRACE_S = 5.0
 """How long past its exit timeout a tritonserver that was not drained is given before it is killed."""

@@ -105,8 +105,8 @@ class TurnBuilder:
             longest = num_forced + answer_room
             if self._fits(session, turn + least):
                 raise ProtocolError("choices", f"the longest choice needs {longest} tokens with the answer's closing "
-                                               f"and this turn {turn}, but the session holds "
-                                               f"{len(session.token_log)} of at most {self.max_log_tokens} tokens {policy}")
+                                               f"and this turn {turn}, but the session holds {len(session.token_log)} "
+                                               f"of at most {self.max_log_tokens} tokens {policy}")
             what = f"+{longest} for the longest choice"
         else:
             if not request.is_append and self._fits(session, turn + least):  # only drop_oldest reserves more
