@@ -9,6 +9,7 @@ which names the input and maps to a gRPC status.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -68,6 +69,14 @@ def sent_status(message: str) -> Status | None:
     """The status an error's text ends with (:func:`with_status`), None when it ends with none: the text is not
     one prepos sent (Triton's own refusal, say)."""
     return next((status for status in Status if message.endswith(with_status("", status))), None)
+
+
+def naming_request(message: str, request_id: str) -> str:
+    """An error's message naming the request it answers (``... (request "4")``), for one sent ahead of the
+    answers to the session's earlier requests: a gRPC stream's error carries no request id, so a client that
+    matches errors to requests in the order sent would take it for an earlier request's. The id is a JSON
+    string, just before the status."""
+    return f"{message} (request {json.dumps(request_id)})"
 
 
 def triton_error(error_type, message: str, status: Status):

@@ -28,7 +28,8 @@ from prepos.engines.base import Engine, KVCapacityError
 from prepos.gate import Gate
 from prepos.gate_watch import Audit, GateWatch
 from prepos.metrics import Metrics
-from prepos.protocol import START_REJECTED_REASON, ProtocolError, Request, ResponseSink, Status, end_reason
+from prepos.protocol import (START_REJECTED_REASON, ProtocolError, Request, ResponseSink, Status, end_reason,
+                             naming_request)
 from prepos.residency import Residency
 from prepos.scan import ScanFn, ScanResult
 from prepos.session import Session
@@ -153,8 +154,12 @@ class RequestServer:
 
     def expire_queued(self, session: Session, request: Request, sink: ResponseSink) -> None:
         """Answer a request whose deadline passed while it waited behind its session's earlier requests (taken out
-        of the queue by the caller) as one reached after its deadline: the deadline error, nothing changed."""
-        self._abandon(session, request, sink, _deadline_passed())
+        of the queue by the caller) as one reached after its deadline: the deadline error, nothing changed. The
+        error goes out ahead of the earlier requests' answers, so it names its request."""
+        self._abandon(session, request, sink, _Abandoned("deadline", ProtocolError(
+            "timeout", naming_request("the request's deadline passed while it waited behind its session's earlier "
+                                      "requests; its turn was not accepted", request.request_id),
+            Status.DEADLINE_EXCEEDED)))
 
     def _abandon(self, session: Session, request: Request, sink: ResponseSink, abandoned: _Abandoned) -> None:
         self._metrics.request_abandoned(abandoned.reason)

@@ -7,6 +7,8 @@ reached, a call ran out of time) have their own subclasses.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 
 from tritonclient.utils import InferenceServerException
@@ -24,6 +26,8 @@ _UNREACHABLE_STATUSES = frozenset({"StatusCode.UNAVAILABLE"})
 CODES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
                    "INTERNAL", "CANCELLED", "DEADLINE_EXCEEDED"})
 _CODE_SUFFIX = re.compile(r" \[([A-Z_]+)\]\Z")
+# The request an error sent out of order names, as a JSON string, at the end of its text (before the status).
+_NAMED_REQUEST = re.compile(r' \(request ("(?:[^"\\]|\\.)*")\)\Z')
 
 
 class PreposError(Exception):
@@ -114,6 +118,18 @@ def split_code(message: str) -> tuple[str, str | None]:
     if match is None or match.group(1) not in CODES:
         return message, None
     return message[:match.start()], match.group(1)
+
+
+def named_request(message: str) -> str | None:
+    """The request id a server error names at its end (``... (request "4")``, before its status, if any): one the
+    server sent ahead of the answers to the session's earlier requests (a queued request's deadline); else None."""
+    match = _NAMED_REQUEST.search(split_code(message)[0])
+    if match is None:
+        return None
+    with contextlib.suppress(ValueError):
+        request_id = json.loads(match.group(1))
+        return request_id if isinstance(request_id, str) else None
+    return None
 
 
 def from_triton(error: InferenceServerException) -> PreposError:

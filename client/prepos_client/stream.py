@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tritonclient.grpc import InferResult
 from tritonclient.utils import InferenceServerException
 
-from .errors import PreposError, from_triton
+from .errors import PreposError, from_triton, named_request
 from .protocol import is_final_response
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ class ResponseRouter:
     nobody waits for any more (its caller timed out, or it already failed)
     never reach another request. Errors of a single request carry no id in
     tritonclient; the model handles a session's requests in arrival order,
-    so an error goes to the oldest pending request. An error with a gRPC
+    so an error goes to the oldest pending request, unless it names its
+    request (the one error the server sends ahead of earlier requests'
+    answers: a queued request's deadline). An error with a gRPC
     status ends the whole stream: every pending request receives it and
     `failure` is set.
     """
@@ -97,8 +99,9 @@ class ResponseRouter:
                 targets = list(self._pending.values())
                 self._pending.clear()
             elif self._pending:
-                oldest_id = next(iter(self._pending))
-                targets = [self._pending.pop(oldest_id)]
+                named = named_request(failure.message)  # sent ahead of earlier requests' answers: by its id
+                target_id = named if named in self._pending else next(iter(self._pending))
+                targets = [self._pending.pop(target_id)]
             else:
                 targets = []
         if not targets and not stream_ended:

@@ -66,6 +66,34 @@ def test_a_model_error_goes_to_the_oldest_pending_request():
     assert router.failure is None
 
 
+def test_an_error_naming_its_request_goes_to_that_request_not_the_oldest():
+    """A queued request's deadline error comes while the request ahead of it still streams, and names its request."""
+    router = ResponseRouter()
+    long, short = router.expect("1"), router.expect("2")
+    router.on_response(make_result("1", text="a", final=False), None)
+    router.on_response(None, model_error('timeout: the request\'s deadline passed while it waited behind its '
+                                         'session\'s earlier requests; its turn was not accepted (request "2") '
+                                         '[DEADLINE_EXCEEDED]'))
+    router.on_response(make_result("1", text="b", finish_reason="stop", final=True), None)
+    (error,) = drain(short)
+    assert error.error.field == "timeout" and error.error.code == "DEADLINE_EXCEEDED"
+    assert [d.error for d in drain(long)] == [None, None] and router.num_pending == 0
+    router.expect("3")
+    router.on_response(None, model_error('role: unknown role (request "9") [INVALID_ARGUMENT]'))  # not pending
+    assert router.num_pending == 0  # the oldest pending one takes it
+
+
+@pytest.mark.parametrize("request_id", ["4", "", 'say "hi" \\ é', "(request \"1\")"])
+def test_the_request_an_error_names_reads_back_as_the_server_writes_it(request_id):
+    from prepos.protocol import Status, naming_request, with_status  # the server's side of the format
+    from prepos_client.errors import named_request
+
+    sent = with_status(naming_request("timeout: the request's deadline passed", request_id), Status.DEADLINE_EXCEEDED)
+    assert named_request(sent) == request_id
+    assert named_request("timeout: the request's deadline passed [DEADLINE_EXCEEDED]") is None
+    assert named_request('choices: entry "(request \\"1\\")" is too long [INVALID_ARGUMENT]') is None
+
+
 def test_a_stream_error_fails_every_pending_request_and_the_stream():
     router = ResponseRouter()
     first, second = router.expect("1"), router.expect("2")

@@ -111,12 +111,16 @@ def test_a_request_waiting_behind_a_long_answer_is_answered_when_its_deadline_pa
     open_session(h)
     long = h.submit(h.request("s1", "count to fifty", max_tokens=50))
     h.sched.run_once()
-    short = h.submit(dataclasses.replace(h.request("s1", "quick?", max_tokens=2), deadline_s=h.clock() + 0.05))
+    short_request = dataclasses.replace(h.request("s1", "quick?", max_tokens=2), deadline_s=h.clock() + 0.05)
+    short_request_id = short_request.request_id
+    short = h.submit(short_request)
     later = h.submit(h.request("s1", "", max_tokens=0))  # an update without a deadline, behind both
     while not short.done:
         h.sched.run_once()
     assert short.error is not None and short.error.status is Status.DEADLINE_EXCEEDED and short.error.field == "timeout"
     assert not long.done and 0 < len(long.chunks) < 50  # answered while the long answer streams
+    # ahead of the long answer's end: it names its request, which a gRPC stream's error does not carry
+    assert str(short.error).endswith(f'(request "{short_request_id}")')
     assert h.metrics.sink.get("prepos_requests_abandoned_total", reason="deadline") == 1
     run_until(h, later)
     assert long.done and long.error is None and len(long.chunks) == 50 and later.error is None

@@ -546,3 +546,20 @@ def test_a_large_body_sent_as_form_data_is_answered_and_the_server_lives_on(serv
     assert refused.value.code == 400 and "text_input" in refused.value.read().decode()  # the size limit, named
     with urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=10) as response:
         assert response.status == 200
+
+
+def test_a_queued_requests_deadline_error_reaches_that_request_not_the_one_still_answering(server):
+    """The deadline error of a request queued behind a long answer goes out while that answer streams; a gRPC
+    stream's error carries no request id, so it names its request, and the client gives it to that one."""
+    from prepos_client import PreposTimeout
+
+    with Client(server.grpc_url) as client, client.session() as session:
+        session.append("You are a storyteller.", role="system")
+        long = session.generate("Tell a long story about a lighthouse.", max_tokens=48, speculate=False)
+        short = session.generate("Say yes.", max_tokens=4, speculate=False, timeout_s=0.05)
+        told = list(long)  # not the short request's error: this turn runs to its end
+        assert told and told[-1].finish_reason in ("length", "stop")
+        with pytest.raises(PreposTimeout) as timed_out:
+            list(short)
+        assert timed_out.value.accepted is False and '(request "' in str(timed_out.value)
+        assert session.ask("And then?", max_tokens=2, speculate=False).text  # the session goes on
