@@ -92,6 +92,7 @@ class Session:
         self._unsettled: list[Inflight] = []  # requests the caller gave up on, whose outcome is still to come
         self._opening_unknown = False  # an opening request's answer was lost with its stream: opened, or not
         self._reopening = False  # the server said it does not hold the session: START and `resume` reopen it
+        self._held_elsewhere = False  # the opening was refused as already open: the sequence is another client's
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
@@ -221,7 +222,9 @@ class Session:
         Sends END (no delta, max_tokens=0) and waits for its acknowledgement,
         then stops the stream. Returns the acknowledgement, or None when no
         request was ever sent on a session that was not resumed (nothing to end), or when the server holds
-        neither the session to be resumed nor a journal of it (nothing to end; Triton ends the sequence at this END).
+        neither the session to be resumed nor a journal of it (nothing to end; Triton ends the sequence at this END),
+        or when the opening was refused because the session is already open, held by another client (an END would
+        end that client's sequence in Triton).
         If the request that was to
         open the session was rejected, or timed out and the server answered that
         it stopped it, END goes out together with START, so that no half-opened
@@ -237,8 +240,8 @@ class Session:
             self._settle_timed_out(timeout_s, deadline)
             if self._closed:
                 return None  # the timed-out request carried END and was accepted after all
-            if self._num_requests == 0 and self._needs_start and not self._resume:
-                return None  # nothing was opened
+            if self._needs_start and (self._held_elsewhere or (self._num_requests == 0 and not self._resume)):
+                return None  # nothing was opened here (END with START would end the sequence of another client)
             inflight = self._send(build_inputs(max_tokens=0), end=True, timeout_s=timeout_s, deadline=deadline)
             try:
                 return Update.from_chunks(list(self._receive(inflight, timeout_s)))
@@ -428,7 +431,7 @@ class Session:
         Returns the error to raise in place of ``error``, if another."""
         if error is None:
             if inflight.opens_session:
-                self._resume = self._opening_unknown = self._reopening = False
+                self._resume = self._opening_unknown = self._reopening = self._held_elsewhere = False
             if inflight.closes_session:
                 self._release()
             return None
@@ -443,12 +446,15 @@ class Session:
             return gone_error(self.session_id, error)
         if inflight.opens_session:
             self._needs_start = True
-            if self._opening_unknown and error.field == "START" and "already open" in error.message:
+            already_open = error.field == "START" and "already open" in error.message
+            if self._opening_unknown and already_open:
                 # The opening whose answer was lost had opened the session after all: this START changed
                 # nothing, and the next request goes on without one.
                 self._needs_start = False
                 replaced = error.reworded(f"{error.message}: the request that was to open it, whose answer was "
                                           "lost with its stream, had opened it; the next call continues the session")
+            else:
+                self._held_elsewhere = already_open
             self._opening_unknown = error.status is not None  # a lost stream tells nothing of the opening
         if inflight.closes_session and error.status is None:
             # Triton ends the sequence on END whatever the model

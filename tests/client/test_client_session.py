@@ -183,6 +183,26 @@ def test_closing_a_session_the_server_could_not_resume_ends_its_sequence_and_rai
     assert session.close() is None and len(fake_triton[0].requests) == 2
 
 
+def test_closing_a_session_whose_opening_found_it_held_by_another_client_sends_nothing(fake_triton):
+    fake_triton.responder = reject_first("START: session 's' is already open [ALREADY_EXISTS]")
+    session = open_session(session_id="s")
+    with pytest.raises(PreposError, match="already open") as refused:
+        session.ask("hi")
+    assert refused.value.code == "ALREADY_EXISTS"
+    assert session.close() is None and session.closed
+    assert len(fake_triton[0].requests) == 1  # no START + END: it would end the other client's sequence in Triton
+
+
+def test_a_session_opened_after_finding_it_held_elsewhere_is_closed_as_usual(fake_triton):
+    fake_triton.responder = reject_first("START: session 's' is already open [ALREADY_EXISTS]")
+    session = open_session(session_id="s")
+    with pytest.raises(PreposError):
+        session.ask("hi")
+    session.ask("again")  # the other client closed it meanwhile: this one opens it
+    session.close()
+    assert fake_triton[0].requests[-1].sequence_end
+
+
 def test_close_still_raises_other_refusals_of_a_resumed_session(fake_triton):
     fake_triton.responder = lambda request: [InferenceServerException(msg=DRAINING)]
     session = open_session(session_id="s", resume=True)
