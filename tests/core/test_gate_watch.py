@@ -136,3 +136,21 @@ def test_an_audit_stopped_part_way_by_its_sessions_next_request_is_counted_void(
     h.serve(h.request("s1", "next", max_tokens=1))
     h.idle()
     assert audit_counts(h) == (0, 1)
+
+
+def test_an_audit_a_full_kv_pool_abandons_is_counted_void(tmp_path):
+    from test_scheduler import _PoolFull
+
+    h = Harness(tmp_path, threshold=0.0, gate_kw={"watch_fraction": 1.0})
+    open_session(h)
+    h.idle()
+    assert h.serve(h.request("s1", "a question", max_tokens=1)).path == "gated"
+    for _ in range(100):  # the delta's ingest, the request's own work, first
+        if not h.sched._ready:
+            break
+        h.sched.run_once()
+    assert h.sched._background.audits  # the audit waits for an idle window
+    pool = _PoolFull(h.engine)
+    pool.full = True  # its prefill finds no room
+    h.idle()
+    assert audit_counts(h) == (0, 1) and not h.sched._background.audits
