@@ -172,7 +172,10 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self._stubs: list = []  # its backend stubs once ready, reaped by stop() even if the server died first
         self._ready = False
-        # The drain (prepos.drain) the model runs when this file appears; stop() writes it. Kept if given.
+        # The drain (prepos.drain) the model runs when this file appears; stop() writes it. Kept if given, here or
+        # in this process's environment (empty there, as in `PREPOS_SCHEDULER_DRAIN_FILE= make serve`: no drain).
+        if DRAIN_ENV in os.environ:
+            self.env.setdefault(DRAIN_ENV, os.environ[DRAIN_ENV])
         self.env.setdefault(DRAIN_ENV, str(Path(options.run_dir).resolve() / f"drain-{options.grpc_port}"))
         self.drain_file = drain_file_from(self.env)
         self.access_token = resolve_access_token(options)

@@ -246,3 +246,20 @@ def test_serve_refuses_a_missing_repository_or_host_before_triton_starts(argv, n
     assert launcher.main([*argv, "--run-dir", str(tmp_path)]) == 2
     assert named in capsys.readouterr().err
     assert no_triton == []
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, "default"),  # the run folder's drain file
+    ({"PREPOS_SCHEDULER_DRAIN_FILE": ""}, None),  # `PREPOS_SCHEDULER_DRAIN_FILE= make serve`: no drain
+    ({"PREPOS_SCHEDULER_DRAIN_FILE": "/elsewhere/drain"}, "/elsewhere/drain"),
+])
+def test_the_drain_file_set_in_the_environment_is_kept_and_an_empty_one_turns_the_drain_off(tmp_path, monkeypatch,
+                                                                                              environ, expected):
+    monkeypatch.delenv("PREPOS_SCHEDULER_DRAIN_FILE", raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    server = launcher.TritonServer(launcher.ServerOptions(run_dir=tmp_path, grpc_port=9101))
+    if expected == "default":
+        assert server.drain_file == tmp_path.resolve() / "drain-9101"
+    else:
+        assert server.drain_file == (None if expected is None else launcher.Path(expected))
