@@ -222,7 +222,8 @@ class Session:
         Sends END (no delta, max_tokens=0) and waits for its acknowledgement,
         then stops the stream. Returns the acknowledgement, or None when no
         request was ever sent on a session that was not resumed (nothing to end), or when the server holds
-        neither the session to be resumed nor a journal of it (nothing to end; Triton ends the sequence at this END),
+        neither the session to be resumed nor a journal of it, or refuses the END's START for its session limit or a
+        drain (nothing to end; Triton ends the sequence at this END),
         or when the opening was refused because the session is already open, held by another client (an END would
         end that client's sequence in Triton).
         If the request that was to
@@ -246,8 +247,11 @@ class Session:
             try:
                 return Update.from_chunks(list(self._receive(inflight, timeout_s)))
             except PreposError as error:
-                if inflight.opens_session and error.field == "resume" and error.status is None:
-                    return None  # no such session and no journal: nothing to end
+                if inflight.opens_session and error.status is None and (
+                        error.field == "resume" or error.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")):
+                    # Nothing open to end (no such session and no journal; the session limit; a draining server),
+                    # and Triton ended the sequence at this END: done.
+                    return None
                 raise
         finally:
             self._release()

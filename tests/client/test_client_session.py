@@ -203,10 +203,23 @@ def test_a_session_opened_after_finding_it_held_elsewhere_is_closed_as_usual(fak
     assert fake_triton[0].requests[-1].sequence_end
 
 
-def test_close_still_raises_other_refusals_of_a_resumed_session(fake_triton):
-    fake_triton.responder = lambda request: [InferenceServerException(msg=DRAINING)]
+@pytest.mark.parametrize("refusal", ["START: too many open sessions (limit 2) [RESOURCE_EXHAUSTED]",
+                                     DRAINING + " [UNAVAILABLE]"])
+def test_closing_a_session_whose_opening_was_refused_for_room_or_a_drain_ends_its_sequence_quietly(fake_triton,
+                                                                                                    refusal):
+    fake_triton.responder = lambda request: [InferenceServerException(msg=refusal)]
+    session = open_session(session_id="s")
+    with pytest.raises(PreposError):
+        session.append("hi")
+    assert session.close() is None and session.closed
+    end = fake_triton[0].requests[-1]  # START + END all the same: Triton gives the sequence's slot back
+    assert (end.sequence_start, end.sequence_end) == (True, True)
+
+
+def test_close_still_raises_other_refusals_of_an_opening(fake_triton):
+    fake_triton.responder = lambda request: [InferenceServerException(msg="START: something else [INTERNAL]")]
     session = open_session(session_id="s", resume=True)
-    with pytest.raises(PreposError, match="draining"):
+    with pytest.raises(PreposError, match="something else"):
         session.close()
     assert session.closed  # released all the same
 
