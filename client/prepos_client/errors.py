@@ -15,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 # Triton prefixes errors raised while it normalizes a request (before the
 # model sees it) with the request id; the field name follows that prefix.
-_REQUEST_ID_PREFIX = re.compile(r"^\[request id: [^\]]*\]\s*")
+_REQUEST_ID_PREFIX = re.compile(r"^\[request id: ([^\]]*)\]\s*")
 # Input names are snake_case; Triton's control inputs are upper case (START).
 _FIELD_PREFIX = re.compile(r"^([a-z][a-z0-9_]*|[A-Z][A-Z0-9_]*)\s*:")
 
@@ -130,6 +130,13 @@ def named_request(message: str) -> str | None:
         request_id = json.loads(match.group(1))
         return request_id if isinstance(request_id, str) else None
     return None
+
+
+def request_id_of(message: str) -> str | None:
+    """The request an error's text names: Triton's own ``[request id: X]`` prefix, or prepos's
+    (:func:`named_request`); None when it names none."""
+    match = _REQUEST_ID_PREFIX.match(message)
+    return match.group(1) if match and match.group(1) else named_request(message)
 
 
 def from_triton(error: InferenceServerException) -> PreposError:

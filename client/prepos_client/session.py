@@ -93,6 +93,7 @@ class Session:
         self._opening_unknown = False  # an opening request's answer was lost with its stream: opened, or not
         self._reopening = False  # the server said it does not hold the session: START and `resume` reopen it
         self._held_elsewhere = False  # the opening was refused as already open: the sequence is another client's
+        self._ending: Inflight | None = None  # a request carrying END whose outcome is still to be recorded
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
@@ -243,6 +244,8 @@ class Session:
                 return None  # the timed-out request carried END and was accepted after all
             if self._needs_start and (self._held_elsewhere or (self._num_requests == 0 and not self._resume)):
                 return None  # nothing was opened here (END with START would end the sequence of another client)
+            if self._ending is not None and self._end_in_flight(timeout_s, deadline):
+                return None  # a request carrying END, whose answer its caller stopped reading, ended the session
             inflight = self._send(build_inputs(max_tokens=0), end=True, timeout_s=timeout_s, deadline=deadline)
             try:
                 return Update.from_chunks(list(self._receive(inflight, timeout_s)))
@@ -309,6 +312,9 @@ class Session:
         settled = self._settle_timed_out(timeout_s, deadline)
         if self._closed:  # the timed-out request carried END and was accepted after all
             raise PreposError(f"session {self.session_id} is closed")
+        if self._ending is not None:  # Triton ended the sequence at that END: it would refuse this request
+            raise PreposError(f"session {self.session_id} is closing: request {self._ending.request_id} carried END "
+                              "and its answer is still to come; nothing was sent")
         if settled and time.perf_counter() >= deadline:
             raise PreposTimeout(f"session {self.session_id}: no time left within {timeout_s:g} s after waiting for "
                                 "the outcome of a request that timed out; nothing was sent", accepted=False)
@@ -346,8 +352,11 @@ class Session:
                 waits += 1  # nothing was sent: send it on a new stream now that the server is ready
                 continue
             self._needs_start = False
-            return Inflight(request_id, deliveries, sent_at, deadline, opens_session, end, inputs=inputs,
-                             alone=alone, waits=waits)
+            inflight = Inflight(request_id, deliveries, sent_at, deadline, opens_session, end, inputs=inputs,
+                                alone=alone, waits=waits)
+            if end:
+                self._ending = inflight
+            return inflight
 
     def _receive(self, inflight: Inflight, timeout_s: float) -> Iterator[Chunk]:
         decoder = new_text_decoder()
@@ -386,10 +395,11 @@ class Session:
                 elapsed_ms=(delivery.received_at - inflight.sent_at) * 1e3,
                 decoder=decoder,
             )
-            yield chunk
-            if chunk.final:
+            if chunk.final:  # recorded before the caller sees it, who may stop reading there
                 self._settle(inflight, None)
+                yield chunk
                 return
+            yield chunk
 
     def _send_again(self, inflight: Inflight, error: PreposError) -> Inflight | None:
         """Send a refused request again, for refusals that changed nothing (:func:`~prepos_client.refusals.
@@ -410,6 +420,8 @@ class Session:
         left_s = inflight.deadline - time.perf_counter()
         if left_s <= 0:
             return None
+        if inflight is self._ending:  # sent again in its place
+            self._ending = None
         try:
             again = self._send(inflight.inputs, end=inflight.closes_session, timeout_s=left_s,
                                deadline=inflight.deadline)
@@ -433,6 +445,8 @@ class Session:
     def _settle(self, inflight: Inflight, error: PreposError | None) -> PreposError | None:
         """Update the session's state for the outcome of a request: its final response (``error`` None) or error.
         Returns the error to raise in place of ``error``, if another."""
+        if inflight is self._ending:
+            self._ending = None
         if error is None:
             if inflight.opens_session:
                 self._resume = self._opening_unknown = self._reopening = self._held_elsewhere = False
@@ -465,6 +479,19 @@ class Session:
             # answered: a later request without START would be refused.
             self._release()
         return replaced
+
+    def _end_in_flight(self, timeout_s: float, deadline: float) -> bool:
+        """Wait until ``deadline`` for the outcome of the request carrying END that is still to be answered (its
+        caller stopped reading it) and record it: another END would be refused, Triton having ended the sequence
+        at that one. Returns whether the session is over; raises PreposTimeout when the outcome did not come."""
+        ending = self._ending
+        try:
+            delivery = final_delivery(ending, deadline)
+        except queue.Empty:
+            raise PreposTimeout(f"session {self.session_id}: request {ending.request_id} carried END and has not "
+                                f"been answered within {timeout_s:g} s; {_ENDED_ANYWAY}") from None
+        self._settle(ending, delivery.error)
+        return self._closed
 
     def _settle_timed_out(self, timeout_s: float, deadline: float) -> bool:
         """Wait until ``deadline`` for the outcome of each request the caller gave up on, in the order sent, and

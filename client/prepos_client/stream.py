@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tritonclient.grpc import InferResult
 from tritonclient.utils import InferenceServerException
 
-from .errors import PreposError, from_triton, named_request
+from .errors import PreposError, from_triton, request_id_of
 from .protocol import is_final_response
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,10 @@ class ResponseRouter:
     nobody waits for any more (its caller timed out, or it already failed)
     never reach another request. Errors of a single request carry no id in
     tritonclient; the model handles a session's requests in arrival order,
-    so an error goes to the oldest pending request, unless it names its
-    request (the one error the server sends ahead of earlier requests'
-    answers: a queued request's deadline). An error with a gRPC
+    so an error goes to the oldest pending request, unless its text names a
+    pending request: Triton's own refusals (``[request id: X] ...``, which
+    come at once, ahead of earlier requests' answers) and the one error prepos
+    sends out of order (a queued request's deadline, ``... (request "X")``). An error with a gRPC
     status ends the whole stream: every pending request receives it and
     `failure` is set.
     """
@@ -84,7 +85,8 @@ class ResponseRouter:
         received_at = time.perf_counter()
         try:
             if error is not None:
-                self._route_error(from_triton(error), stream_ended=error.status() is not None, received_at=received_at)
+                self._route_error(from_triton(error), request_id_of(error.message() or str(error)),
+                                  stream_ended=error.status() is not None, received_at=received_at)
             elif result is not None:
                 self._route_result(result, received_at)
         except Exception:
@@ -92,14 +94,14 @@ class ResponseRouter:
             # leave every waiting request hanging until its timeout.
             logger.exception("failed to route a stream response")
 
-    def _route_error(self, failure: PreposError, *, stream_ended: bool, received_at: float) -> None:
+    def _route_error(self, failure: PreposError, named: str | None, *, stream_ended: bool,
+                     received_at: float) -> None:
         with self._lock:
             if stream_ended:
                 self._failure = failure
                 targets = list(self._pending.values())
                 self._pending.clear()
             elif self._pending:
-                named = named_request(failure.message)  # sent ahead of earlier requests' answers: by its id
                 target_id = named if named in self._pending else next(iter(self._pending))
                 targets = [self._pending.pop(target_id)]
             else:

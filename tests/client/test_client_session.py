@@ -224,6 +224,28 @@ def test_close_still_raises_other_refusals_of_an_opening(fake_triton):
     assert session.closed  # released all the same
 
 
+def test_close_behind_an_unread_answer_that_carries_end_waits_for_it_and_sends_no_second_end(fake_triton):
+    """Triton ends the sequence at the request carrying END: a second END (or any request) would be refused, and
+    its refusal, which names no request, used to reach the answer still streaming instead."""
+    fake_triton.responder = lambda request: [make_result(request.request_id, text="a", final=False),
+                                             make_result(request.request_id, text="b", finish_reason="length",
+                                                         final=True)]
+    session = open_session(session_id="s")
+    answer = session.generate("tell me", end=True)
+    assert next(answer).text == "a"  # the caller stops reading here
+    with pytest.raises(PreposError, match="is closing: request 1 carried END"):
+        session.ask("more")
+    assert session.close() is None and session.closed
+    assert len(fake_triton[0].requests) == 1
+
+
+def test_a_caller_who_stops_at_the_final_chunk_leaves_the_session_closed(fake_triton):
+    session = open_session(session_id="s")
+    answer = session.generate("tell me", end=True)
+    assert next(answer).final  # the echo answers in one chunk; the caller reads no further
+    assert session.closed and session.close() is None and len(fake_triton[0].requests) == 1
+
+
 def test_ask_with_end_closes_the_session_with_the_last_request(fake_triton):
     session = open_session()
     answer = session.ask("bye", end=True)

@@ -83,6 +83,19 @@ def test_an_error_naming_its_request_goes_to_that_request_not_the_oldest():
     assert router.num_pending == 0  # the oldest pending one takes it
 
 
+def test_tritons_own_refusal_goes_to_the_request_it_names():
+    """Triton refuses a request at once (an END behind another request that carries END: the sequence is over),
+    while the earlier request still streams; its text starts with the request's id."""
+    router = ResponseRouter()
+    streaming, ending = router.expect("1"), router.expect("2")
+    router.on_response(None, model_error("[request id: 2] inference request for sequence s to model 'prepos' must "
+                                         "specify the START flag on the first request of the sequence"))
+    router.on_response(make_result("1", text="a", finish_reason="length", final=True), None)
+    (refused,) = drain(ending)
+    assert "START flag" in str(refused.error) and not str(refused.error).startswith("[request id")
+    assert [d.error for d in drain(streaming)] == [None] and router.num_pending == 0
+
+
 @pytest.mark.parametrize("request_id", ["4", "", 'say "hi" \\ é', "(request \"1\")"])
 def test_the_request_an_error_names_reads_back_as_the_server_writes_it(request_id):
     from prepos.protocol import Status, naming_request, with_status  # the server's side of the format
