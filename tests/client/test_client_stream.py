@@ -84,8 +84,8 @@ def test_an_error_naming_its_request_goes_to_that_request_not_the_oldest():
 
 
 def test_tritons_own_refusal_goes_to_the_request_it_names():
-    """Triton refuses a request at once (an END behind another request that carries END: the sequence is over),
-    while the earlier request still streams; its text starts with the request's id."""
+    """Triton refuses some requests at once, while an earlier one may still stream, with the request's id in front
+    of its text (``[request id: 3] ... must specify the START flag ...`` for a sequence it does not hold)."""
     router = ResponseRouter()
     streaming, ending = router.expect("1"), router.expect("2")
     router.on_response(None, model_error("[request id: 2] inference request for sequence s to model 'prepos' must "
