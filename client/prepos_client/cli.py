@@ -7,7 +7,7 @@ package's `main(argv)`, imported only when that subcommand runs (so the
 client commands never pay for the server's imports).
 
 Exit codes: 0 ok, 1 the server rejected a request (the message names the
-field) or its model is not ready, 2 usage, 3 the server cannot be reached,
+field) or its model is not ready (or the output could not be written), 2 usage, 3 the server cannot be reached,
 130 interrupted, 141 the reader of the output went away. `chat` reading lines
 from a pipe or file goes on after a refused line and exits 1 at the end when
 any was refused; at a terminal it exits 0.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import json
 import logging
@@ -39,6 +40,7 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell tool whose reader went away
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT})  # the output cannot be written
 
 URL_ENV = "PREPOS_URL"
 TOKEN_ENV = "PREPOS_ACCESS_TOKEN"
@@ -488,6 +490,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # stdout closed early (`prepos ask ... | head`): stop quietly, as a shell tool does
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush has nowhere to fail
+        _drop_stdout()
         return EXIT_BROKEN_PIPE
+    except OSError as error:
+        if error.errno not in _WRITE_ERRNOS or error.filename is not None:  # not the output's
+            raise
+        _drop_stdout()  # the output cannot be written (`> /dev/full`): say so, as `cat` does, not with a traceback
+        print(f"prepos: cannot write the output: {error.strerror or error}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the exit's own flush of what could not be written has nowhere to fail."""
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

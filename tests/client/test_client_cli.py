@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -215,6 +216,25 @@ def test_an_answer_piped_into_a_reader_that_goes_away_stops_quietly(fake_triton,
         monkeypatch.setattr(sys, "stdout", ClosedPipe())
         assert cli.main(["ask", "tell me a story", "--session-id", "s1"]) == cli.EXIT_BROKEN_PIPE
     assert capsys.readouterr().err == ""  # no traceback
+    assert fake_triton[0].requests[-1].sequence_end  # the session was closed with the question
+
+
+def test_an_answer_written_to_a_full_disk_is_an_error_message_not_a_traceback(fake_triton, capsys, monkeypatch):
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def fileno(self):
+            return devnull.fileno()
+
+    with open(os.devnull, "w") as devnull:
+        monkeypatch.setattr(sys, "stdout", FullDisk())
+        assert cli.main(["ask", "tell me a story", "--session-id", "s1"]) == cli.EXIT_SERVER_ERROR
+    err = capsys.readouterr().err
+    assert err == "prepos: cannot write the output: No space left on device\n"
     assert fake_triton[0].requests[-1].sequence_end  # the session was closed with the question
 
 
