@@ -245,10 +245,11 @@ class RequestServer:
 
         # Choose the path that serves the first token.
         pos = session.positioned if session.positioned_valid() and kept is None else None
-        # Positioned for this role, but for other forced leading choice tokens: its distribution is not at this
-        # request's decision point, while its KV (the log's updates and the entry) serves the prompt as prepaid's.
-        prepaid_only = pos is not None and pos.role == request.role and pos.forced_ids != forced
+        prepaid_only = False
         if pos is not None and (pos.role != request.role or pos.forced_ids != forced):
+            # Positioned for this role, but for other forced leading choice tokens: its distribution is not at this
+            # request's decision point, while its KV (the log's updates and the entry) serves the prompt as prepaid's.
+            prepaid_only = pos.role == request.role
             self._metrics.prepositioning_ended("invalidated")
             pos = None
         first: ScanResult | None = None
