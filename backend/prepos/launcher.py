@@ -40,7 +40,7 @@ from prepos.access_token import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, GRPC_ACC
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
 from prepos.supervise import (DRAIN_ENV, STUB_CHECK_S, StubWatch, bls_threads_argument, describe_lost,
-                              drain_file_from, server_stack_limit, stop_server)
+                              drain_file_from, keepalive_ping_arguments, server_stack_limit, stop_server)
 
 log = logging.getLogger("prepos.launcher")
 
@@ -156,6 +156,7 @@ def server_command(options: ServerOptions, backend_dir: Path, access_token: str 
         f"--exit-timeout-secs={options.exit_timeout_s}",
         backend_config_argument(region_prefix(options.grpc_port)),
         bls_threads_argument(),
+        *keepalive_ping_arguments(),
     ]
     if access_token:
         command += restriction_arguments(access_token)

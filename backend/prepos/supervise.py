@@ -57,6 +57,15 @@ TRITON_EXIT_TIMEOUT_S = 30.0
 TRITON_GRPC_PORT = 8001
 """tritonserver's ``--grpc-port`` when its arguments do not set it."""
 DRAIN_ENV = "PREPOS_SCHEDULER_DRAIN_FILE"
+KEEPALIVE_PING_ARGUMENTS = {
+    "--grpc-keepalive-permit-without-calls": "1",
+    "--grpc-http2-min-recv-ping-interval-without-data": "1000",
+}
+"""tritonserver's gRPC keepalive settings: a peer may ping a connection once a second, streams open or not.
+gRPC's defaults count a ping that comes less than 5 minutes after the last one, while the server sends nothing, as
+abuse, and close the connection at the third (GOAWAY ``too_many_pings``), so a proxy or client that keeps its
+connection alive (Envoy's 30 s keepalive in the Helm chart) lost every session stream on it after about 90 s of
+think time. A ping costs the server next to nothing."""
 THREAD_POOL_OPTION = "thread-pool-size"
 """The Python backend's setting (``--backend-config=python,<it>=<n>``): its threads for Business Logic Scripting."""
 BLS_THREADS = 288
@@ -254,6 +263,17 @@ def with_bls_threads(args: list[str]) -> list[str]:
     return [*args, bls_threads_argument()]
 
 
+def keepalive_ping_arguments() -> list[str]:
+    """tritonserver's arguments for :data:`KEEPALIVE_PING_ARGUMENTS`."""
+    return [f"{flag}={value}" for flag, value in KEEPALIVE_PING_ARGUMENTS.items()]
+
+
+def with_keepalive_pings(args: list[str]) -> list[str]:
+    """tritonserver's ``args`` with :data:`KEEPALIVE_PING_ARGUMENTS` each, unless they set it."""
+    return [*args, *(argument for argument in keepalive_ping_arguments()
+                     if _last_value(args[1:], argument.partition("=")[0]) is None)]
+
+
 def with_region_prefix(args: list[str]) -> tuple[list[str], str]:
     """tritonserver's ``args`` with the Python backend's shared-memory regions named after the gRPC port
     (:mod:`prepos.shm_regions`), unless they name them already; and their prefix."""
@@ -332,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
-    args, prefix = with_region_prefix(with_bls_threads(args))
+    args, prefix = with_region_prefix(with_keepalive_pings(with_bls_threads(args)))
     # One server runs in a container: regions under its prefix now are an earlier one's, killed before it could
     # remove them (the container restarted; an in-memory /dev/shm outlives it).
     remove_left_regions(prefix, "an earlier tritonserver")

@@ -20,7 +20,8 @@ from prepos.launcher import ServerOptions, server_command
 from prepos.shm_regions import SHM_DIR, region_prefix
 from prepos.supervise import (BLS_THREADS, DRAIN_ENV, DRAINED_EXIT_S, ENDED_EXIT_S, LOST_STUB_STOP_S, STOP_GRACE_S,
                               STUB_CHECK_S, TRITON_EXIT_TIMEOUT_S, TRITON_GRPC_PORT, bls_threads_argument,
-                              exit_timeout_of, grpc_port_of, with_bls_threads, with_region_prefix)
+                              exit_timeout_of, grpc_port_of, keepalive_ping_arguments, with_bls_threads,
+                              with_keepalive_pings, with_region_prefix)
 
 # Stands in for tritonserver: a model instance's backend stub of its own (a child in its process group, with a
 # stub's arguments), and, as models load, a stub that completes a model's configuration and exits (named after
@@ -288,3 +289,18 @@ def test_tritonserver_starts_with_a_stack_limit_its_http_threads_survive_a_large
     out = subprocess.run([sys.executable, "-c", script, soft_kib], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": ":".join(sys.path), "PATH": "/usr/bin:/bin"}).stdout.split()
     assert out == [child_kib, soft_kib]  # the server's limit inside; this process's own restored after
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["tritonserver"], ["tritonserver", *keepalive_ping_arguments()]),
+    # A setting the arguments make is kept, whichever form they make it in.
+    (["tritonserver", "--grpc-keepalive-permit-without-calls=0"],
+     ["tritonserver", "--grpc-keepalive-permit-without-calls=0",
+      "--grpc-http2-min-recv-ping-interval-without-data=1000"]),
+    (["tritonserver", "--grpc-http2-min-recv-ping-interval-without-data", "60000"],
+     ["tritonserver", "--grpc-http2-min-recv-ping-interval-without-data", "60000",
+      "--grpc-keepalive-permit-without-calls=1"]),
+])
+def test_the_server_accepts_keepalive_pings_unless_the_arguments_say_otherwise(args, expected):
+    assert with_keepalive_pings(args) == expected
+    assert set(keepalive_ping_arguments()) <= set(server_command(ServerOptions(), Path("/b")))

@@ -563,3 +563,34 @@ def test_a_queued_requests_deadline_error_reaches_that_request_not_the_one_still
             list(short)
         assert timed_out.value.accepted is False and '(request "' in str(timed_out.value)
         assert session.ask("And then?", max_tokens=2, speculate=False).text  # the session goes on
+
+
+def test_a_stream_kept_alive_by_pings_outlives_think_time(server):
+    """A proxy or client that pings its connection while its session thinks (Envoy's upstream keepalive in the Helm
+    chart) keeps its stream: by gRPC's defaults the server took the third such ping as abuse and closed the
+    connection (GOAWAY too_many_pings), ending every session stream on it."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url, keepalive_options=grpcclient.KeepAliveOptions(
+        keepalive_time_ms=1500, keepalive_permit_without_calls=True, http2_max_pings_without_data=0))
+    results: queue.Queue = queue.Queue()
+    client.start_stream(lambda result, error: results.put((result, error)))
+
+    def append(request_id: str, *, start: bool = False, end: bool = False):
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(_b("Noted."))
+        max_tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
+        max_tokens.set_data_from_numpy(np.array([0], np.int32))
+        client.async_stream_infer("prepos", [text, max_tokens], request_id=request_id, sequence_id="kept-alive",
+                                  sequence_start=start, sequence_end=end)
+        return results.get(timeout=30)
+
+    try:
+        assert append("1", start=True)[1] is None
+        time.sleep(7.5)  # five pings while the server sends nothing
+        assert results.empty()  # no error: the connection is still up
+        result, error = append("2", end=True)
+        assert error is None and result.as_numpy("finish_reason")[0] == b"appended"
+    finally:
+        client.stop_stream()
+        client.close()
