@@ -18,7 +18,8 @@ The rule, as Envoy implements it:
   so far is below the running target), so the hosts' order matters only
   for those fractions.
 - Entry `i` of a host with key `k` sits at `xxHash64("{k}_{i}", seed 0)`; the
-  key is the host's address as `ip:port` (`[ip]:port` for IPv6).
+  key is the host's hash key: by default its address as `ip:port`
+  (`[ip]:port` for IPv6).
 - A request hash `h` picks the first entry whose position is >= `h`, wrapping
   to the first entry past the end.
 - A header hash policy hashes the header's value with xxHash64 (seed 0);
@@ -27,9 +28,12 @@ The rule, as Envoy implements it:
 
 Where this differs from Envoy (none of it changes which host a session gets
 with the chart's configuration):
-- Hosts are the strings given. Envoy hashes the resolved `ip:port` of each
-  endpoint (or its hostname with `use_hostname_for_hashing`, or an
-  `envoy.lb` `hash_key` metadata value): give the same strings to agree.
+- Hosts are the strings given. Envoy hashes an endpoint's `envoy.lb`
+  `hash_key` metadata value where it has one, else its resolved `ip:port` (or
+  its hostname with `use_hostname_for_hashing`): give the same strings to
+  agree. The chart gives each replica the hash key `<pod DNS name>:<gRPC
+  port>`, which outlives the pod's IP, so a client given those addresses
+  agrees with it.
 - Two entries at the same position (a 64-bit collision) keep build order here;
   Envoy's sort leaves their order unspecified.
 - No priorities, localities, panic mode, bounded load (`hash_balance_factor`)

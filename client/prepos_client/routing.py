@@ -107,9 +107,10 @@ class RoutedClient:
     """Opens sessions on the replica the ring hash assigns to each session id.
 
     Args:
-        replicas: gRPC addresses (`ip:port`) of the replicas, each weight 1,
-            or a mapping of address to integer weight. Give the addresses
-            Envoy's endpoints have (resolved IPs) to route exactly as the router.
+        replicas: gRPC addresses (`host:port`) of the replicas, each weight 1,
+            or a mapping of address to integer weight. Give the addresses the
+            router hashes (the Helm chart's: each replica's pod DNS name and gRPC
+            port) to route exactly as the router.
         model, timeout_s, headers, token: as for `Client` (the same token on every replica).
         min_ring_size, max_ring_size: as the chart's `router.ringHash`.
         readmit_interval_s: how often, at most, a replica that left the ring because it could not be reached or

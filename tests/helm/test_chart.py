@@ -193,14 +193,14 @@ def test_notes_name_the_entry_point_and_the_session_header(chart):
 
 
 @pytest.mark.parametrize(("journal", "says"), [
-    ({}, "only when that replica comes back"),
+    ({}, "takes its sessions back"),
     ({"existingClaim": "prepos-journals"}, "on the replica that takes them over"),
     ({"enabled": False}, "are lost"),
 ])
 def test_notes_say_what_becomes_of_a_removed_replicas_sessions(chart, journal, says):
     notes = render_files(chart, with_minimal(journal=journal))["prepos/templates/NOTES.txt"]
     assert "first drains it" in notes and says in notes
-    assert sum(phrase in notes for phrase in ("only when that replica comes back", "takes them over",
+    assert sum(phrase in notes for phrase in ("takes its sessions back", "takes them over",
                                               "are lost")) == 1
 
 
@@ -457,8 +457,13 @@ def test_service_monitor_off_by_default(chart):
 # --- session-affine router ------------------------------------------------------------------
 
 
-def test_router_hashes_the_session_header_onto_the_headless_service(chart):
-    objects = render(chart, MINIMAL)
+def ring_endpoints(config: dict[str, Any]) -> list[dict[str, Any]]:
+    (locality,) = triton_cluster(config)["load_assignment"]["endpoints"]
+    return locality["lb_endpoints"]
+
+
+def test_router_hashes_the_session_header_onto_each_replicas_stable_name(chart):
+    objects = render(chart, with_minimal(replicaCount=3))
     config = envoy_config(objects)
     hcm = connection_manager(config)
     (virtual_host,) = hcm["route_config"]["virtual_hosts"]
@@ -469,13 +474,26 @@ def test_router_hashes_the_session_header_onto_the_headless_service(chart):
     assert route["route"]["cluster"] == cluster["name"]
     assert cluster["type"] == "STRICT_DNS"
     assert cluster["lb_policy"] == "RING_HASH"
-    (locality,) = cluster["load_assignment"]["endpoints"]
-    (endpoint,) = locality["lb_endpoints"]
-    address = endpoint["endpoint"]["address"]["socket_address"]
-    headless = one(objects, "Service", one(objects, "StatefulSet")["spec"]["serviceName"])
-    assert address["address"] == f"{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    statefulset = one(objects, "StatefulSet")
+    headless = one(objects, "Service", statefulset["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
-    assert address["port_value"] == {p["name"]: p["port"] for p in headless["spec"]["ports"]}["grpc"]
+    grpc_port = {p["name"]: p["port"] for p in headless["spec"]["ports"]}["grpc"]
+    # A pod's DNS name under its StatefulSet's headless Service: <pod>.<service>.<namespace>.svc.<domain>, the pod
+    # being <statefulset>-<ordinal>. The ring places each replica by that name, which outlives the pod's IP.
+    pod_names = [f"{statefulset['metadata']['name']}-{ordinal}.{headless['metadata']['name']}.{NAMESPACE}"
+                 ".svc.cluster.local" for ordinal in range(3)]
+    endpoints = ring_endpoints(config)
+    assert [e["endpoint"]["address"]["socket_address"]["address"] for e in endpoints] == pod_names
+    assert {e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints} == {grpc_port}
+    assert [e["metadata"]["filter_metadata"]["envoy.lb"]["hash_key"] for e in endpoints] == [
+        f"{name}:{grpc_port}" for name in pod_names]
+
+
+def test_the_ring_lists_every_replica_the_autoscaler_may_start(chart):
+    values = with_minimal(replicaCount=2, autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 6})
+    keys = [e["metadata"]["filter_metadata"]["envoy.lb"]["hash_key"]
+            for e in ring_endpoints(envoy_config(render(chart, values)))]
+    assert len(keys) == 6 and len(set(keys)) == 6 and keys[5].startswith(f"{RELEASE}-triton-5.")
 
 
 def test_router_speaks_http2_both_ways(chart):

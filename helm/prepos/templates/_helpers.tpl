@@ -28,7 +28,7 @@
 {{- printf "%s-router" (include "prepos.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Fully qualified DNS name of the headless Service: one A record per ready Triton replica. */}}
+{{/* Fully qualified DNS name of the headless Service; replica i is <triton fullname>-i.<this name>. */}}
 {{- define "prepos.triton.dnsName" -}}
 {{- printf "%s.%s.svc.%s" (include "prepos.triton.fullname" .) .Release.Namespace .Values.clusterDomain }}
 {{- end }}
