@@ -77,6 +77,12 @@ class ServerOptions:
     no token at all leaves the endpoints open."""
     access_token: str = dataclasses.field(default="", repr=False)
     """The token itself (for embedding the launcher; never a flag). Wins over the file and the environment."""
+    tls_cert_file: str = dataclasses.field(default="", metadata={
+        "help": "PEM certificate chain: serve gRPC over TLS (with --tls-key-file; HTTP stays plain text)"})
+    """The server's certificate chain (PEM): with ``tls_key_file``, gRPC is served over TLS."""
+    tls_key_file: str = dataclasses.field(default="", metadata={
+        "help": "PEM private key of --tls-cert-file"})
+    """The private key (PEM) of ``tls_cert_file``."""
 
     def __post_init__(self) -> None:
         """Raise ValueError naming the flag of a value tritonserver would refuse or misread."""
@@ -94,6 +100,12 @@ class ServerOptions:
                              f"and {self.log_verbose}")
         if not self.host:
             raise ValueError("--host: expected an address to bind, e.g. 127.0.0.1")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("--tls-cert-file and --tls-key-file go together, got "
+                             f"{self.tls_cert_file or 'none'} and {self.tls_key_file or 'none'}")
+        for flag, path in (("--tls-cert-file", self.tls_cert_file), ("--tls-key-file", self.tls_key_file)):
+            if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+                raise ValueError(f"{flag}: no readable file at {path}")
 
 
 def _pytriton_dir() -> Path:
@@ -160,6 +172,9 @@ def server_command(options: ServerOptions, backend_dir: Path, access_token: str 
     ]
     if access_token:
         command += restriction_arguments(access_token)
+    if options.tls_cert_file:
+        command += ["--grpc-use-ssl=true", f"--grpc-server-cert={Path(options.tls_cert_file).resolve()}",
+                    f"--grpc-server-key={Path(options.tls_key_file).resolve()}"]
     return command
 
 
@@ -448,7 +463,8 @@ def serve(options: ServerOptions) -> int:
     try:
         with server:
             bridge = any((Path(repo) / "prepos_http").is_dir() for repo in options.model_repositories)
-            print(f"prepos is ready\n  gRPC     {server.grpc_url}\n  HTTP     {server.http_url}"
+            print(f"prepos is ready\n  gRPC     {server.grpc_url}{' (TLS)' if options.tls_cert_file else ''}\n"
+                  f"  HTTP     {server.http_url}"
                   + (" (POST /v2/models/prepos_http/generate or generate_stream)" if bridge else "") + "\n"
                   f"  metrics  {server.metrics_url}\n  log      {server.log_file}\n"
                   f"  journal  {env.get('PREPOS_JOURNAL_DIR') or os.environ.get('PREPOS_JOURNAL_DIR') or 'off'}\n"

@@ -10,6 +10,7 @@
 
 from .errors import PreposError, PreposTimeout, PreposUnavailable, parse_field
 from .protocol import Answer, Chunk, Update, build_inputs, parse_chunk
+from .channel import Tls
 from .client import DEFAULT_MODEL, DEFAULT_URL, Client
 from .session import SESSION_HEADER, Session
 from .session_ids import new_session_id
@@ -25,6 +26,7 @@ __all__ = [
     "PreposUnavailable",
     "SESSION_HEADER",
     "Session",
+    "Tls",
     "Update",
     "build_inputs",
     "new_session_id",

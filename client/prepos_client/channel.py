@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import KeepAliveOptions
@@ -41,9 +43,51 @@ def channel_args() -> list[tuple[str, int | bool]]:
     ]
 
 
-def triton_client(url: str) -> grpcclient.InferenceServerClient:
-    """A tritonclient gRPC client for ``url`` (host:port) with :func:`channel_args`."""
-    return grpcclient.InferenceServerClient(url, channel_args=channel_args())
+@dataclass(frozen=True)
+class Tls:
+    """gRPC over TLS: the server's certificate is checked against ``root_certificates`` (a PEM file; None: the
+    system's roots); ``private_key`` and ``certificate_chain`` (PEM files, both or neither) are the client's own,
+    for servers that ask for one. ``server_name`` is the name the certificate must carry where it is not the
+    address's host (a port-forward to ``localhost``, say).
+
+    Raises:
+        ValueError: a file that cannot be read, or a key without a chain (or a chain without a key).
+    """
+
+    root_certificates: str | None = None
+    private_key: str | None = None
+    certificate_chain: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("root_certificates", "private_key", "certificate_chain"):
+            path = getattr(self, name)
+            if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+                raise ValueError(f"tls.{name}: no readable file at {path!r}")
+        if (self.private_key is None) != (self.certificate_chain is None):
+            raise ValueError("tls: private_key and certificate_chain go together (the client's certificate)")
+
+
+def tls_of(tls: bool | Tls | None) -> Tls | None:
+    """``tls`` as the clients take it: True is TLS with the system's roots, False or None plain text."""
+    if tls is True:
+        return Tls()
+    if tls is None or tls is False or isinstance(tls, Tls):
+        return tls or None
+    raise TypeError(f"tls: expected a bool or a Tls, got {tls!r}")
+
+
+def triton_client(url: str, tls: Tls | None = None) -> grpcclient.InferenceServerClient:
+    """A tritonclient gRPC client for ``url`` (host:port) with :func:`channel_args`, over TLS where ``tls`` is
+    given."""
+    if tls is None:
+        return grpcclient.InferenceServerClient(url, channel_args=channel_args())
+    args = channel_args()
+    if tls.server_name:
+        args.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpcclient.InferenceServerClient(url, ssl=True, root_certificates=tls.root_certificates,
+                                            private_key=tls.private_key, certificate_chain=tls.certificate_chain,
+                                            channel_args=args)
 
 
 def wait_until_ready(triton: grpcclient.InferenceServerClient, model: str, headers: Mapping[str, str] | None,

@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from .channel import Tls
 from .client import DEFAULT_MODEL, DEFAULT_URL, Client
 from .errors import PreposError, PreposTimeout, PreposUnavailable
 from .protocol import Answer, Chunk, Update
@@ -118,6 +119,13 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         help="a call that finds the server stopping, restarting or down waits for it, within --timeout, and is "
         "sent again once it is ready, instead of failing at once",
     )
+    parser.add_argument("--tls", action="store_true",
+                        help="gRPC over TLS, the server's certificate checked against the system's roots (the Helm "
+                        "chart's router with router.tls.enabled)")
+    parser.add_argument("--tls-ca", metavar="FILE", help="gRPC over TLS, the server's certificate checked against "
+                        "the PEM roots in FILE (implies --tls)")
+    parser.add_argument("--tls-server-name", metavar="NAME", help="the name the server's certificate must carry, "
+                        "where it is not --url's host (a port-forward to localhost; implies --tls)")
 
 
 def add_session_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -171,8 +179,11 @@ def generation_options(args: argparse.Namespace) -> dict:
 def connect(args: argparse.Namespace) -> Client:
     """A Client for the connection flags of `args`."""
     options = {} if args.timeout_s is None else {"timeout_s": args.timeout_s}
+    tls_ca, server_name = getattr(args, "tls_ca", None), getattr(args, "tls_server_name", None)
+    tls = (Tls(root_certificates=tls_ca, server_name=server_name) if tls_ca is not None or server_name is not None
+           else getattr(args, "tls", False))
     return Client(args.url, args.model, token=getattr(args, "token", None),
-                  wait_for_ready=getattr(args, "wait_for_ready", False), **options)
+                  wait_for_ready=getattr(args, "wait_for_ready", False), tls=tls, **options)
 
 
 def check_session_arguments(args: argparse.Namespace) -> None:

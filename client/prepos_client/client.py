@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from .channel import triton_client
+from .channel import Tls, tls_of, triton_client
 from .errors import PreposError, PreposTimeout, PreposUnavailable, from_triton
 from .deadlines import check_timeout
 from .session import Session
@@ -39,6 +39,9 @@ class Client:
             restarting or not reachable waits, within its time limit, until
             the server is ready again and is sent again then, instead of
             raising at once (see `Session`).
+        tls: gRPC over TLS (the Helm chart's router with `router.tls.enabled`):
+            True checks the server's certificate against the system's roots; a
+            `Tls` names the roots (and a client certificate). False: plain text.
     """
 
     def __init__(
@@ -50,11 +53,13 @@ class Client:
         headers: Mapping[str, str] | None = None,
         token: str | None = None,
         wait_for_ready: bool = False,
+        tls: bool | Tls = False,
     ):
         if not isinstance(url, str) or not url:
             raise TypeError(f"url: expected host:port as a str, got {url!r}")
         self.url = url
         self.wait_for_ready = bool(wait_for_ready)
+        self.tls = tls_of(tls)
         self.model = model
         self.timeout_s = check_timeout(timeout_s)
         self.headers = dict(headers or {})
@@ -79,6 +84,7 @@ class Client:
             headers=self.headers,
             resume=resume,
             wait_for_ready=self.wait_for_ready,
+            tls=self.tls,
         )
         self._sessions.add(session)
         return session
@@ -100,7 +106,7 @@ class Client:
         """
         timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         if self._health is None:
-            self._health = triton_client(self.url)
+            self._health = triton_client(self.url, self.tls)
         try:
             if not self._health.is_server_live(headers=self.headers, client_timeout=timeout_s):
                 raise PreposUnavailable(f"the server at {self.url} is not live")

@@ -61,6 +61,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .channel import Tls, tls_of
 from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER, Client
 from .deadlines import check_timeout
 from .errors import PreposError, PreposUnavailable
@@ -111,7 +112,7 @@ class RoutedClient:
             or a mapping of address to integer weight. Give the addresses the
             router hashes (the Helm chart's: each replica's pod DNS name and gRPC
             port) to route exactly as the router.
-        model, timeout_s, headers, token: as for `Client` (the same token on every replica).
+        model, timeout_s, headers, token, tls: as for `Client` (the same on every replica).
         min_ring_size, max_ring_size: as the chart's `router.ringHash`.
         readmit_interval_s: how often, at most, a replica that left the ring because it could not be reached or
             was stopping is asked whether it is ready again (when a session is placed); once it is, it rejoins.
@@ -136,8 +137,10 @@ class RoutedClient:
         max_ring_size: int = DEFAULT_MAX_RING_SIZE,
         readmit_interval_s: float = READMIT_INTERVAL_S,
         drain_readmit_after_s: float = DRAIN_READMIT_AFTER_S,
+        tls: bool | Tls = False,
     ):
         self.model = model
+        self.tls = tls_of(tls)
         self.timeout_s = check_timeout(timeout_s)
         self.headers = dict(headers or {})
         if token:
@@ -259,7 +262,7 @@ class RoutedClient:
                        ", ".join(hosts))
 
     def _is_ready(self, replica: str) -> bool:
-        with Client(replica, self.model, timeout_s=1.0, headers=self.headers) as health:
+        with Client(replica, self.model, timeout_s=1.0, headers=self.headers, tls=self.tls or False) as health:
             return health.is_ready()
 
     def close(self) -> None:
@@ -378,7 +381,7 @@ class RoutedSession:
     def _open(self, replica: str) -> Session:
         client = self._client
         return Session(replica, client.model, self.session_id, timeout_s=client.timeout_s,
-                       headers=client.headers, resume=self._opened)
+                       headers=client.headers, resume=self._opened, tls=client.tls)
 
     def _call(self, send: Callable[[Session], _T]) -> _T:
         return self._call_with_session(send)[1]

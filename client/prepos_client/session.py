@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
-from .channel import stop_stream, triton_client, wait_until_ready
+from .channel import Tls, stop_stream, triton_client, wait_until_ready
 from .deadlines import check_timeout, server_timeout_us
 from .errors import PreposError, PreposTimeout, from_triton
 from .inflight import Inflight, final_delivery, next_delivery, record_delivered_outcome, record_late_outcome
@@ -80,6 +80,7 @@ class Session:
         headers: Mapping[str, str] | None = None,
         resume: bool = False,
         wait_for_ready: bool = False,
+        tls: Tls | None = None,
     ):
         self.session_id = check_session_id(session_id)
         self.model = model
@@ -97,7 +98,7 @@ class Session:
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
-        self._triton = triton_client(url)
+        self._triton = triton_client(url, tls)
         self._dropped = close_when_dropped(self, self._triton)
 
     @property

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import random
 import sys
 from collections.abc import Iterator
@@ -38,7 +39,8 @@ import locust.stats
 from locust import User, events, task
 from locust.exception import LocustError
 
-from prepos_client import Client
+from prepos_client import Client, Tls
+from prepos_client.cli import TOKEN_ENV
 
 from .options import OPTION_CLASSES, WorkloadOptions, add_arguments, from_namespace
 from .replay import Measurement, ReplayOptions, TraceReplayer, trace_pool
@@ -126,9 +128,13 @@ class PreposUser(User):
             self.replay_options = from_namespace(ReplayOptions, parsed)
         except ValueError as error:
             raise LocustError(str(error)) from None
-        self.client = Client(grpc_address(self.host), self.workload_options.model,
-                             timeout_s=self.replay_options.request_timeout_s,
-                             wait_for_ready=self.replay_options.wait_for_ready)
+        replay = self.replay_options
+        try:
+            tls = Tls(root_certificates=replay.tls_ca) if replay.tls_ca else replay.tls
+        except ValueError as error:
+            raise LocustError(f"--tls-ca: {error}") from None
+        self.client = Client(grpc_address(self.host), self.workload_options.model, timeout_s=replay.request_timeout_s,
+                             wait_for_ready=replay.wait_for_ready, tls=tls, token=os.environ.get(TOKEN_ENV) or None)
         user_index = next(PreposUser._user_counter)
         self._replayer = TraceReplayer(
             self.client.session,

@@ -78,6 +78,11 @@ class ReplayOptions:
     wait_for_ready: bool = field(default=False, metadata={
         "help": "a request that finds the server stopping, restarting or down waits for it, within "
                 "--request-timeout-s, instead of failing (its wait counts in its response time)"})
+    tls: bool = field(default=False, metadata={
+        "help": "gRPC over TLS, the server's certificate checked against the system's roots (the Helm chart's "
+                "router with router.tls.enabled; the access token, if any, from env PREPOS_ACCESS_TOKEN)"})
+    tls_ca: str = field(default="", metadata={
+        "help": "gRPC over TLS, the server's certificate checked against the PEM roots in this file (implies --tls)"})
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.think_scale) and self.think_scale >= 0):

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from prepos import launcher
-from prepos.launcher import ServerOptions, TritonServer
+from prepos.launcher import ServerOptions, TritonServer, server_command
 from prepos.ports import PortInUseError, taken_endpoints
 from prepos_loadtest.repository import free_loopback_ports
 
@@ -263,3 +263,15 @@ def test_the_drain_file_set_in_the_environment_is_kept_and_an_empty_one_turns_th
         assert server.drain_file == tmp_path.resolve() / "drain-9101"
     else:
         assert server.drain_file == (None if expected is None else launcher.Path(expected))
+
+
+def test_tls_files_go_together_and_must_be_readable(tmp_path):
+    cert = tmp_path / "server.pem"
+    cert.write_text("certificate")
+    with pytest.raises(ValueError, match="--tls-cert-file and --tls-key-file go together"):
+        ServerOptions(tls_cert_file=str(cert))
+    with pytest.raises(ValueError, match="--tls-key-file: no readable file at"):
+        ServerOptions(tls_cert_file=str(cert), tls_key_file=str(tmp_path / "missing.key"))
+    command = server_command(ServerOptions(tls_cert_file=str(cert), tls_key_file=str(cert)), tmp_path)
+    assert "--grpc-use-ssl=true" in command and f"--grpc-server-cert={cert}" in command
+    assert not any("ssl" in argument for argument in server_command(ServerOptions(), tmp_path))

@@ -192,6 +192,22 @@ def test_notes_name_the_entry_point_and_the_session_header(chart):
     assert SESSION_HEADER in notes
 
 
+@pytest.mark.parametrize("router", [{}, {"tls": {"enabled": True, "secretName": "grpc-cert"}}], ids=["plain", "tls"])
+def test_notes_command_is_one_the_cli_takes(chart, router):
+    """The NOTES' `prepos ask` line parses with the CLI's own parser, TLS flags included where the router has TLS."""
+    import shlex
+
+    from prepos_client.cli import build_parser
+
+    values = with_minimal(router=router, auth={"enabled": True, "existingSecret": "token"})
+    notes = render_files(chart, values)["prepos/templates/NOTES.txt"]
+    (line,) = [line for line in notes.splitlines() if "prepos ask" in line]
+    words = shlex.split(line.replace("<a name in the certificate>", "prepos.example.com"))
+    args = build_parser().parse_args(words[words.index("prepos") + 1:])
+    assert args.command == "ask" and args.url == "localhost:8001"
+    assert (args.tls_ca, args.tls_server_name) == (("ca.pem", "prepos.example.com") if router else (None, None))
+
+
 @pytest.mark.parametrize(("journal", "says"), [
     ({}, "takes its sessions back"),
     ({"existingClaim": "prepos-journals"}, "on the replica that takes them over"),
