@@ -254,9 +254,11 @@ def test_bad_values_fail_with_the_schema_message(chart, values, message):
         (with_minimal(triton={"exitTimeoutSeconds": 111}), "triton.exitTimeoutSeconds + 5 must be below"),
         (with_minimal(prepos={"engineDir": "/models/engine"}), "prepos.engineDir must lie under storage.mountPath"),
         (with_minimal(autoscaling={"enabled": True, "minReplicas": 5, "maxReplicas": 2}), "minReplicas must not exceed"),
+        (with_minimal(router={"ringHash": {"minimumRingSize": 65536, "maximumRingSize": 4096}}),
+         "minimumRingSize must not exceed"),
     ],
     ids=["stream-idle-below-session-idle", "exit-timeout-above-grace", "exit-timeout-and-stop-grace-above-grace",
-         "engine-outside-volume", "hpa-min-above-max"],
+         "engine-outside-volume", "hpa-min-above-max", "ring-min-above-max"],
 )
 def test_inconsistent_values_fail_in_the_templates(chart, values, message):
     with pytest.raises(helm.HelmRenderError) as raised:
@@ -520,6 +522,19 @@ def test_router_speaks_http2_both_ways(chart):
     options = triton_cluster(config)["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert options["@type"] == "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
     assert "http2_protocol_options" in options["explicit_http_config"]
+
+
+def test_router_pings_idle_client_connections_unless_told_not_to(chart):
+    options = connection_manager(envoy_config(render(chart, MINIMAL)))["http2_protocol_options"]
+    assert options["connection_keepalive"]["interval"] == "60s"
+    off = connection_manager(envoy_config(render(chart, with_minimal(router={"clientKeepaliveSeconds": 0}))))
+    assert "connection_keepalive" not in off["http2_protocol_options"]
+
+
+def test_the_router_pulls_with_the_charts_pull_secrets(chart):
+    objects = render(chart, with_minimal(imagePullSecrets=[{"name": "regcred"}]))
+    for owner in (one(objects, "Deployment"), one(objects, "StatefulSet")):
+        assert owner["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
 
 
 def test_router_keeps_long_streams_open(chart):
