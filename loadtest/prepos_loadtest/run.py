@@ -59,13 +59,12 @@ _TIMESPAN = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
 
 def parse_run_time(text: str) -> float:
-    """Seconds of a Locust run time: `90`, `90s`, `1m30s`, `1h`.
+    """Seconds of a Locust run time: `90`, `90s`, `1m30s`, `1h`, as Locust spells them (lower case, no spaces).
 
     Raises:
-        ValueError: anything else, or zero.
+        ValueError: anything else (Locust would refuse it after starting), or zero.
     """
-    text = text.strip().lower()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         seconds = int(text)
     else:
         match = _TIMESPAN.match(text)
@@ -254,8 +253,8 @@ def _choose_locustfile(args: argparse.Namespace, parser: argparse.ArgumentParser
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.users < 1:
         parser.error("--users: must be >= 1")
-    if not args.spawn_rate > 0:
-        parser.error("--spawn-rate: must be > 0")
+    if not (math.isfinite(args.spawn_rate) and args.spawn_rate > 0):
+        parser.error(f"--spawn-rate: must be a finite number > 0, got {args.spawn_rate}")
     if not 0 <= args.max_error_rate <= 1:
         parser.error("--max-error-rate: must be in [0, 1]")
     if args.stop_timeout < 0:

@@ -22,6 +22,7 @@ import argparse
 import csv
 import json
 import logging
+import math
 import sys
 import threading
 import time
@@ -66,8 +67,11 @@ class SoakOptions:
         if self.users < 1:
             raise ValueError(f"users: must be >= 1, got {self.users}")
         loadtest_run.parse_run_time(self.duration)  # raises naming --run-time; re-raised below with our name
-        if not self.spawn_rate > 0:
-            raise ValueError(f"spawn_rate: must be > 0, got {self.spawn_rate}")
+        workloads = sorted(path.stem for path in loadtest_run.LOCUSTFILES.glob("*.py") if path.stem != "trace")
+        if self.workload not in workloads:
+            raise ValueError(f"workload: expected one of {', '.join(workloads)}, got {self.workload!r}")
+        if not (math.isfinite(self.spawn_rate) and self.spawn_rate > 0):
+            raise ValueError(f"spawn_rate: must be a finite number > 0, got {self.spawn_rate}")
         if not self.think_scale >= 0:
             raise ValueError(f"think_scale: must be >= 0, got {self.think_scale}")
         if not self.sample_interval_s > 0:

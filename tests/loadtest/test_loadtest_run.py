@@ -38,7 +38,7 @@ def test_parse_run_time(text, seconds):
     assert parse_run_time(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "0", "0s", "ten", "1.5s", "-3s"])
+@pytest.mark.parametrize("text", ["", "0", "0s", "ten", "1.5s", "-3s", "10S", " 5s", "1M", "\uff15"])
 def test_parse_run_time_rejects(text):
     with pytest.raises(ValueError, match="^--run-time:"):
         parse_run_time(text)
@@ -114,7 +114,8 @@ def test_every_workload_has_a_task_file():
 
 
 @pytest.mark.parametrize("argv", [
-    ["--users", "0"], ["--spawn-rate", "0"], ["--max-error-rate", "2"], ["--run-time", "soon"],
+    ["--users", "0"], ["--spawn-rate", "0"], ["--spawn-rate", "inf"], ["--max-error-rate", "2"],
+    ["--run-time", "soon"], ["--run-time", "10S"],
     ["--think-scale", "-1"], ["--workload-sessions", "0"], ["--workload", "nope"],
     ["--trace", "/nonexistent/trace.jsonl"],
 ])

@@ -67,6 +67,8 @@ def test_options_name_the_field_they_reject():
         SoakOptions(users=0)
     with pytest.raises(ValueError, match="run-time"):
         SoakOptions(duration="ten minutes")
+    with pytest.raises(ValueError, match="workload: expected one of bfcl, chat, monitor, got 'trace'"):
+        SoakOptions(workload="trace")  # the soak has no --trace to give it
     with pytest.raises(ValueError, match="sample_interval_s"):
         SoakOptions(sample_interval_s=0)
     assert SoakOptions(duration="10m", warmup_s=60).effective_warmup_s == 60
