@@ -220,6 +220,18 @@ def test_notes_say_what_becomes_of_a_removed_replicas_sessions(chart, journal, s
                                               "are lost")) == 1
 
 
+@pytest.mark.parametrize(("release", "values"), [
+    ("r" * 53, MINIMAL), (RELEASE, with_minimal(fullnameOverride="f" * 63))], ids=["long-release", "long-override"])
+def test_long_names_still_give_pods_and_distinct_objects(chart, release, values):
+    """A StatefulSet name over 52 characters gets no pods (its controller-revision-hash label passes 63), and names
+    cut at 63 lost their suffixes, so that the router's and the replicas' objects shared names."""
+    files = chart.render(values=values, name=release, namespace=NAMESPACE, is_install=True)
+    objects = [doc for path, text in files.items() if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
+    assert len(one(objects, "StatefulSet")["metadata"]["name"]) <= 52
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names)), names
+
+
 # --- bad values ---------------------------------------------------------------------------
 
 

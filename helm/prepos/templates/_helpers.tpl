@@ -3,16 +3,18 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Object name prefix: <release>-<chart>, or the release name when it already holds the chart name. */}}
+{{/* Object name prefix: <release>-<chart>, or the release name when it already holds the chart name; at most
+45 characters, so that "<prefix>-triton" (52) leaves room for the StatefulSet's controller-revision-hash label
+(63 in all; a longer StatefulSet name gets no pods) and every suffixed name stays distinct. */}}
 {{- define "prepos.fullname" -}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- .Release.Name | trunc 45 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}
