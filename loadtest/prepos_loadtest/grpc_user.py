@@ -32,12 +32,15 @@ import os
 import random
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import gevent
 import grpc.experimental.gevent as grpc_gevent
 import locust.stats
 from locust import User, events, task
 from locust.exception import LocustError
+from locust.html import get_html_report
+from locust.runners import STATE_RUNNING, STATE_SPAWNING
 
 from prepos_client import Client, Tls
 from prepos_client.cli import TOKEN_ENV
@@ -76,6 +79,15 @@ def _check_prepos_arguments(environment, **_kwargs) -> None:
 
 @events.quitting.add_listener
 def _before_exit(environment, **_kwargs) -> None:
+    # An interrupted run reaches here with its users still running: Locust stops them only after this event, so
+    # the requests they finish while stopping (their sessions' ENDs) were left out of the CSVs and the HTML report
+    # (which Locust saved already). Stop them first, and write the report again.
+    runner = environment.runner
+    if runner is not None and runner.state in (STATE_SPAWNING, STATE_RUNNING):
+        runner.stop()
+        html_file = getattr(environment.parsed_options, "html_file", None)
+        if html_file:
+            Path(html_file).write_text(get_html_report(environment, show_download_link=False), encoding="utf-8")
     # Locust's CSV writer rewrites the files every CSV_STATS_INTERVAL_SEC and
     # closes them at exit without a last pass, so requests that finished while
     # users stopped (their END included) would be missing from the CSVs; give

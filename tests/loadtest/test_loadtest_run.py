@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import signal
@@ -151,6 +152,8 @@ from pathlib import Path
 import gevent
 from locust import User, task, constant
 
+import prepos_loadtest.grpc_user  # noqa: F401  (its hooks: the statistics of an interrupted run)
+
 MARKS = Path(os.environ["MARKS"])
 
 class Steady(User):
@@ -161,6 +164,8 @@ class Steady(User):
 
     def on_stop(self):
         (MARKS / "stopped").touch()
+        self.environment.events.request.fire(request_type="TOTAL", name="close", response_time=1.0,
+                                             response_length=0, exception=None, context={})
 
     @task
     def ask(self):
@@ -216,6 +221,10 @@ def test_an_interrupt_sent_to_the_load_test_alone_stops_the_run_and_does_not_cal
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["passed"] is False
     assert summary["num_requests"] > 0 and summary["num_failed"] == 0
+    # The users' ENDs, sent while they stop, are measured: in the CSV (and so the summary) and the HTML report.
+    rows = list(csv.DictReader((tmp_path / "out" / "loadtest_stats.csv").open()))
+    assert [int(row["Request Count"]) for row in rows if row["Name"] == "close"] == [2], output
+    assert '"close"' in (tmp_path / "out" / "report.html").read_text()
 
 
 def test_a_second_interrupt_stops_a_run_whose_users_do_not_finish(tmp_path, loadtests):
