@@ -170,7 +170,7 @@ class PreposUser(User):
 
     def on_stop(self) -> None:
         try:
-            self._report(self._replayer.close())
+            self._report(self._replayer.close(last=True))
         finally:
             self.client.close()
 

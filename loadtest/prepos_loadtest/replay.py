@@ -159,11 +159,15 @@ class TraceReplayer:
             measurements += self.close()
         return measurements
 
-    def close(self) -> list[Measurement]:
-        """End the open session (END) and move on to the next trace; no-op when none is open."""
+    def close(self, *, last: bool = False) -> list[Measurement]:
+        """End the open session (END) and move on to the next trace; no-op when none is open. ``last``: the user is
+        stopping, so the END is tried once and does not wait for a server that is down (`wait_for_ready`), as
+        `Client.close` does: with the server gone for good, each user's END waited its whole time limit."""
         session = self._session
         if session is None:
             return []
+        if last:
+            session.wait_for_ready = False
         measurements = [] if session.closed else self._end(session)
         self._session = None
         self._trace, self._cursor = next(self._pool), 0

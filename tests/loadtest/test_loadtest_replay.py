@@ -155,6 +155,20 @@ def test_close_ends_the_open_session_once():
     assert [entry[:2] for entry in client.log] == [("s0", "append"), ("s0", "close")]
 
 
+def test_a_stopping_users_end_does_not_wait_for_a_server_that_is_down():
+    client = FakeClient()
+    user = replayer(client)
+    user.run_step()  # trace a opens s0
+    client.sessions[0].wait_for_ready = True
+    user.close(last=True)
+    assert client.sessions[0].wait_for_ready is False and client.sessions[0].closed
+    user.run_step()  # trace b: s1, opened and ended by its one step
+    user.run_step()  # trace a again: s2
+    client.sessions[2].wait_for_ready = True
+    user.close()  # between traces: the END waits like every request
+    assert client.sessions[2].wait_for_ready is True and client.sessions[2].closed
+
+
 def test_pool_needs_a_trace_with_steps():
     with pytest.raises(ValueError, match="no session trace has a step"):
         next(trace_pool([SessionTrace("empty", ())]))
