@@ -15,6 +15,7 @@ from .deadlines import check_timeout, server_timeout_us
 from .errors import PreposError, PreposTimeout, from_triton
 from .inflight import Inflight, final_delivery, next_delivery, record_delivered_outcome, record_late_outcome
 from .lifetime import close_when_dropped, streaming_sessions
+from .opening import Opening
 from .protocol import (Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk,
                        resume_input)
 from .refusals import (REOPEN, WHEN_READY, gone_error, may_send_again, not_open_error, refused_as_not_open,
@@ -88,12 +89,8 @@ class Session:
         self.timeout_s = check_timeout(timeout_s)
         self.wait_for_ready = bool(wait_for_ready)
         self._headers = {**(headers or {}), SESSION_HEADER: str(self.session_id)}
-        self._needs_start = True
-        self._resume = resume  # until a request has opened the session, START goes with `resume`
+        self._opening = Opening(resume=resume)
         self._unsettled: list[Inflight] = []  # requests the caller gave up on, whose outcome is still to come
-        self._opening_unknown = False  # an opening request's answer was lost with its stream: opened, or not
-        self._reopening = False  # the server said it does not hold the session: START and `resume` reopen it
-        self._held_elsewhere = False  # the opening was refused as already open: the sequence is another client's
         self._ending: Inflight | None = None  # a request carrying END whose outcome is still to be recorded
         self._closed = False
         self._num_requests = 0
@@ -243,7 +240,7 @@ class Session:
             self._settle_timed_out(timeout_s, deadline)
             if self._closed:
                 return None  # the timed-out request carried END and was accepted after all
-            if self._needs_start and (self._held_elsewhere or (self._num_requests == 0 and not self._resume)):
+            if self._opening.nothing_to_end(self._num_requests):
                 return None  # nothing was opened here (END with START would end the sequence of another client)
             if self._ending is not None and self._end_in_flight(timeout_s, deadline):
                 return None  # a request carrying END, whose answer its caller stopped reading, ended the session
@@ -326,8 +323,8 @@ class Session:
             request_id = str(self._num_requests)
             alone = router.num_pending == 0 and not self._unsettled
             deliveries = router.expect(request_id)
-            opens_session = self._needs_start
-            sent = [*inputs, resume_input()] if opens_session and self._resume else inputs
+            opens_session = self._opening.needs_start
+            sent = [*inputs, resume_input()] if opens_session and self._opening.resume else inputs
             sent_at = time.perf_counter()
             try:
                 self._triton.async_stream_infer(
@@ -352,7 +349,7 @@ class Session:
                     raise failure from None
                 waits += 1  # nothing was sent: send it on a new stream now that the server is ready
                 continue
-            self._needs_start = False
+            self._opening.sent()
             inflight = Inflight(request_id, deliveries, sent_at, deadline, opens_session, end, inputs=inputs,
                                 alone=alone, waits=waits)
             if end:
@@ -408,14 +405,12 @@ class Session:
         refusal for a session the server does not hold, the next call reopens the session either way."""
         kind = send_again_as(error, inflight, wait_for_ready=self.wait_for_ready)
         if kind == REOPEN:
-            self._needs_start = self._resume = self._reopening = True
+            self._opening.reopen()
         if kind is None or not may_send_again(kind, inflight, str(self._num_requests), time.perf_counter()):
             return None
         if kind != REOPEN:
             self._stop_stream()
-            if not inflight.opens_session:  # the server may have lost the session's sequence: reopen it
-                self._resume = self._reopening = True
-            self._needs_start = True
+            self._opening.send_again(inflight.opens_session)
         if kind == WHEN_READY and not self._wait_until_ready(inflight.deadline, inflight.waits, server_away(error)):
             return None
         left_s = inflight.deadline - time.perf_counter()
@@ -427,7 +422,7 @@ class Session:
             again = self._send(inflight.inputs, end=inflight.closes_session, timeout_s=left_s,
                                deadline=inflight.deadline)
         except PreposError:  # the stream failed: the refusal is what this call reports
-            self._needs_start = True
+            self._opening.needs_start = True
             return None
         again.sent_again = (*inflight.sent_again, kind)
         again.waits += inflight.waits + (kind == WHEN_READY)
@@ -450,31 +445,19 @@ class Session:
             self._ending = None
         if error is None:
             if inflight.opens_session:
-                self._resume = self._opening_unknown = self._reopening = self._held_elsewhere = False
+                self._opening.opened()
             if inflight.closes_session:
                 self._release()
             return None
-        replaced = None
         if refused_as_not_open(error, inflight):
             # Not sent again (see _send_again): the next request carries START and `resume`.
             return not_open_error(self.session_id, error)
-        if inflight.opens_session and self._reopening and error.status is None and error.field == "resume":
+        if inflight.opens_session and self._opening.reopening and error.status is None and error.field == "resume":
             # The server has no journal of it: the session was closed (its idle timeout, or an END sent by another
             # client), or the server keeps no journals; its log is gone.
             self._release()
             return gone_error(self.session_id, error)
-        if inflight.opens_session:
-            self._needs_start = True
-            already_open = error.field == "START" and "already open" in error.message
-            if self._opening_unknown and already_open:
-                # The opening whose answer was lost had opened the session after all: this START changed
-                # nothing, and the next request goes on without one.
-                self._needs_start = False
-                replaced = error.reworded(f"{error.message}: the request that was to open it, whose answer was "
-                                          "lost with its stream, had opened it; the next call continues the session")
-            else:
-                self._held_elsewhere = already_open
-            self._opening_unknown = error.status is not None  # a lost stream tells nothing of the opening
+        replaced = self._opening.refused(error) if inflight.opens_session else None
         if inflight.closes_session and error.status is None:
             # Triton ends the sequence on END whatever the model
             # answered: a later request without START would be refused.
@@ -523,8 +506,7 @@ class Session:
             # The old stream ended (the server restarted, say, or a router moved us to another replica): the
             # next request resumes the session, which the server still holds or reopens from its journal.
             self._stop_stream()
-            if not self._needs_start:
-                self._needs_start = self._resume = True
+            self._opening.stream_lost()
         router = ResponseRouter()
         try:
             self._triton.start_stream(callback=router.on_response, headers=self._headers)
