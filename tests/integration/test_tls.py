@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from cryptography import x509
@@ -89,3 +91,16 @@ def test_the_name_checked_can_differ_from_the_address(tls_server, tls_files):
     with Client(tls_server.grpc_url, tls=Tls(root_certificates=roots, server_name="prepos.example.com"),
                 timeout_s=3) as client:
         assert not client.is_ready()
+
+
+def test_the_locust_users_talk_over_tls_with_tls_ca(tls_server, tls_files, tmp_path):
+    loadtest_dir = Path(__file__).resolve().parents[2] / "loadtest"
+    command = [sys.executable, "-m", "prepos_loadtest.run", "--host", tls_server.grpc_url, "--workload", "monitor",
+               "--users", "1", "--spawn-rate", "1", "--run-time", "4s", "--stop-timeout", "20"]
+    done = subprocess.run([*command, "--tls-ca", str(tls_files["ca"]), "--out", str(tmp_path / "tls")],
+                          cwd=loadtest_dir, capture_output=True, text=True, timeout=120)
+    summary = json.loads((tmp_path / "tls" / "summary.json").read_text())
+    assert done.returncode == 0 and summary["num_requests"] > 0 and summary["num_failed"] == 0, done.stdout
+    plain = subprocess.run([*command, "--out", str(tmp_path / "plain")], cwd=loadtest_dir, capture_output=True,
+                           text=True, timeout=120)
+    assert plain.returncode == 1 and json.loads((tmp_path / "plain" / "summary.json").read_text())["passed"] is False
