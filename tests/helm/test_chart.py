@@ -103,7 +103,7 @@ def envoy_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def grpc_listener(config: dict[str, Any]) -> dict[str, Any]:
-    (listener,) = config["static_resources"]["listeners"]
+    (listener,) = [listener for listener in config["static_resources"]["listeners"] if listener["name"] == "grpc"]
     return listener
 
 
@@ -593,6 +593,23 @@ def test_router_deployment_and_service(chart):
     assert service["spec"]["type"] == "LoadBalancer"
     assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(8001, "grpc")]
+
+
+def test_the_router_admin_is_on_loopback_and_the_probes_use_a_listener_of_their_own(chart):
+    """Envoy's admin interface can stop Envoy (/quitquitquit) or fail its health: reachable from every pod, it was
+    open to the whole cluster."""
+    objects = render(chart, MINIMAL)
+    config = envoy_config(objects)
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    (health,) = [listener for listener in config["static_resources"]["listeners"] if listener["name"] == "health"]
+    (chain,) = health["filter_chains"]
+    (route,) = chain["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    envoy = container(one(objects, "Deployment"), "envoy")
+    assert envoy["readinessProbe"]["httpGet"] == {"path": route["match"]["path"], "port": "health"}
+    assert route["direct_response"]["status"] == 200
+    assert envoy["livenessProbe"]["tcpSocket"]["port"] == "health"
+    assert port_named(envoy, "health") == health["address"]["socket_address"]["port_value"]
+    assert port_named(envoy, "health") != config["admin"]["address"]["socket_address"]["port_value"]
 
 
 # --- TLS and access token -------------------------------------------------------------------
