@@ -543,6 +543,22 @@ def test_router_pings_idle_client_connections_unless_told_not_to(chart):
     assert "connection_keepalive" not in off["http2_protocol_options"]
 
 
+def test_security_contexts_reach_every_pod_and_container(chart):
+    restricted = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                  "seccompProfile": {"type": "RuntimeDefault"}}
+    values = with_minimal(podSecurityContext={"fsGroup": 1000}, securityContext=restricted,
+                          router={"podSecurityContext": {"runAsNonRoot": True}, "securityContext": {"runAsUser": 101}})
+    objects = render(chart, values)
+    statefulset, deployment = one(objects, "StatefulSet"), one(objects, "Deployment")
+    assert statefulset["spec"]["template"]["spec"]["securityContext"] == {"fsGroup": 1000}
+    for name in ("triton", "engine-build"):
+        assert container(statefulset, name)["securityContext"] == restricted
+    assert deployment["spec"]["template"]["spec"]["securityContext"] == {"runAsNonRoot": True}
+    assert container(deployment, "envoy")["securityContext"] == {"runAsUser": 101}
+    plain = render(chart, MINIMAL)
+    assert "securityContext" not in container(one(plain, "StatefulSet"), "triton")
+
+
 def test_the_router_pulls_with_the_charts_pull_secrets(chart):
     objects = render(chart, with_minimal(imagePullSecrets=[{"name": "regcred"}]))
     for owner in (one(objects, "Deployment"), one(objects, "StatefulSet")):
