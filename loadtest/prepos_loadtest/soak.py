@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_soak(options, server.grpc_url, server.metrics_url, server.process.pid, args.out)
     print(summary.line(), flush=True)
     print(f"written: {args.out / CSV_NAME}, {args.out / 'soak.png'}, {args.out / 'soak.md'}", flush=True)
+    if summary.interrupted:
+        return loadtest_run.EXIT_INTERRUPTED
     return EXIT_OK if summary.passed else EXIT_FAILED
 
 

@@ -37,6 +37,7 @@ class SoakSummary:
     kv_end_mib: float | None
     kv_peak_mib: float | None
     sessions_peak: int
+    interrupted: bool = False  # stopped by SIGINT or SIGTERM: duration_s is the time it ran (its last sample)
 
     @property
     def num_errors(self) -> int:
@@ -51,8 +52,9 @@ class SoakSummary:
             return "-" if value is None else f"{value:.0f} MiB"
 
         slope = "-" if self.rss_slope_mib_per_h is None else f"{self.rss_slope_mib_per_h:+.0f} MiB/h"
+        stopped = " (interrupted)" if self.interrupted else ""
         return (f"soak {'ok' if self.passed else 'FAIL'}: {self.users} users ({self.workload}) for "
-                f"{self.duration_s / 60:.1f} min: {self.num_requests} requests, {self.num_errors} errors "
+                f"{self.duration_s / 60:.1f} min{stopped}: {self.num_requests} requests, {self.num_errors} errors "
                 f"(server-side rejections {self.server_errors}); server RSS after warm-up {mib(self.rss_start_mib)}"
                 f" -> end {mib(self.rss_end_mib)} (peak {mib(self.rss_peak_mib)}, trend {slope}); "
                 f"KV {mib(self.kv_start_mib)} -> {mib(self.kv_end_mib)} (peak {mib(self.kv_peak_mib)})")
@@ -66,7 +68,8 @@ class SoakSummary:
         rows = [
             ("concurrent sessions (Locust users)", self.users),
             ("workload", self.workload),
-            ("duration", f"{self.duration_s / 60:.1f} min (warm-up {self.warmup_s:.0f} s)"),
+            ("duration", f"{self.duration_s / 60:.1f} min{', interrupted' if self.interrupted else ''} "
+                         f"(warm-up {self.warmup_s:.0f} s)"),
             ("requests", self.num_requests),
             ("errors (failed requests + user-code exceptions)", self.num_errors),
             ("server-side rejections (prepos_request_errors_total)", self.server_errors),
@@ -107,10 +110,11 @@ def summarize(csv_path: Path, warmup_s: float, locust: dict[str, Any], locust_st
     rss = [(s["elapsed_s"], s["rss_mib"]) for s in after if s["rss_mib"] is not None]
     kv = [s["kv_mib"] for s in after if s["kv_mib"] is not None]
     errors = [s["request_errors_total"] for s in samples if s["request_errors_total"] is not None]
+    interrupted = bool(locust.get("interrupted"))
     return SoakSummary(
         users=options.users,
         workload=options.workload,
-        duration_s=options.duration_s,
+        duration_s=samples[-1]["elapsed_s"] if interrupted and samples else options.duration_s,
         warmup_s=warmup_s,
         num_samples=len(samples),
         num_requests=int(locust.get("num_requests", 0)),
@@ -126,6 +130,7 @@ def summarize(csv_path: Path, warmup_s: float, locust: dict[str, Any], locust_st
         kv_end_mib=kv[-1] if kv else None,
         kv_peak_mib=max(kv) if kv else None,
         sessions_peak=int(max((s["sessions_open"] or 0 for s in samples), default=0)),
+        interrupted=interrupted,
     )
 
 

@@ -62,6 +62,19 @@ def test_a_failed_request_or_no_request_fails_the_soak(tmp_path):
     assert not summarize(path, 10.0, {}, 0, options).passed  # Locust wrote no summary: nothing was measured
 
 
+def test_an_interrupted_soak_says_so_and_how_long_it_ran(tmp_path):
+    path = tmp_path / "soak.csv"
+    write_samples(path, samples([1000, 1010, 1020], [0, 0, 0]))  # samples at 0, 30 and 60 s
+    options = SoakOptions(users=2, duration="10m")
+    summary = summarize(path, 10.0, {"num_requests": 40, "num_failed": 0, "exceptions": [], "interrupted": True},
+                        130, options)
+    assert summary.interrupted and summary.duration_s == 60.0 and not summary.passed
+    assert "for 1.0 min (interrupted)" in summary.line()
+    assert "| duration | 1.0 min, interrupted (warm-up 10 s) |" in summary.markdown()
+    whole = summarize(path, 10.0, {"num_requests": 40, "num_failed": 0, "exceptions": []}, 0, options)
+    assert not whole.interrupted and whole.duration_s == 600.0
+
+
 def test_options_name_the_field_they_reject():
     with pytest.raises(ValueError, match="users"):
         SoakOptions(users=0)
