@@ -46,9 +46,18 @@ replica taken back for a moment; a session placed there is refused as
 draining and moves again. Sessions that moved stay where they are; sessions
 opened from then on are placed on the whole ring again.
 
-A request that was in flight when its replica died may have been accepted
-there before the connection broke; it is sent again to the new owner, so
-across a failover a request is delivered at least once, not exactly once.
+A request whose stream broke after it connected (its replica died while it
+was under way) may have been accepted there before the connection broke: it
+is not sent again (the new owner, reopening the session from the shared
+journal, may hold its turn already). The session moves all the same, and the
+call raises the `PreposUnavailable`, as `Session` does; the next call goes on
+on the new owner. Only refusals that changed nothing (no server to connect
+to, a drain, a model no longer served) are sent again, so a turn is taken
+once across a failover too.
+
+When the last replica on the ring is lost, the call raises and the session
+stays on that replica: its next call goes there again, and resumes the
+session once the replica is back.
 """
 
 from __future__ import annotations
@@ -282,27 +291,35 @@ class RoutedClient:
         self.close()
 
 
-def _why_moves(error: PreposError) -> str | None:
-    """Why an error moves a session off its replica, None when it does not: the replica cannot be reached, or
-    it refused the request because it is stopping (draining before the stop, then no longer serving the model:
-    Triton unloads it once told to stop), which changed nothing there."""
+def _why_moves(error: PreposError) -> tuple[str, bool] | None:
+    """Why an error moves a session off its replica, and whether its request is sent again to the new owner;
+    None when it does not move. Sent again: the replica cannot be reached, or refused the request because it is
+    stopping (draining before the stop, then no longer serving the model: Triton unloads it once told to stop),
+    which changed nothing there. Not sent again: the stream broke while the request was under way, which may
+    have been accepted (its turn is in the journal the new owner reopens the session from)."""
+    away = server_away(error)
+    if away is not None:
+        return away, True
     if isinstance(error, PreposUnavailable):
-        return "unreachable"
-    return server_away(error)
+        return "lost while the request was under way", False
+    return None
 
 
 class RoutedSession:
     """A `Session` that lives on its ring-hash replica and moves when that replica is lost.
 
     Same calls as `Session` (`append`, `generate`, `ask`, `settle`, `close`, `detach`).
-    A call whose replica cannot be reached (`PreposUnavailable`), or is
-    stopping (draining: it ended the session, its journal kept, and refuses to
-    reopen it; or no longer serving the model), removes that replica from the
-    client's ring, moves the session to its new owner and is sent again there
-    (resuming the session if it was opened), once per replica lost; it raises
-    that error only when no replica is left. Every other error is raised as
-    `Session` raises it. `replica` is where the session is now; `failovers`
-    lists its moves.
+    A call whose replica cannot be reached (`PreposUnavailable`: no server to
+    connect to), or is stopping (draining: it ended the session, its journal
+    kept, and refuses to reopen it; or no longer serving the model), removes
+    that replica from the client's ring, moves the session to its new owner and
+    is sent again there (resuming the session if it was opened), once per
+    replica lost; it raises that error when no replica is left (the session
+    then stays where it is, to resume there once the replica is back). A call
+    whose stream broke while its request was under way moves the session too,
+    but raises its `PreposUnavailable` (the request may have been accepted; see
+    the module docstring). Every other error is raised as `Session` raises it.
+    `replica` is where the session is now; `failovers` lists its moves.
     """
 
     def __init__(self, client: RoutedClient, session_id: str | int, *, resume: bool):
@@ -392,10 +409,10 @@ class RoutedSession:
             try:
                 result = send(session)
             except PreposError as error:
-                why = _why_moves(error)
-                if why is None:
+                moves = _why_moves(error)
+                if moves is None:
                     raise
-                self._fail_over(session, error, why)
+                self._fail_over(session, error, moves)
                 continue
             self._opened = self._opened or accepted
             return session, result
@@ -406,10 +423,10 @@ class RoutedSession:
             try:
                 first = next(chunks)
             except PreposError as error:
-                why = _why_moves(error)
-                if why is None:
+                moves = _why_moves(error)
+                if moves is None:
                     raise
-                self._fail_over(session, error, why)
+                self._fail_over(session, error, moves)
                 session, chunks = self._call_with_session(send, accepted=False)
                 continue
             break
@@ -417,18 +434,22 @@ class RoutedSession:
         yield first
         yield from chunks
 
-    def _fail_over(self, session: Session, error: PreposError, why: str) -> None:
-        """Move the session off `session`'s replica, or raise `error` when no replica is left."""
+    def _fail_over(self, session: Session, error: PreposError, moves: tuple[str, bool]) -> None:
+        """Move the session off `session`'s replica; raise `error` when its request is not to be sent again, or
+        when no replica is left (the session then stays on its replica, to resume there once it is back)."""
+        why, send_again = moves
         lost = session.url
         self._client.lose_replica(lost, draining=says_draining(error))
-        try:
-            session.detach()
-        except PreposError:
-            logger.debug("releasing the stream to %s failed", lost, exc_info=True)
         try:
             replica = self._client.replica_for(self.session_id)
         except LookupError:
             raise error from None
+        try:
+            session.detach()
+        except PreposError:
+            logger.debug("releasing the stream to %s failed", lost, exc_info=True)
         self.failovers.append(Failover(self.session_id, lost, replica, str(error)))
         logger.warning("session %s: replica %s %s (%s); moved to %s", self.session_id, lost, why, error, replica)
         self._session = self._open(replica)
+        if not send_again:
+            raise error

@@ -102,6 +102,28 @@ def test_a_lost_replica_leaves_the_ring_and_its_session_resumes_on_the_new_owner
     assert [r.sequence_start for r in replicas.requests(REPLICAS[0], staying)] == [True, False]
 
 
+def test_a_request_whose_stream_broke_is_not_sent_again_but_the_session_moves(replicas):
+    """The replica died while the request was under way: it may have taken the turn (and journaled it), so the
+    request is not sent to the new owner, which would take it a second time; the call raises, as Session's does,
+    and the next one goes on on the new owner."""
+    client = RoutedClient(REPLICAS, timeout_s=2)
+    lost = REPLICAS[1]
+    (session_id,) = session_ids_on(lost, client.ring, 1)
+    session = client.session(session_id)
+    session.ask("one")
+    replicas.errors[lost] = InferenceServerException(msg="Socket closed", status="StatusCode.UNAVAILABLE")
+    with pytest.raises(PreposUnavailable, match="Socket closed"):
+        session.ask("two")
+    owner = HashRing(REPLICAS).without(lost).lookup(session_id)
+    assert session.replica == owner and lost not in client.replicas
+    assert [(f.from_replica, f.to_replica) for f in session.failovers] == [(lost, owner)]
+    assert replicas.requests(owner, session_id) == []  # "two" was not sent there
+    assert session.ask("three").text == "three"
+    (first,) = replicas.requests(owner, session_id)
+    assert first.sequence_start and first.inputs["resume"].tolist() == [True]
+    assert first.inputs["text_input"].tolist() == [b"three"]
+
+
 def test_a_draining_replica_leaves_the_ring_and_its_session_resumes_on_the_new_owner(replicas):
     client = RoutedClient(REPLICAS, timeout_s=2)
     draining = REPLICAS[2]
@@ -375,10 +397,14 @@ def test_a_single_replica_that_restarted_takes_new_sessions_again(replicas):
         first.ask("two")  # no replica left
     with pytest.raises(LookupError):
         client.session("b")
+    assert not first.closed  # it stays on its replica, to resume there once that is back
     replicas.dead.clear()
     time.sleep(0.06)
     again = client.session("b")
     assert again.ask("hi").text == "hi" and again.replica == REPLICAS[0]
+    assert first.ask("three").text == "three" and first.replica == REPLICAS[0]
+    resumed = replicas.requests(REPLICAS[0], "a")[-1]
+    assert resumed.sequence_start and resumed.inputs["resume"].tolist() == [True]
 
 
 def test_a_replica_removed_by_hand_is_not_asked_back(replicas):
