@@ -194,6 +194,9 @@ class RoutedClient:
 
         `session_id` None picks a fresh random id; `resume=True` continues a
         session opened earlier (START is sent with `resume`, as for `Client.session`).
+
+        Raises:
+            LookupError: no replica is left on the ring (every one was lost, and none is ready again yet).
         """
         session = RoutedSession(self, new_session_id() if session_id is None else session_id, resume=resume)
         with self._lock:
