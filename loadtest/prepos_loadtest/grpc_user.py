@@ -142,10 +142,7 @@ class PreposUser(User):
         except ValueError as error:
             raise LocustError(str(error)) from None
         replay = self.replay_options
-        try:
-            tls = Tls(root_certificates=replay.tls_ca) if replay.tls_ca else replay.tls
-        except ValueError as error:
-            raise LocustError(f"--tls-ca: {error}") from None
+        tls = Tls(root_certificates=replay.tls_ca) if replay.tls_ca else replay.tls  # tls_ca checked at start
         self.client = Client(grpc_address(self.host), self.workload_options.model, timeout_s=replay.request_timeout_s,
                              wait_for_ready=replay.wait_for_ready, tls=tls, token=os.environ.get(TOKEN_ENV) or None)
         user_index = next(PreposUser._user_counter)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -91,6 +92,8 @@ class ReplayOptions:
             raise ValueError(f"think_jitter: must be in [0, 1], got {self.think_jitter}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s: must be > 0, got {self.request_timeout_s}")
+        if self.tls_ca and not (os.path.isfile(self.tls_ca) and os.access(self.tls_ca, os.R_OK)):
+            raise ValueError(f"tls_ca: no readable file at {self.tls_ca}")
 
 
 def trace_pool(traces: Sequence[SessionTrace]) -> Iterator[SessionTrace]:

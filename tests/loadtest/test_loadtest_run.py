@@ -116,7 +116,7 @@ def test_every_workload_has_a_task_file():
 
 @pytest.mark.parametrize("argv", [
     ["--users", "0"], ["--spawn-rate", "0"], ["--spawn-rate", "inf"], ["--max-error-rate", "2"],
-    ["--run-time", "soon"], ["--run-time", "10S"],
+    ["--run-time", "soon"], ["--run-time", "10S"], ["--tls-ca", "/nonexistent/ca.pem"],
     ["--think-scale", "-1"], ["--workload-sessions", "0"], ["--workload", "nope"],
     ["--trace", "/nonexistent/trace.jsonl"],
 ])
