@@ -495,7 +495,7 @@ def ring_endpoints(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_router_hashes_the_session_header_onto_each_replicas_stable_name(chart):
-    objects = render(chart, with_minimal(replicaCount=3))
+    objects = render(chart, with_minimal(replicaCount=3, router={"replicaSlots": 3}))
     config = envoy_config(objects)
     hcm = connection_manager(config)
     (virtual_host,) = hcm["route_config"]["virtual_hosts"]
@@ -521,11 +521,17 @@ def test_router_hashes_the_session_header_onto_each_replicas_stable_name(chart):
         f"{name}:{grpc_port}" for name in pod_names]
 
 
-def test_the_ring_lists_every_replica_the_autoscaler_may_start(chart):
-    values = with_minimal(replicaCount=2, autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 6})
+@pytest.mark.parametrize(("values", "num_names"), [
+    ({}, 16),  # router.replicaSlots: scaling within them leaves the router's config alone
+    ({"replicaCount": 20}, 20),
+    ({"replicaCount": 2, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 24}}, 24),
+    ({"replicaCount": 2, "router": {"replicaSlots": 4}}, 4),
+])
+def test_the_ring_lists_every_replica_there_may_be(chart, values, num_names):
     keys = [e["metadata"]["filter_metadata"]["envoy.lb"]["hash_key"]
-            for e in ring_endpoints(envoy_config(render(chart, values)))]
-    assert len(keys) == 6 and len(set(keys)) == 6 and keys[5].startswith(f"{RELEASE}-triton-5.")
+            for e in ring_endpoints(envoy_config(render(chart, with_minimal(**values))))]
+    assert len(keys) == len(set(keys)) == num_names
+    assert keys[-1].startswith(f"{RELEASE}-triton-{num_names - 1}.")
 
 
 def test_router_speaks_http2_both_ways(chart):
