@@ -506,6 +506,8 @@ def test_router_hashes_the_session_header_onto_each_replicas_stable_name(chart):
     assert route["route"]["cluster"] == cluster["name"]
     assert cluster["type"] == "STRICT_DNS"
     assert cluster["lb_policy"] == "RING_HASH"
+    # Most names may have no healthy replica behind them: never route to unhealthy hosts (Envoy's panic mode).
+    assert cluster["common_lb_config"]["healthy_panic_threshold"] == {"value": 0}
     statefulset = one(objects, "StatefulSet")
     headless = one(objects, "Service", statefulset["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
