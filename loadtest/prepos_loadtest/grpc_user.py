@@ -35,7 +35,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import gevent
-from gevent import GreenletExit
 import grpc.experimental.gevent as grpc_gevent
 import locust.stats
 from locust import User, events, task
@@ -164,13 +163,7 @@ class PreposUser(User):
 
     @task
     def replay_step(self) -> None:
-        try:
-            self._report(self._replayer.run_step())
-        except GreenletExit:  # Locust stopped this user at --stop-timeout: the request under way is a failure
-            if self._replayer.abandoned is not None:
-                self._report([self._replayer.abandoned])
-                self._replayer.abandoned = None
-            raise
+        self._report(self._replayer.run_step())
 
     def on_stop(self) -> None:
         try:

@@ -126,9 +126,6 @@ class TraceReplayer:
         self._trace = next(pool)
         self._cursor = 0
         self._backoff_s = 0.0
-        self.abandoned: Measurement | None = None
-        """The failure of the request under way when the user was stopped (an exception other than an
-        ``Exception``, such as Locust's GreenletExit at ``--stop-timeout``), to be reported by whoever stopped it."""
 
     @property
     def trace(self) -> SessionTrace:
@@ -211,11 +208,6 @@ class TraceReplayer:
         except PreposError as error:
             log.info("session %s: request rejected: %s", session.session_id, error)
             return [self._failure(self._request_name(step), started, error, session)]
-        except BaseException as stopped:
-            if not isinstance(stopped, Exception):  # its user was stopped while it waited: measured as a failure
-                self.abandoned = self._failure(self._request_name(step), started, PreposError(
-                    f"the user was stopped ({type(stopped).__name__}) before the request was answered"), session)
-            raise
 
     @staticmethod
     def _request_name(step: Step) -> str:

@@ -169,26 +169,6 @@ def test_a_stopping_users_end_does_not_wait_for_a_server_that_is_down():
     assert client.sessions[2].wait_for_ready is True and client.sessions[2].closed
 
 
-class Stopped(BaseException):
-    """Stands in for Locust's GreenletExit, which stops a user at --stop-timeout."""
-
-
-def test_a_request_whose_user_is_stopped_is_kept_as_a_failure_for_the_caller_to_report():
-    client = FakeClient(failures={"sys": Stopped()})
-    user = replayer(client)
-    with pytest.raises(Stopped):
-        user.run_step()
-    abandoned = user.abandoned
-    assert (abandoned.kind, abandoned.name, abandoned.session_id) == (TOTAL, "append", "s0")
-    assert "stopped (Stopped)" in str(abandoned.error)
-    client.failures.clear()
-    client.failures["q1"] = ValueError("a bug")  # an ordinary exception is raised as it is, not kept
-    user.abandoned = None
-    with pytest.raises(ValueError):
-        user.run_step()
-    assert user.abandoned is None
-
-
 def test_pool_needs_a_trace_with_steps():
     with pytest.raises(ValueError, match="no session trace has a step"):
         next(trace_pool([SessionTrace("empty", ())]))

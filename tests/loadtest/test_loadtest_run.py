@@ -240,18 +240,16 @@ def test_a_second_interrupt_stops_a_run_whose_users_do_not_finish(tmp_path, load
     assert "interrupt again to stop at once" in output
 
 
-def test_requests_stopped_at_the_stop_timeout_are_failures_and_the_ends_do_not_wait(tmp_path):
+def test_with_no_server_the_users_ends_do_not_wait_for_one(tmp_path):
     """With --wait-for-ready and no server, each user's request waits (within --request-timeout-s) until Locust stops
-    the user at --stop-timeout: that request is a failure of its own, and the user's END is tried once."""
+    the user; its END is then tried once, as Client.close does, rather than waiting its whole time limit too."""
     out = tmp_path / "out"
     command = [sys.executable, "-m", "prepos_loadtest.run", "--host", "127.0.0.1:9", "--workload", "monitor",
                "--users", "2", "--spawn-rate", "2", "--run-time", "3s", "--stop-timeout", "2", "--wait-for-ready",
                "--request-timeout-s", "60", "--out", str(out)]
     started = time.monotonic()
-    done = subprocess.run(command, cwd=run.LOADTEST_DIR, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, cwd=run.LOADTEST_DIR, capture_output=True, text=True, timeout=180)
     assert time.monotonic() - started < 45, done.stdout  # not a request timeout per END
     assert done.returncode == 1, done.stdout + done.stderr
     rows = {(row["Type"], row["Name"]): row for row in csv.DictReader((out / "loadtest_stats.csv").open())}
-    assert int(rows["TOTAL", "append"]["Failure Count"]) == 2, rows  # the first step of each user's trace
-    failures = list(csv.DictReader((out / "loadtest_failures.csv").open()))
-    assert any("the user was stopped" in failure["Error"] for failure in failures), failures
+    assert int(rows["TOTAL", "close"]["Failure Count"]) == 2, rows  # each user's END, tried once
