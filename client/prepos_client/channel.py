@@ -43,6 +43,11 @@ def channel_args() -> list[tuple[str, int | bool]]:
     ]
 
 
+def is_readable_file(path: str) -> bool:
+    """Whether ``path`` names a file this process can read (a certificate, a key)."""
+    return os.path.isfile(path) and os.access(path, os.R_OK)
+
+
 @dataclass(frozen=True)
 class Tls:
     """gRPC over TLS: the server's certificate is checked against ``root_certificates`` (a PEM file; None: the
@@ -62,7 +67,7 @@ class Tls:
     def __post_init__(self) -> None:
         for name in ("root_certificates", "private_key", "certificate_chain"):
             path = getattr(self, name)
-            if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            if path is not None and not is_readable_file(path):
                 raise ValueError(f"tls.{name}: no readable file at {path!r}")
         if (self.private_key is None) != (self.certificate_chain is None):
             raise ValueError("tls: private_key and certificate_chain go together (the client's certificate)")

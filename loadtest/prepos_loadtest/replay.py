@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prepos_client import Answer, PreposError, PreposUnavailable, Session, Update
+from prepos_client.channel import is_readable_file
 
 from .workloads import SessionTrace, Step
 
@@ -92,7 +92,7 @@ class ReplayOptions:
             raise ValueError(f"think_jitter: must be in [0, 1], got {self.think_jitter}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s: must be > 0, got {self.request_timeout_s}")
-        if self.tls_ca and not (os.path.isfile(self.tls_ca) and os.access(self.tls_ca, os.R_OK)):
+        if self.tls_ca and not is_readable_file(self.tls_ca):
             raise ValueError(f"tls_ca: no readable file at {self.tls_ca}")
 
 
