@@ -7,17 +7,18 @@ import math
 from .protocol import is_number
 
 
-def check_timeout(timeout_s: float) -> float:
-    """Return `timeout_s` if it is a time limit: seconds > 0, or infinity for none.
+def check_timeout(timeout_s: float, name: str = "timeout_s") -> float:
+    """Return `timeout_s` if it is a time limit: seconds > 0, or infinity for none (`name`: the argument, for the
+    error).
 
     Raises:
         ValueError: zero, negative or NaN (a call would time out before its request was sent, or never compare).
         TypeError: not a number.
     """
     if not is_number(timeout_s):
-        raise TypeError(f"timeout_s: expected seconds as a number, got {type(timeout_s).__name__}")
+        raise TypeError(f"{name}: expected seconds as a number, got {type(timeout_s).__name__}")
     if not timeout_s > 0:  # NaN fails this too
-        raise ValueError(f"timeout_s: expected seconds > 0 (inf for no limit), got {timeout_s!r}")
+        raise ValueError(f"{name}: expected seconds > 0 (inf for no limit), got {timeout_s!r}")
     return float(timeout_s)
 
 

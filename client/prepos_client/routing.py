@@ -55,6 +55,16 @@ on the new owner. Only refusals that changed nothing (no server to connect
 to, a drain, a model no longer served) are sent again, so a turn is taken
 once across a failover too.
 
+A replica that accepts connections but answers nothing (a frozen process, a
+node cut off behind a proxy that still accepts) shows only as calls that time
+out. When a call times out, its replica is asked whether it is ready, with
+`health_timeout_s` to answer: one that does not answer, or is not ready,
+leaves the ring as an unreachable one does, and the session moves; the call
+raises its `PreposTimeout` all the same (the request may have been accepted
+there, as with a broken stream). A replica that answers ready is only slow:
+the session stays. So a hung replica costs each session placed on it one
+timed-out call, and is no longer given new sessions after the first.
+
 When the last replica on the ring is lost, the call raises and the session
 stays on that replica: its next call goes there again, and resumes the
 session once the replica is back.
@@ -63,6 +73,7 @@ session once the replica is back.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -73,7 +84,7 @@ from typing import TypeVar
 from .channel import Tls, tls_of
 from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER, Client
 from .deadlines import check_timeout
-from .errors import PreposError, PreposUnavailable
+from .errors import PreposError, PreposTimeout, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
 from .refusals import says_draining, server_away
@@ -87,6 +98,9 @@ _T = TypeVar("_T")
 
 READMIT_INTERVAL_S = 2.0
 """How often, at most, a replica that left the ring is asked whether it is ready again."""
+
+HEALTH_TIMEOUT_S = 1.0
+"""How long a replica has to answer a readiness check: one that left the ring, or one a call timed out on."""
 
 DRAIN_READMIT_AFTER_S = 5.0
 """How long after a replica left the ring because it was draining it may rejoin, ready, though it was never seen
@@ -125,6 +139,8 @@ class RoutedClient:
         min_ring_size, max_ring_size: as the chart's `router.ringHash`.
         readmit_interval_s: how often, at most, a replica that left the ring because it could not be reached or
             was stopping is asked whether it is ready again (when a session is placed); once it is, it rejoins.
+        health_timeout_s: how long a replica has to answer such a check, and the check made when a call times
+            out on it (one that does not answer in time leaves the ring). The placement that asks waits for it.
         drain_readmit_after_s: a replica that left because it was draining rejoins once ready only after it was
             seen not ready since, or after this long (it reports the model ready while it drains).
 
@@ -146,6 +162,7 @@ class RoutedClient:
         max_ring_size: int = DEFAULT_MAX_RING_SIZE,
         readmit_interval_s: float = READMIT_INTERVAL_S,
         drain_readmit_after_s: float = DRAIN_READMIT_AFTER_S,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
         tls: bool | Tls = False,
     ):
         self.model = model
@@ -163,6 +180,9 @@ class RoutedClient:
         if not drain_readmit_after_s >= 0:
             raise ValueError(f"drain_readmit_after_s: expected seconds >= 0, got {drain_readmit_after_s!r}")
         self._drain_readmit_after_s = float(drain_readmit_after_s)
+        self._health_timeout_s = check_timeout(health_timeout_s, "health_timeout_s")
+        if not math.isfinite(self._health_timeout_s):  # a hung replica would hold up every placement for good
+            raise ValueError(f"health_timeout_s: expected finite seconds, got {health_timeout_s!r}")
         self._weights = self._ring.weights  # every replica on the ring, in the order given
         self._left: dict[str, _Left] = {}  # replicas that left the ring and may rejoin it
         self._lock = threading.Lock()
@@ -255,7 +275,7 @@ class RoutedClient:
             due = [replica for replica, left in self._left.items() if now - left.asked >= self._readmit_interval_s]
             for replica in due:
                 self._left[replica].asked = now  # one caller asks; the others go on with the ring as it is
-        ready = {replica: self._is_ready(replica) for replica in due}
+        ready = {replica: self.is_ready(replica) for replica in due}
         back = []
         with self._lock:
             for replica, is_ready in ready.items():
@@ -273,8 +293,11 @@ class RoutedClient:
         logger.warning("replica %s ready again: back on the ring; %d on it: %s", ", ".join(back), len(hosts),
                        ", ".join(hosts))
 
-    def _is_ready(self, replica: str) -> bool:
-        with Client(replica, self.model, timeout_s=1.0, headers=self.headers, tls=self.tls or False) as health:
+    def is_ready(self, replica: str) -> bool:
+        """Whether `replica` reports the model ready within `health_timeout_s` (False: not ready, not reachable,
+        or no answer in time)."""
+        with Client(replica, self.model, timeout_s=self._health_timeout_s, headers=self.headers,
+                    tls=self.tls or False) as health:
             return health.is_ready()
 
     def close(self) -> None:
@@ -294,15 +317,18 @@ class RoutedClient:
         self.close()
 
 
-def _why_moves(error: PreposError) -> tuple[str, bool] | None:
+def _why_moves(error: PreposError, answers: Callable[[], bool]) -> tuple[str, bool] | None:
     """Why an error moves a session off its replica, and whether its request is sent again to the new owner;
     None when it does not move. Sent again: the replica cannot be reached, or refused the request because it is
     stopping (draining before the stop, then no longer serving the model: Triton unloads it once told to stop),
-    which changed nothing there. Not sent again: the stream broke while the request was under way, which may
-    have been accepted (its turn is in the journal the new owner reopens the session from)."""
+    which changed nothing there. Not sent again: the stream broke while the request was under way, or the call
+    timed out and the replica does not answer a readiness check (`answers`, asked for timeouts only) either;
+    such a request may have been accepted (its turn is in the journal the new owner reopens the session from)."""
     away = server_away(error)
     if away is not None:
         return away, True
+    if isinstance(error, PreposTimeout):
+        return None if answers() else ("answers nothing, not even a readiness check", False)
     if isinstance(error, PreposUnavailable):
         return "lost while the request was under way", False
     return None
@@ -321,7 +347,9 @@ class RoutedSession:
     then stays where it is, to resume there once the replica is back). A call
     whose stream broke while its request was under way moves the session too,
     but raises its `PreposUnavailable` (the request may have been accepted; see
-    the module docstring). Every other error is raised as `Session` raises it.
+    the module docstring); so does a call that timed out on a replica that then
+    answers no readiness check (a hung replica), raising its `PreposTimeout`.
+    Every other error is raised as `Session` raises it.
     `replica` is where the session is now; `failovers` lists its moves.
     """
 
@@ -412,7 +440,7 @@ class RoutedSession:
             try:
                 result = send(session)
             except PreposError as error:
-                moves = _why_moves(error)
+                moves = _why_moves(error, lambda: self._client.is_ready(session.url))
                 if moves is None:
                     raise
                 self._fail_over(session, error, moves)
@@ -426,7 +454,7 @@ class RoutedSession:
             try:
                 first = next(chunks)
             except PreposError as error:
-                moves = _why_moves(error)
+                moves = _why_moves(error, lambda: self._client.is_ready(session.url))
                 if moves is None:
                     raise
                 self._fail_over(session, error, moves)

@@ -313,6 +313,52 @@ def test_a_routed_session_settles_a_timed_out_call_on_its_replica(replicas):
     assert info.value.accepted is True and rules.accepted[-1] == "SLOW"
 
 
+def no_answer() -> InferenceServerException:
+    return InferenceServerException(msg="Deadline Exceeded", status="StatusCode.DEADLINE_EXCEEDED")
+
+
+def test_a_call_that_times_out_on_a_hung_replica_moves_the_session(replicas):
+    rules = SessionRules()
+    replicas.respond = lambda url, request: rules(request)
+    client = RoutedClient(REPLICAS, timeout_s=0.05)
+    hung = REPLICAS[1]
+    (session_id,) = session_ids_on(hung, client.ring, 1)
+    session = client.session(session_id)
+    session.append("system", role="system")
+    replicas.ready = lambda url: _raise(no_answer()) if url == hung else True  # accepts, answers nothing
+    with pytest.raises(PreposTimeout):
+        session.ask("SLOW")
+    assert hung not in client.replicas and session.replica == client.ring.lookup(session_id) != hung
+    assert [f.from_replica for f in session.failovers] == [hung]
+    assert session.ask("again").text == "again"
+    (resumed,) = replicas.requests(session.replica, session_id)
+    assert resumed.sequence_start and resumed.inputs["resume"][0]  # the session was opened: it resumes there
+    assert rules.accepted == ["system", "again"]  # the timed-out turn was not sent again
+
+
+def test_a_call_that_times_out_on_a_replica_that_answers_ready_leaves_the_session_there(replicas):
+    rules = SessionRules()
+    replicas.respond = lambda url, request: rules(request)
+    client = RoutedClient(REPLICAS, timeout_s=0.05)
+    session = client.session("s-0")
+    session.append("system", role="system")
+    placed = session.replica
+    with pytest.raises(PreposTimeout):
+        session.ask("SLOW")
+    assert session.replica == placed and client.replicas == tuple(REPLICAS) and not session.failovers
+    assert replicas.num_ready_checks(placed) == 1  # asked once: a slow replica, not a hung one
+
+
+def _raise(error: Exception):
+    raise error
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf")])
+def test_a_health_timeout_that_is_not_finite_and_positive_is_refused(timeout_s):
+    with pytest.raises(ValueError, match="health_timeout_s"):
+        RoutedClient(REPLICAS, health_timeout_s=timeout_s)
+
+
 def test_a_lost_replica_rejoins_the_ring_once_ready_and_moved_sessions_stay(replicas):
     client = RoutedClient(REPLICAS, timeout_s=2, readmit_interval_s=0.05)
     lost = REPLICAS[1]

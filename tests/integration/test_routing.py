@@ -11,6 +11,8 @@ answers exactly as a stateless prefill of the whole conversation would.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -20,9 +22,9 @@ from pathlib import Path
 
 import pytest
 from prepos.journal import SessionJournal
-from prepos_client import Client
+from prepos_client import Client, PreposTimeout
 from prepos_client.ring import HashRing
-from prepos_client.routing import DRAIN_READMIT_AFTER_S, RoutedClient
+from prepos_client.routing import DRAIN_READMIT_AFTER_S, HEALTH_TIMEOUT_S, RoutedClient
 
 from .conftest import kill_hard, ports_of, start_server
 from .test_server import SYSTEM, Conversation, check_answer, eventually
@@ -268,3 +270,36 @@ def test_a_replica_stopped_under_load_fails_no_call_and_loses_no_turn(
                 for question, answer in zip(questions, results[session_id], strict=True):
                     check_answer(reference_model, conv, answer, "user", question, 6)
         assert SessionJournal(tmp_path / "journal").session_ids() == []  # every session closed in the end
+
+
+def test_a_hung_replicas_session_moves_after_one_timed_out_call(tmp_path, engine_manifest, tokenizer,
+                                                                  reference_model):
+    """A replica that accepts connections and answers nothing (its Triton frozen, SIGSTOP): the call placed there
+    times out, the replica answers no readiness check either, so it leaves the ring and the session moves; its
+    next call resumes it on the other replica from the shared journal, without the turn that timed out."""
+    with two_replicas([tmp_path / f"replica-{name}" for name in "ab"], tmp_path / "journal") as started:
+        staying, hung = started
+        ring = HashRing([staying.grpc_url, hung.grpc_url])
+        session_id = next(sid for sid in (f"hung-{i}" for i in range(1000)) if ring.lookup(sid) == hung.grpc_url)
+        with RoutedClient([staying.grpc_url, hung.grpc_url], timeout_s=120) as client:
+            session = client.session(session_id)
+            conv = Conversation(engine_manifest, tokenizer)
+            session.append(SYSTEM, role="system")
+            conv.append("system", SYSTEM)
+            record(conv, session.ask("Name a fruit.", max_tokens=6, speculate=False), "Name a fruit.")
+            assert session.replica == hung.grpc_url
+
+            os.kill(hung.process.pid, signal.SIGSTOP)
+            try:
+                started_at = time.monotonic()
+                with pytest.raises(PreposTimeout):
+                    session.ask("Name a colour.", max_tokens=6, speculate=False, timeout_s=3)
+                assert time.monotonic() - started_at < 3 + 2 * HEALTH_TIMEOUT_S  # one readiness check more
+                assert client.replicas == (staying.grpc_url,) and session.replica == staying.grpc_url
+                answer = session.ask("Name an animal.", max_tokens=8, speculate=False)
+                assert answer.path == "rebuild"
+                check_answer(reference_model, conv, answer, "user", "Name an animal.", 8)
+                session.close()
+            finally:
+                os.kill(hung.process.pid, signal.SIGCONT)
+        assert SessionJournal(tmp_path / "journal").session_ids() == []
