@@ -67,7 +67,10 @@ timed-out call, and is no longer given new sessions after the first.
 
 When the last replica on the ring is lost, the call raises and the session
 stays on that replica: its next call goes there again, and resumes the
-session once the replica is back.
+session once the replica is back. With `wait_for_ready`, a call to a replica
+with no other on the ring (a single replica restarting, or the last one left)
+waits for it instead, within its time limit, as `Client(wait_for_ready=True)`
+does, and is sent again once it reports the model ready.
 """
 
 from __future__ import annotations
@@ -141,6 +144,9 @@ class RoutedClient:
             was stopping is asked whether it is ready again (when a session is placed); once it is, it rejoins.
         health_timeout_s: how long a replica has to answer such a check, and the check made when a call times
             out on it (one that does not answer in time leaves the ring). The placement that asks waits for it.
+        wait_for_ready: a call whose replica is stopping, restarting or unreachable while no other replica is on
+            the ring waits, within its time limit, until that replica is ready again and is sent again then,
+            instead of raising (see `Client`); with other replicas on the ring the session moves, as without it.
         drain_readmit_after_s: a replica that left because it was draining rejoins once ready only after it was
             seen not ready since, or after this long (it reports the model ready while it drains).
 
@@ -163,9 +169,11 @@ class RoutedClient:
         readmit_interval_s: float = READMIT_INTERVAL_S,
         drain_readmit_after_s: float = DRAIN_READMIT_AFTER_S,
         health_timeout_s: float = HEALTH_TIMEOUT_S,
+        wait_for_ready: bool = False,
         tls: bool | Tls = False,
     ):
         self.model = model
+        self.wait_for_ready = bool(wait_for_ready)
         self.tls = tls_of(tls)
         self.timeout_s = check_timeout(timeout_s)
         self.headers = dict(headers or {})
@@ -222,6 +230,10 @@ class RoutedClient:
         with self._lock:
             self._sessions.add(session)
         return session
+
+    def is_alone(self, replica: str) -> bool:
+        """Whether no replica but `replica` is on the ring (it may have left it itself)."""
+        return set(self._ring.hosts) <= {replica}
 
     def remove_replica(self, replica: str) -> bool:
         """Take `replica` out of the ring for good (a scale-down); True if it was on it.
@@ -301,10 +313,12 @@ class RoutedClient:
             return health.is_ready()
 
     def close(self) -> None:
-        """Close every session of this client that is still open."""
+        """Close every session of this client that is still open; each END is tried once, without waiting for a
+        replica that is down (`wait_for_ready`)."""
         with self._lock:
             sessions = list(self._sessions)
         for session in sessions:
+            session.wait_for_ready = False
             try:
                 session.close()
             except PreposError:
@@ -351,11 +365,14 @@ class RoutedSession:
     answers no readiness check (a hung replica), raising its `PreposTimeout`.
     Every other error is raised as `Session` raises it.
     `replica` is where the session is now; `failovers` lists its moves.
+    With `wait_for_ready` (the client's), a call to a replica with no other on
+    the ring waits for it instead of raising (see `RoutedClient`).
     """
 
     def __init__(self, client: RoutedClient, session_id: str | int, *, resume: bool):
         self.session_id = check_session_id(session_id)
         self.failovers: list[Failover] = []
+        self.wait_for_ready = client.wait_for_ready
         self._client = client
         # Whether the session is open on the server side (a request that opened it succeeded):
         # a moved session is then resumed on its new owner, else opened there.
@@ -416,6 +433,8 @@ class RoutedSession:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is not None:
+            self.wait_for_ready = False  # leaving on an error: END is tried once, not waited for
         try:
             self.close()
         except PreposError:
@@ -437,6 +456,8 @@ class RoutedSession:
     def _call_with_session(self, send: Callable[[Session], _T], *, accepted: bool = True) -> tuple[Session, _T]:
         while True:
             session = self._session
+            # Waiting for a replica that is down is for when there is no other to move to.
+            session.wait_for_ready = self.wait_for_ready and self._client.is_alone(session.url)
             try:
                 result = send(session)
             except PreposError as error:

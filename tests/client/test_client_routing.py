@@ -359,6 +359,63 @@ def test_a_health_timeout_that_is_not_finite_and_positive_is_refused(timeout_s):
         RoutedClient(REPLICAS, health_timeout_s=timeout_s)
 
 
+def back_after(replicas: Replicas, replica: str, num_checks: int) -> None:
+    """`replica` is down until it was asked whether it is ready `num_checks` times."""
+    replicas.dead.add(replica)
+
+    def ready(url: str) -> bool:
+        if url == replica and replica in replicas.dead and replicas.num_ready_checks(replica) >= num_checks:
+            replicas.dead.discard(replica)
+        return Replicas.ready(replicas, url)
+    replicas.ready = ready
+
+
+def test_with_wait_for_ready_a_call_to_a_lone_replica_that_is_down_waits_for_it(replicas):
+    rules = SessionRules()
+    replicas.respond = lambda url, request: rules(request) if url not in replicas.dead else [unavailable()]
+    client = RoutedClient(REPLICAS[:1], timeout_s=10, wait_for_ready=True)
+    session = client.session("s-0")
+    session.append("system", role="system")
+    back_after(replicas, REPLICAS[0], 2)
+    assert session.ask("hello").text == "hello"
+    assert session.replica == REPLICAS[0] and not session.failovers and rules.accepted == ["system", "hello"]
+    assert replicas.num_ready_checks(REPLICAS[0]) >= 2
+
+
+def test_with_wait_for_ready_a_session_still_moves_while_another_replica_is_on_the_ring(replicas):
+    client = RoutedClient(REPLICAS[:2], timeout_s=10, wait_for_ready=True)
+    (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    session = client.session(session_id)
+    session.append("system", role="system")
+    replicas.dead.add(REPLICAS[0])
+    assert session.ask("hello").text == "hello"
+    assert session.replica == REPLICAS[1] and [f.from_replica for f in session.failovers] == [REPLICAS[0]]
+    assert replicas.num_ready_checks(REPLICAS[0]) == 0  # moved at once, not waited for
+    back_after(replicas, REPLICAS[1], 2)  # now the last one left: waited for
+    assert session.ask("again").text == "again" and session.replica == REPLICAS[1]
+
+
+def test_without_wait_for_ready_a_lone_replica_that_is_down_raises_at_once(replicas):
+    client = RoutedClient(REPLICAS[:1], timeout_s=10)
+    session = client.session("s-0")
+    session.append("system", role="system")
+    replicas.dead.add(REPLICAS[0])
+    started = time.monotonic()
+    with pytest.raises(PreposUnavailable):
+        session.ask("hello")
+    assert time.monotonic() - started < 5 and replicas.num_ready_checks(REPLICAS[0]) == 0
+
+
+def test_closing_a_routed_client_does_not_wait_for_a_replica_that_is_down(replicas):
+    client = RoutedClient(REPLICAS[:1], timeout_s=10, wait_for_ready=True)
+    session = client.session("s-0")
+    session.append("system", role="system")
+    replicas.dead.add(REPLICAS[0])
+    started = time.monotonic()
+    client.close()  # the END fails, is logged, and is not waited for
+    assert time.monotonic() - started < 5 and replicas.num_ready_checks(REPLICAS[0]) == 0
+
+
 def test_a_lost_replica_rejoins_the_ring_once_ready_and_moved_sessions_stay(replicas):
     client = RoutedClient(REPLICAS, timeout_s=2, readmit_interval_s=0.05)
     lost = REPLICAS[1]
