@@ -10,6 +10,9 @@ it has not exited in time, SIGKILL, and so does every process left in its proces
 container's PID 1 it also reaps the processes orphaned to it. It exits with 0 after a drained stop, else with
 tritonserver's exit status (128 plus the signal's number when a signal ended it). Standard library only: the image
 installs prepos without dependencies.
+
+With ``PREPOS_HEALTH_PORT`` set it also serves the replica's health for a router (:mod:`prepos.replica_health`):
+``GET /ready`` fails once ``PREPOS_LEAVING_FILE`` exists or the stop began, while Triton's own readiness still holds.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Mapping
 
 from prepos.drain import request_drain
+from prepos.replica_health import HEALTH_PORT_ENV, LEAVING_FILE_ENV, ReplicaHealth, forget_leaving
 from prepos.shm_regions import PREFIX_OPTION, backend_config_argument, region_prefix, remove_left_regions
 
 log = logging.getLogger("prepos.supervise")
@@ -56,6 +60,8 @@ TRITON_EXIT_TIMEOUT_S = 30.0
 """tritonserver's ``--exit-timeout-secs`` when its arguments do not set it."""
 TRITON_GRPC_PORT = 8001
 """tritonserver's ``--grpc-port`` when its arguments do not set it."""
+TRITON_HTTP_PORT = 8000
+"""tritonserver's ``--http-port`` when its arguments do not set it."""
 DRAIN_ENV = "PREPOS_SCHEDULER_DRAIN_FILE"
 KEEPALIVE_PING_ARGUMENTS = {
     "--grpc-keepalive-permit-without-calls": "1",
@@ -231,10 +237,43 @@ def exit_timeout_of(args: list[str]) -> float:
 
 def grpc_port_of(args: list[str]) -> int:
     """The ``--grpc-port`` among tritonserver's arguments, else Triton's default."""
+    return _port_of(args, "--grpc-port", TRITON_GRPC_PORT)
+
+
+def http_port_of(args: list[str]) -> int:
+    """The ``--http-port`` among tritonserver's arguments, else Triton's default."""
+    return _port_of(args, "--http-port", TRITON_HTTP_PORT)
+
+
+def _port_of(args: list[str], option: str, default: int) -> int:
     try:
-        return int(_last_value(args, "--grpc-port") or TRITON_GRPC_PORT)
+        return int(_last_value(args, option) or default)
     except ValueError:
-        return TRITON_GRPC_PORT  # tritonserver refuses it itself
+        return default  # tritonserver refuses it itself
+
+
+def replica_health_from(environ: Mapping[str, str], args: list[str]) -> ReplicaHealth | None:
+    """The replica health server the environment asks for (``PREPOS_HEALTH_PORT``; None when unset), not started.
+
+    Raises:
+        ValueError: the port is not one, or cannot be listened on; the leaving file is not an absolute path.
+    """
+    value = environ.get(HEALTH_PORT_ENV, "")
+    if not value:
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ValueError(f"{HEALTH_PORT_ENV}={value!r}: expected a port number in [1, 65535]")
+    leaving = environ.get(LEAVING_FILE_ENV, "")
+    if leaving and not Path(leaving).is_absolute():
+        raise ValueError(f"{LEAVING_FILE_ENV}={leaving!r}: expected an absolute path")
+    try:
+        return ReplicaHealth(port, http_port_of(args), Path(leaving) if leaving else None)
+    except OSError as err:
+        raise ValueError(f"{HEALTH_PORT_ENV}={value}: cannot listen on it ({err.strerror or err})") from None
 
 
 def _python_setting(args: list[str], option: str) -> str | None:
@@ -353,6 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     args, prefix = with_region_prefix(with_keepalive_pings(with_bls_threads(args)))
+    try:
+        health = replica_health_from(os.environ, args)
+    except ValueError as err:
+        print(f"prepos.supervise: {err}", file=sys.stderr)
+        return 2
+    if health is not None:
+        forget_leaving(health.leaving_file)
+        health.start()
     # One server runs in a container: regions under its prefix now are an earlier one's, killed before it could
     # remove them (the container restarted; an in-memory /dev/shm outlives it).
     remove_left_regions(prefix, "an earlier tritonserver")
@@ -361,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             child = subprocess.Popen(args, start_new_session=True)  # its own group: the stubs are killed with it
     except OSError as err:
         print(f"prepos.supervise: cannot run {args[0]}: {err.strerror or err}", file=sys.stderr)
+        if health is not None:
+            health.close()
         return 127
     init = os.getpid() == 1
     stubs, lost, next_check = StubWatch(child.pid), [], time.monotonic() + STUB_CHECK_S
@@ -374,12 +423,16 @@ def main(argv: list[str] | None = None) -> int:
                 log.error("%s; stopping it, to be restarted (sessions resume from their journals)", describe_lost(lost))
                 break
     drained = False
+    if health is not None:
+        health.leave()  # before the drain: a router stops placing sessions here
     if child.poll() is None:
         drain_file = drain_file_from(os.environ)
         log.info("stopping tritonserver (pid %d)%s", child.pid, " after a drain" if drain_file else "")
         drained = stop_server(child, drain_file=drain_file, exit_timeout_s=exit_timeout_of(args),
                               timeout_s=LOST_STUB_STOP_S if lost else None)
     _kill_group(child.pid)  # returns once they have exited: zombies, for init to reap
+    if health is not None:
+        health.close()
     remove_left_regions(prefix, "tritonserver (killed, or its stubs were)")
     if init:
         _reap_orphans(child.pid)

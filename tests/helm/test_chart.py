@@ -268,9 +268,12 @@ def test_bad_values_fail_with_the_schema_message(chart, values, message):
         (with_minimal(autoscaling={"enabled": True, "minReplicas": 5, "maxReplicas": 2}), "minReplicas must not exceed"),
         (with_minimal(router={"ringHash": {"minimumRingSize": 65536, "maximumRingSize": 4096}}),
          "minimumRingSize must not exceed"),
+        (with_minimal(preStopSleepSeconds=5), "preStopSleepSeconds (5) must be at least"),
+        (with_minimal(router={"healthCheck": {"intervalSeconds": 10}}), "preStopSleepSeconds (15) must be at least"),
     ],
     ids=["stream-idle-below-session-idle", "exit-timeout-above-grace", "exit-timeout-and-stop-grace-above-grace",
-         "engine-outside-volume", "hpa-min-above-max", "ring-min-above-max"],
+         "engine-outside-volume", "hpa-min-above-max", "ring-min-above-max", "prestop-shorter-than-leaving",
+         "health-interval-longer-than-prestop"],
 )
 def test_inconsistent_values_fail_in_the_templates(chart, values, message):
     with pytest.raises(helm.HelmRenderError) as raised:
@@ -398,13 +401,43 @@ def test_termination_drains_streams(chart):
     statefulset = one(render(chart, MINIMAL), "StatefulSet")
     pod = statefulset["spec"]["template"]["spec"]
     c = container(statefulset, "triton")
-    assert pod["terminationGracePeriodSeconds"] == 120
-    sleep = c["lifecycle"]["preStop"]["exec"]["command"]
-    assert sleep[0] == "sleep" and 0 < int(sleep[1]) <= 30
+    assert pod["terminationGracePeriodSeconds"] == 130
+    shell, flag, script = c["lifecycle"]["preStop"]["exec"]["command"]
+    leaving, sleep = script.split(" && ")
+    assert (shell, flag, leaving) == ("sh", "-c", f"touch {env_of(c)['PREPOS_LEAVING_FILE']}")
+    sleep_s = int(sleep.removeprefix("sleep "))
+    assert 0 < sleep_s <= 30
     exit_timeout = int(next(a for a in c["args"] if a.startswith("--exit-timeout-secs=")).split("=")[1])
     from prepos.supervise import STOP_GRACE_S
 
-    assert exit_timeout + STOP_GRACE_S + int(sleep[1]) < pod["terminationGracePeriodSeconds"]
+    assert exit_timeout + STOP_GRACE_S + sleep_s < pod["terminationGracePeriodSeconds"]
+
+
+def test_the_router_checks_the_replicas_health_port_which_fails_once_the_replica_is_leaving(chart):
+    """Triton's own readiness holds while a replica drains: the router polls the supervisor's health port, which
+    fails from the preStop hook on, and the hook sleeps through the two failed checks that take the replica out of
+    the ring before SIGTERM begins the drain."""
+    from prepos.replica_health import HEALTH_PORT_ENV, LEAVING_FILE_ENV, READY_PATH
+
+    objects = render(chart, MINIMAL)
+    statefulset = one(objects, "StatefulSet")
+    c = container(statefulset, "triton")
+    env = env_of(c)
+    health_port = port_named(c, "health")
+    assert env[HEALTH_PORT_ENV] == str(health_port) and env[LEAVING_FILE_ENV].startswith("/")
+    assert health_port not in {port_named(c, name) for name in ("http", "grpc", "metrics")}
+    # prepos.supervise serves it: the image's entrypoint (tests/helm/test_dockerfile.py), or the chart's command
+    assert c.get("command", ["python3", "-m", "prepos.supervise"])[:3] == ["python3", "-m", "prepos.supervise"]
+    cluster = triton_cluster(envoy_config(objects))
+    (check,) = cluster["health_checks"]
+    assert check["http_health_check"]["path"] == READY_PATH and check["unhealthy_threshold"] == 2
+    for endpoint in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]:
+        assert endpoint["endpoint"]["health_check_config"] == {"port_value": health_port}
+    script = c["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert script.startswith(f"touch {env[LEAVING_FILE_ENV]} && ")
+    sleep_s = int(script.rsplit(" ", 1)[1])
+    interval_s, timeout_s = (int(check[key].removesuffix("s")) for key in ("interval", "timeout"))
+    assert sleep_s >= check["unhealthy_threshold"] * interval_s + timeout_s
 
 
 def test_every_container_has_resource_requests(chart, production_values):

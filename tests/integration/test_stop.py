@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 
@@ -21,6 +22,7 @@ from prepos.drain import drained_path
 from prepos.journal import SessionJournal
 from prepos.launcher import (REPO_ROOT, ServerOptions, TritonServer, prepare_backend_dir, server_command,
                              server_environment)
+from prepos.replica_health import HEALTH_PORT_ENV, LEAVING_FILE_ENV
 from prepos.supervise import DRAIN_ENV, STOP_GRACE_S
 from prepos_client import Client, PreposError
 
@@ -43,6 +45,14 @@ def end_if_running(process: subprocess.Popen) -> None:
         for child in reversed(alive_processes(process.pid)):
             child.kill()
         process.wait()
+
+
+def http_status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
 
 
 def wait_until_ready(http_port: int, process: subprocess.Popen, log_tail: Callable[[], str]) -> None:
@@ -290,18 +300,27 @@ def test_a_stop_without_a_drain_ends_soon_after_the_exit_timeout_with_a_stream_h
 
 def test_the_supervisor_drains_tritonserver_on_sigterm_and_exits_cleanly(tmp_path):
     """The production image's entrypoint (python -m prepos.supervise -- tritonserver ...), on the real server."""
-    http, grpc, metrics = free_loopback_ports(3)
+    http, grpc, metrics, health = free_loopback_ports(4)
     options = ServerOptions(model_repositories=(REPO_ROOT / "model_repository",), http_port=http, grpc_port=grpc,
                             metrics_port=metrics, run_dir=tmp_path, exit_timeout_s=EXIT_TIMEOUT_S)
     command = server_command(options, prepare_backend_dir(tmp_path))
+    leaving = tmp_path / "leaving"
+    leaving.touch()  # left by an earlier run: removed at the start
     env = {**server_environment(), "PREPOS_ENGINE_DIR": str(ENGINE_DIR),
-           "PREPOS_JOURNAL_DIR": str(tmp_path / "journal"), DRAIN_ENV: str(tmp_path / "drain")}
+           "PREPOS_JOURNAL_DIR": str(tmp_path / "journal"), DRAIN_ENV: str(tmp_path / "drain"),
+           HEALTH_PORT_ENV: str(health), LEAVING_FILE_ENV: str(leaving)}
     with open(tmp_path / "supervised.log", "wb") as out:
         supervisor = subprocess.Popen([sys.executable, "-m", "prepos.supervise", "--", *command], env=env,
                                       stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     client = None
     try:
         wait_until_ready(http, supervisor, lambda: (tmp_path / "supervised.log").read_text()[-3000:])
+        # The router's health check: Triton's readiness, until the preStop hook's leaving file says otherwise.
+        assert http_status(health, "/ready") == 200
+        leaving.touch()
+        assert http_status(health, "/ready") == 503 and http_status(http, "/v2/health/ready") == 200
+        leaving.unlink()
+        assert http_status(health, "/ready") == 200
         client = Client(f"127.0.0.1:{grpc}")
         held = client.session("held")  # open, its stream held: Triton 2.51 alone would not exit
         held.append(SYSTEM, role="system")
