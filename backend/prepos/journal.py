@@ -197,17 +197,35 @@ class SessionJournal:
         return True
 
     def changed_elsewhere(self, session_id: str | int) -> bool:
-        """Whether another server has reopened, written or replaced the session's journal since this one last
-        wrote or read it (replicas sharing the directory): this server's copy of the session is then stale. False
-        when this server has no note of it, or the journal is gone or cannot be looked at."""
+        """Whether another server has reopened, written, replaced or deleted the session's journal since this one
+        last wrote or read it (replicas sharing the directory): this server's copy of the session is then stale.
+        False when this server has no note of it, or the journal cannot be looked at."""
         path = self.path(session_id)
         left_as = self._left_as.get(path)
         if left_as is None:
             return False
         try:
             return _identity(path.stat()) != left_as
-        except OSError:  # gone, or a failing file system: nothing tells of another server's write
+        except FileNotFoundError:
+            return self.ended_elsewhere(session_id)
+        except OSError:  # a failing file system: nothing tells of another server's write
             return False
+
+    def ended_elsewhere(self, session_id: str | int) -> bool:
+        """Whether the session's journal, which this server wrote or read, was deleted since by another server (an
+        END sent there, or its idle timeout there): the session is over, and this server's copy of it stale. False
+        when this server has no note of it, the journal is there, or its directory is gone too (a volume that went
+        away tells nothing of the session)."""
+        path = self.path(session_id)
+        if self._left_as.get(path) is None:
+            return False
+        try:
+            path.stat()
+        except FileNotFoundError:
+            return self.directory.is_dir()
+        except OSError:
+            return False
+        return False
 
     # --- reading -------------------------------------------------------
 

@@ -114,6 +114,12 @@ class Residency:
         so this server's copy is stale (:meth:`prepos.journal.SessionJournal.changed_elsewhere`)."""
         return self._journal is not None and self._journal.changed_elsewhere(session.session_id)
 
+    def ended_elsewhere(self, session: Session) -> bool:
+        """Whether another server has deleted the session's journal since this one last wrote or read it: the
+        session was ended there, and this server's copy is stale
+        (:meth:`prepos.journal.SessionJournal.ended_elsewhere`)."""
+        return self._journal is not None and self._journal.ended_elsewhere(session.session_id)
+
     def close(self, session: Session, reason: str, *, keep_journal: bool = False,
               journal_if_unchanged: bool = False) -> None:
         """Forget the session: its KV is released (the engine may keep its opening turn's for later sessions to

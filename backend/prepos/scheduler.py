@@ -255,6 +255,11 @@ class Scheduler:
                 return
         try:
             existing = known = self.store.get(request.session_id)
+            if existing is not None and existing.task is None and isinstance(request, Request) and request.start \
+                    and not request.resume and self._residency.ended_elsewhere(existing):
+                # Ended on another server (its journal deleted there): a new session may take the id here.
+                self._taken_over(existing)
+                existing = None
             if existing is not None and existing.task is None and isinstance(request, Request) \
                     and (not request.start or request.resume) and self._taken_over(existing):
                 # Go on from the journal's state, its turns taken elsewhere included; a drain leaves it be (reading
@@ -297,9 +302,13 @@ class Scheduler:
         (behind a router, a replica lost for a moment and back). Returns whether it was dropped."""
         if not self._residency.taken_over(session):
             return False
-        log.warning("session %r: its journal was reopened or written by another server since this one last wrote "
-                    "it; the copy here is stale and is dropped, the session goes on from its journal",
-                    session.session_id)
+        if self._residency.ended_elsewhere(session):
+            log.warning("session %r: its journal was deleted by another server since this one last wrote it (the "
+                        "session was ended there); the copy here is stale and is dropped", session.session_id)
+        else:
+            log.warning("session %r: its journal was reopened or written by another server since this one last "
+                        "wrote it; the copy here is stale and is dropped, the session goes on from its journal",
+                        session.session_id)
         self._close(session, TAKEN_OVER_REASON)
         self._metrics.session_taken_over()
         return True

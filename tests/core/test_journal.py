@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -316,6 +317,21 @@ def test_a_journal_another_server_reopened_or_wrote_since_is_not_deleted_if_unch
     assert not mine.delete("untouched", only_if_unchanged=True)  # none left
     assert mine.delete("reopened") and not mine.path("reopened").exists()  # an END deletes it whoever wrote it
     assert other.delete("written", only_if_unchanged=True)  # the server that wrote it last may
+
+
+def test_a_journal_another_server_deleted_tells_that_the_session_ended_there(tmp_path):
+    mine, other = SessionJournal(tmp_path / "j", fsync=False), SessionJournal(tmp_path / "j", fsync=False)
+    for sid in ("ended", "kept"):
+        mine.create(sid)
+        mine.append(sid, ENTRIES[0])
+    assert not mine.ended_elsewhere("ended")
+    other.recover("ended")
+    assert other.delete("ended")
+    assert mine.ended_elsewhere("ended") and mine.changed_elsewhere("ended")
+    assert not mine.ended_elsewhere("kept") and not other.ended_elsewhere("never-seen")
+    assert mine.delete("ended") and not mine.ended_elsewhere("ended")  # closed here too: no note left
+    shutil.rmtree(tmp_path / "j")  # the whole directory gone (a volume that went away): tells nothing
+    assert not mine.ended_elsewhere("kept") and not mine.changed_elsewhere("kept")
 
 
 @pytest.mark.parametrize("written_before_failing", [0, 1, 2])  # nothing, half the record, all but its fsync

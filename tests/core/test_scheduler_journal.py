@@ -266,6 +266,39 @@ def moved_to_a_second_server(tmp_path):
     return first, second
 
 
+def test_a_session_ended_on_another_server_is_no_longer_held_here(tmp_path):
+    """Its client moved to a second server and ended the session there (the journal deleted). The first server's
+    copy is stale: a request to it is refused as not open (not failed as a journal write), a resume finds no
+    journal, and a new session may take the id (it was refused as already open, until the idle timeout)."""
+    first, second = moved_to_a_second_server(tmp_path)
+    assert second.serve(second.request("moved", None, end=True, max_tokens=0)).error is None
+    stale = first.serve(first.request("moved", "still here?", max_tokens=2))
+    assert stale.error.field == "START" and stale.error.status is Status.NOT_FOUND
+    assert first.sched.store.get("moved") is None
+    assert first.metrics.sink.get("prepos_sessions_closed_total", reason="taken_over") == 1
+    assert first.metrics.sink.get("prepos_request_errors_total", field="journal") == 0
+    resumed = first.serve(first.request("moved", "still here?", max_tokens=2, start=True, resume=True))
+    assert resumed.error.field == "resume" and resumed.error.status is Status.NOT_FOUND
+
+
+def test_a_new_session_may_take_the_id_of_one_ended_on_another_server(tmp_path):
+    first, second = moved_to_a_second_server(tmp_path)
+    assert second.serve(second.request("moved", None, end=True, max_tokens=0)).error is None
+    opened = first.serve(first.request("moved", "a new one", start=True, max_tokens=2))
+    assert opened.error is None and opened.path != "rebuild"
+    assert first.serve(first.request("moved", "and on", max_tokens=2)).path != "rebuild"  # its own copy now
+    assert first.metrics.sink.get("prepos_sessions_taken_over_total") == 1
+    journal = SessionJournal(tmp_path / "journal", fsync=False)  # (reading it back counts as reopening it)
+    assert [t for turn in journal.recover("moved").turns for t in turn] == first.log("moved")
+
+
+def test_a_new_session_may_not_take_the_id_of_one_another_server_holds(tmp_path):
+    first, second = moved_to_a_second_server(tmp_path)  # the second holds it now; its journal is there
+    refused = first.serve(first.request("moved", "a new one", start=True, max_tokens=2))
+    assert refused.error.field == "START" and refused.error.status is Status.ALREADY_EXISTS
+    assert second.serve(second.request("moved", "and on", max_tokens=2)).path != "rebuild"
+
+
 def test_a_drain_leaves_the_journal_of_a_session_another_server_took_over_untouched(tmp_path):
     from prepos.drain import drain_end
 
