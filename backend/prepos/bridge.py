@@ -147,6 +147,9 @@ def _session_id(inputs: Mapping[str, np.ndarray]) -> str | None:
         raise ProtocolError("session_id", f"not valid UTF-8 ({err.reason} at byte {err.start})") from None
     if not text:
         raise ProtocolError("session_id", "empty; leave it out for a one-turn session")
+    if "\0" in text:  # Triton ends a string correlation id at its first NUL: "a\0b" would be session "a"
+        raise ProtocolError("session_id", f"contains a NUL character (at byte {raw.index(0)}), which ends an id in "
+                            "Triton: another id's session would be reached")
     if text.startswith(ONE_TURN_PREFIX):
         raise ProtocolError("session_id", f"ids starting {ONE_TURN_PREFIX!r} are the bridge's one-turn sessions")
     return text

@@ -43,6 +43,8 @@ def test_a_named_session_gets_only_the_flags_the_request_sets():
     ({"session_id": _b("x" * 129)}, "session_id", "at most 128"),
     ({"session_id": _b("é" * 65)}, "session_id", "130 bytes; at most 128"),
     ({"session_id": _b(ONE_TURN_PREFIX + "abc")}, "session_id", "one-turn sessions"),
+    ({"session_id": _b("nul1\0x")}, "session_id", r"contains a NUL character \(at byte 4\)"),
+    ({"session_id": _b("\0abc")}, "session_id", r"contains a NUL character \(at byte 0\)"),
     ({"session_id": _b("s"), "stream": np.array([1], np.int32)}, "stream", "expected BOOL"),
     ({"session_id": _b("s"), "start": np.array([True, False])}, "start", "expected one value"),
 ])
