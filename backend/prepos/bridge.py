@@ -63,7 +63,10 @@ NARROWED_INPUTS = {"input_ids": np.int32, "max_tokens": np.int32, "top_k": np.in
 # Every field the bridge counts a refusal under (its inputs, those it checks, the timeout parameter, START for a
 # relayed request Triton refused for a session it does not hold, "request" for any other failure: triton_refusal),
 # in prepos_request_errors_total{model="prepos_http"}, each published at 0 from the start.
-ERROR_FIELDS = (*CHECKED_INPUTS, *NARROWED_INPUTS, "timeout", "START", "request")
+PARAMETERS = ("timeout",)
+"""The request parameters the bridge reads; any other is refused (a misspelt input, which the generate endpoints
+pass as a parameter, would otherwise be ignored: ``maxtokens`` left the answer at its default length)."""
+ERROR_FIELDS = (*CHECKED_INPUTS, *NARROWED_INPUTS, *PARAMETERS, "parameters", "START", "request")
 
 # The bridge's settings: model parameters in its config.pbtxt, each overridable by PREPOS_BRIDGE_<FIELD>.
 DEFAULT_TARGET_MODEL = "prepos"
@@ -155,11 +158,25 @@ def _session_id(inputs: Mapping[str, np.ndarray]) -> str | None:
     return text
 
 
-def _timeout_us(parameters: str, request_timeout_us: int) -> int:
+def _parameters(parameters: str) -> dict:
+    """The request's parameters (Triton's JSON object); :class:`ProtocolError` naming ``parameters`` for a key the
+    bridge does not read (the key in the message; the field is fixed, as it labels a metric)."""
     try:
-        value = json.loads(parameters or "{}").get("timeout")
-    except (ValueError, AttributeError):
-        value = None  # Triton always writes a JSON object; anything else holds no timeout
+        found = json.loads(parameters or "{}")
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        return {}  # Triton always writes a JSON object; anything else holds nothing to read
+    unknown = sorted(set(found) - set(PARAMETERS))
+    if unknown:
+        raise ProtocolError("parameters", f"unknown key {', '.join(map(json.dumps, unknown))}: neither an input of "
+                            f"the bridge or of prepos nor a parameter the bridge reads ({', '.join(PARAMETERS)}); "
+                            "a misspelt input?")
+    return found
+
+
+def _timeout_us(found: dict, request_timeout_us: int) -> int:
+    value = found.get("timeout")
     if value is None:
         return request_timeout_us
     if isinstance(value, bool) or not isinstance(value, int):
@@ -176,7 +193,7 @@ def bridge_target(inputs: Mapping[str, np.ndarray], parameters: str = "{}", requ
     the smaller of the ``timeout`` parameter and the request timeout that are set."""
     session_id = _session_id(inputs)
     start, end, stream = (_flag(inputs, name) for name in ("start", "end", "stream"))
-    timeout_us = _timeout_us(parameters, request_timeout_us)
+    timeout_us = _timeout_us(_parameters(parameters), request_timeout_us)
     if session_id is None:
         if start is not None or end is not None:
             given = "start" if start is not None else "end"
