@@ -146,11 +146,13 @@ class RequestServer:
         except Exception:
             log.exception("session %r request %r failed", session.session_id, request.request_id)
             self._reject(request, sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
-        # Triton ends the sequence on END whatever happened; a rejected START leaves no session behind.
-        if request.end and self._residency.store.get(session.session_id) is session:
-            self._close_session(session, end_reason(request))
-        elif not served and request.start and not session.token_log:
+        # Triton ends the sequence on END whatever happened; a rejected START leaves no session behind (counted as
+        # such when it carried END too: a refused one-turn request).
+        held = self._residency.store.get(session.session_id) is session
+        if not served and request.start and not session.token_log and (held or not request.end):
             self._close_session(session, START_REJECTED_REASON)
+        elif request.end and held:
+            self._close_session(session, end_reason(request))
 
     def expire_queued(self, session: Session, request: Request, sink: ResponseSink) -> None:
         """Answer a request whose deadline passed while it waited behind its session's earlier requests (taken out

@@ -485,6 +485,7 @@ def test_sessions_opened_and_closed_are_counted_once_each_by_reason(tmp_path):
     for sid in ("ended", "idle", "drained", "kept"):
         open_session(h, sid=sid)
     assert h.serve(h.request("refused", "hi", start=True, role="wizard")).error.field == "role"
+    assert h.serve(h.request("refused once", "hi", start=True, end=True, role="wizard")).error.field == "role"
     assert h.serve(h.request("ended", None, end=True, max_tokens=0)).error is None
     assert h.serve(h.request("once", "hi", start=True, end=True, max_tokens=2)).error is None
     assert h.serve(h.request("ended", "again?", start=True, resume=True)).error.field == "resume"  # opens nothing
@@ -494,8 +495,9 @@ def test_sessions_opened_and_closed_are_counted_once_each_by_reason(tmp_path):
     h.clock.t += 40
     h.sched.run_once()  # "idle" passed its idle timeout
     opened, recovered, closed = counts()
-    assert (opened, recovered) == (6, 0)
-    assert closed == {"end": 2, "idle_timeout": 1, "drain": 0, "taken_over": 0, "start_rejected": 1}
+    assert (opened, recovered) == (7, 0)
+    # a refused one-turn request (START and END) is a rejected START too, not an END
+    assert closed == {"end": 2, "idle_timeout": 1, "drain": 0, "taken_over": 0, "start_rejected": 2}
     assert opened + recovered - sum(closed.values()) == h.sched.open_sessions == 2
     closes = h.metrics.sink.get("prepos_requests_total", path="close")
     h.sched.drain()
