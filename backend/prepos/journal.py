@@ -85,6 +85,11 @@ class RecoveredSession:
     dropped_tail_bytes: int  # bytes cut off the end of the file (a torn or corrupt tail); 0 when clean
 
 
+class UnusableJournal(ValueError):
+    """A session's journal that exists but cannot reopen it (bad magic or header, or another session's): the text
+    says what is wrong."""
+
+
 class SessionJournal:
     """The journal directory: create, append, recover, replace and delete per-session journals."""
 
@@ -230,10 +235,11 @@ class SessionJournal:
     # --- reading -------------------------------------------------------
 
     def recover(self, session_id: str | int) -> RecoveredSession | None:
-        """Read the session back; None when it has no usable journal (none, or a bad magic/header, which
-        is logged). A torn or corrupt tail is dropped from the first bad record on, the file truncated to
-        the last good record and a warning logged; earlier entries are kept. Raises OSError when the journal
-        exists but cannot be read."""
+        """Read the session back; None when it has no journal. A torn or corrupt tail is dropped from the first
+        bad record on, the file truncated to the last good record and a warning logged; earlier entries are kept.
+        Raises OSError when the journal exists but cannot be read, and :class:`UnusableJournal` (logged) when its
+        magic or header is bad or it holds another session: the file is left as it is, for inspection (a START
+        without ``resume`` replaces it)."""
         path = self.path(session_id)
         try:
             os.utime(path)  # read back to reopen: written, as far as expire() is concerned
@@ -246,13 +252,16 @@ class SessionJournal:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        header_end = _read_header(data, path)
-        if header_end is None:
-            return None
+        header_end = _header_or_problem(data)
+        if isinstance(header_end, str):
+            log.warning("journal %s of session %r: %s; left as it is, not reopened", path.name, session_id,
+                        header_end)
+            raise UnusableJournal(header_end)
         stored_id = header_end[0]
         if stored_id != session_id or type(stored_id) is not type(session_id):
-            log.warning("journal %s holds session %r, not %r; ignored", path.name, stored_id, session_id)
-            return None
+            log.warning("journal %s holds session %r, not %r; left as it is, not reopened", path.name, stored_id,
+                        session_id)
+            raise UnusableJournal(f"it holds another session, {stored_id!r}")
         offset = header_end[1]
         turns: list[tuple[int, ...]] = []
         role, choices = "user", None
@@ -395,23 +404,29 @@ def _read_record(data: bytes, offset: int) -> tuple[bytes, bytes, int] | str:
 
 def _read_header(data: bytes, path: Path) -> tuple[str | int, int] | None:
     """(stored session id, offset of the first entry), or None (logged) when magic or header are bad."""
-    if not data.startswith(MAGIC):
-        log.warning("journal %s: not a prepos journal (bad magic or version); ignored", path.name)
+    header = _header_or_problem(data)
+    if isinstance(header, str):
+        log.warning("journal %s: %s; ignored", path.name, header)
         return None
+    return header
+
+
+def _header_or_problem(data: bytes) -> tuple[str | int, int] | str:
+    """(stored session id, offset of the first entry), or what is wrong with magic or header."""
+    if not data.startswith(MAGIC):
+        return "not a prepos journal (bad magic or version)"
     record = _read_record(data, len(MAGIC))
-    problem = record if isinstance(record, str) else None
-    if problem is None:
-        kind, payload, end = record
-        try:
-            header = json.loads(payload) if kind == _HEADER else None
-            session_id, id_type = header["session_id"], header["id_type"]
-            if (id_type, type(session_id)) in (("int", int), ("str", str)):
-                return session_id, end
-            problem = "header id type does not match"
-        except (ValueError, TypeError, KeyError):
-            problem = "unreadable header"
-    log.warning("journal %s: %s; ignored", path.name, problem)
-    return None
+    if isinstance(record, str):
+        return record
+    kind, payload, end = record
+    try:
+        header = json.loads(payload) if kind == _HEADER else None
+        session_id, id_type = header["session_id"], header["id_type"]
+        if (id_type, type(session_id)) in (("int", int), ("str", str)):
+            return session_id, end
+        return "header id type does not match"
+    except (ValueError, TypeError, KeyError):
+        return "unreadable header"
 
 
 def _parse_entry(payload: bytes) -> JournalEntry | None:

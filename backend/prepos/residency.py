@@ -26,6 +26,7 @@ import logging
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from prepos.engines.base import Engine
+from prepos.journal import UnusableJournal
 from prepos.memory import KvLedger
 from prepos.metrics import Metrics
 from prepos.protocol import ProtocolError, Status
@@ -96,6 +97,10 @@ class Residency:
             log.error("session %r: could not read its journal: %s", session_id, err)
             raise ProtocolError("journal", f"could not read the session journal ({err.strerror or err})",
                                 Status.UNAVAILABLE) from None
+        except UnusableJournal as err:
+            raise ProtocolError("journal", f"the session journal cannot reopen it ({err}); it is left as it is on "
+                                "the server, for inspection; send START without resume to begin a new session, "
+                                "which replaces it", Status.INTERNAL) from None
         if recovered is None:
             return None
         session = self.store.open(session_id, self._clock())

@@ -249,8 +249,9 @@ class Session:
                 return Update.from_chunks(list(self._receive(inflight, timeout_s)))
             except PreposError as error:
                 if inflight.opens_session and error.status is None and (
-                        error.field == "resume" or error.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")):
-                    # Nothing open to end (no such session and no journal; the session limit; a draining server),
+                        error.field in ("resume", "journal") or error.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")):
+                    # Nothing open to end (no such session and no journal, or one the server cannot read or use;
+                    # the session limit; a draining server),
                     # and Triton ended the sequence at this END: done.
                     return None
                 raise

@@ -183,6 +183,19 @@ def test_closing_a_session_the_server_could_not_resume_ends_its_sequence_and_rai
     assert session.close() is None and len(fake_triton[0].requests) == 2
 
 
+def test_closing_a_session_whose_journal_the_server_could_not_use_raises_nothing_more(fake_triton, caplog):
+    unusable = ("journal: the session journal cannot reopen it (not a prepos journal (bad magic or version)); it is "
+                "left as it is on the server, for inspection; send START without resume to begin a new session, "
+                "which replaces it [INTERNAL]")
+    fake_triton.responder = lambda request: [InferenceServerException(msg=unusable)]
+    with pytest.raises(PreposError, match="cannot reopen it") as raised:
+        with open_session(session_id="s", resume=True) as session:
+            session.ask("hi")
+    assert raised.value.field == "journal" and raised.value.code == "INTERNAL"
+    assert "closing session" not in caplog.text  # nothing was opened: nothing to end, nothing to say
+    assert session.close() is None and len(fake_triton[0].requests) == 2
+
+
 def test_closing_a_session_whose_opening_found_it_held_by_another_client_sends_nothing(fake_triton):
     fake_triton.responder = reject_first("START: session 's' is already open [ALREADY_EXISTS]")
     session = open_session(session_id="s")

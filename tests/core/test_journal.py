@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prepos import journal as journal_module
-from prepos.journal import MAGIC, JournalEntry, SessionJournal
+from prepos.journal import MAGIC, JournalEntry, SessionJournal, UnusableJournal
 
 ENTRIES = [
     JournalEntry((1, 2, 3), "system", None),
@@ -177,9 +177,10 @@ def test_bad_header_is_none_with_a_warning(tmp_path, damage, caplog):
         other.create("t")
         data = bytearray(other.path("t").read_bytes())
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="prepos.journal"):
-        assert journal.recover("s") is None
-    assert "ignored" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="prepos.journal"), pytest.raises(UnusableJournal) as unusable:
+        journal.recover("s")
+    assert "left as it is, not reopened" in caplog.text
+    assert ("another session, 't'" in str(unusable.value)) == (damage == "other_id")
     if damage != "other_id":
         assert journal.session_ids() == []
     assert path.read_bytes() == bytes(data)  # left for inspection; the next create replaces it

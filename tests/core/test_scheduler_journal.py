@@ -266,6 +266,26 @@ def moved_to_a_second_server(tmp_path):
     return first, second
 
 
+def test_a_journal_with_a_damaged_header_fails_its_resume_naming_the_journal_not_as_absent(tmp_path):
+    """The client is not told that there is no journal (and to start over) when there is one the server cannot
+    use: the resume fails naming `journal`, the file stays for inspection, and a START without resume replaces
+    it."""
+    journal_dir = tmp_path / "journal"
+    h = restarted(tmp_path, journal_dir)
+    open_session(h)
+    h.serve(h.request("s1", "first question", max_tokens=2))
+    path = SessionJournal(journal_dir, fsync=False).path("s1")
+    damaged = b"\0" * 8 + path.read_bytes()[8:]
+    path.write_bytes(damaged)
+    h2 = restarted(tmp_path, journal_dir)
+    refused = h2.serve(h2.request("s1", "again?", max_tokens=2, start=True, resume=True))
+    assert refused.error.field == "journal" and refused.error.status is Status.INTERNAL
+    assert "not a prepos journal" in str(refused.error) and "START without resume" in str(refused.error)
+    assert path.read_bytes() == damaged and h2.sched.store.get("s1") is None
+    assert h2.serve(h2.request("s1", "anew", max_tokens=2, start=True)).error is None
+    assert SessionJournal(journal_dir, fsync=False).recover("s1").token_log == h2.log("s1")
+
+
 def test_a_session_ended_on_another_server_is_no_longer_held_here(tmp_path):
     """Its client moved to a second server and ended the session there (the journal deleted). The first server's
     copy is stale: a request to it is refused as not open (not failed as a journal write), a resume finds no
