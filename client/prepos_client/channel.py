@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +44,31 @@ def channel_args() -> list[tuple[str, int | bool]]:
     ]
 
 
+_PORT = re.compile(r":(\d+)$")
+
+
+def check_url(url: str) -> str:
+    """Return ``url`` if it can be a gRPC address: a non-empty string whose port, where it ends in one
+    (``host:port``), is in 1-65535 (gRPC would wrap a larger one around onto another port).
+
+    Raises:
+        TypeError: not a str.
+        ValueError: empty, or a port out of range.
+    """
+    if not isinstance(url, str):
+        raise TypeError(f"url: expected host:port as a str, got {url!r}")
+    if not url.strip():
+        raise ValueError("url: empty; expected host:port")
+    port = _PORT.search(url)
+    if port is not None and not 0 < int(port.group(1)) < 65536:
+        raise ValueError(f"url: port {port.group(1)} of {url!r} is not in 1-65535")
+    return url
+
+
+_MAX_PEM_BYTES = 16 << 20  # more than any bundle of roots
+_PEM_LABELS = {"root_certificates": "CERTIFICATE", "certificate_chain": "CERTIFICATE", "private_key": "PRIVATE KEY"}
+
+
 def is_readable_file(path: str) -> bool:
     """Whether ``path`` names a file this process can read (a certificate, a key)."""
     return os.path.isfile(path) and os.access(path, os.R_OK)
@@ -56,7 +82,8 @@ class Tls:
     address's host (a port-forward to ``localhost``, say).
 
     Raises:
-        ValueError: a file that cannot be read, or a key without a chain (or a chain without a key).
+        ValueError: a file that cannot be read or holds no PEM of its kind, a key without a chain (or a chain
+            without a key), an empty server_name.
     """
 
     root_certificates: str | None = None
@@ -65,10 +92,18 @@ class Tls:
     server_name: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("root_certificates", "private_key", "certificate_chain"):
+        for name, label in _PEM_LABELS.items():
             path = getattr(self, name)
-            if path is not None and not is_readable_file(path):
+            if path is None:
+                continue
+            if not is_readable_file(path):
                 raise ValueError(f"tls.{name}: no readable file at {path!r}")
+            with open(path, "rb") as f:
+                begins = [line for line in f.read(_MAX_PEM_BYTES).splitlines() if line.startswith(b"-----BEGIN ")]
+            if not any(label.encode() in line for line in begins):  # gRPC would say only that it cannot connect
+                raise ValueError(f"tls.{name}: {path!r} holds no PEM {label.lower()} (-----BEGIN ...{label}-----)")
+        if self.server_name is not None and not self.server_name.strip():
+            raise ValueError("tls.server_name: empty; give the name the server's certificate carries, or None")
         if (self.private_key is None) != (self.certificate_chain is None):
             raise ValueError("tls: private_key and certificate_chain go together (the client's certificate)")
 

@@ -9,8 +9,9 @@ client commands never pay for the server's imports).
 Exit codes: 0 ok, 1 the server rejected a request (the message names the
 field) or its model is not ready (or the output could not be written), 2 usage, 3 the server cannot be reached,
 130 interrupted, 141 the reader of the output went away. `chat` reading lines
-from a pipe or file goes on after a refused line and exits 1 at the end when
-any was refused; at a terminal it exits 0.
+from a pipe or file goes on after a refused line (or one that is not UTF-8)
+and exits 1 at the end when any was refused, 130 when interrupted; at a
+terminal it exits 0.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .channel import Tls
+from .channel import Tls, check_url
 from .client import DEFAULT_MODEL, DEFAULT_URL, Client
 from .errors import PreposError, PreposTimeout, PreposUnavailable
 from .protocol import Answer, Chunk, Update
@@ -92,6 +93,14 @@ def register_module_command(name: str, module: str, *, help: str) -> None:
     COMMANDS[name] = Command(help, lambda parser: None, run, forwards_argv=True)
 
 
+def _url(value: str) -> str:
+    try:
+        return check_url(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{str(error).removeprefix('url: ')} (from {URL_ENV} when not given)") \
+            from None
+
+
 def _timeout(value: str) -> float:
     try:
         return check_timeout(float(value))
@@ -103,6 +112,7 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     """--url, --model, --timeout: where the server is and how long a call may take."""
     parser.add_argument(
         "--url",
+        type=_url,
         default=os.environ.get(URL_ENV, DEFAULT_URL),
         help=f"gRPC host:port of the server (env {URL_ENV}; default %(default)s)",
     )
@@ -198,27 +208,39 @@ def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -
     stderr when it was made up here: the only way to go on with it)."""
     check_session_arguments(args)
     session = client.session(args.session_id, resume=args.resume)
-    if keep_open and args.session_id is None:
-        print(_dim(f"[session {session.session_id} is left open: go on with --session-id {session.session_id} "
-                   "--continue]"), file=sys.stderr)
     try:
         yield session
     except BaseException as error:
         settle_for_message(session, error)
         if keep_open:
-            session.detach()
+            _leave_open(session, made_up=args.session_id is None)
         else:
             session.wait_for_ready = False  # leaving on an error: END is tried once, not waited for
             with contextlib.suppress(PreposError):
                 session.close()
         raise
     if keep_open:
-        session.detach()
+        _leave_open(session, made_up=args.session_id is None)
     else:
         session.close()
 
 
-def _dim(text: str) -> str:
+def _leave_open(session: Session, *, made_up: bool) -> None:
+    """Detach the session; say its id when it was made up here and is open on the server (the only way to go on
+    with it), or that it was not opened (its first request refused or cut short: there is nothing to go on with)."""
+    opened = session.opened
+    session.detach()
+    if not made_up:
+        return
+    if opened:
+        print(dim(f"[session {session.session_id} is left open: go on with --session-id {session.session_id} "
+                  "--continue]"), file=sys.stderr)
+    else:
+        print(dim(f"[session {session.session_id} was not opened: its first request did not complete]"),
+              file=sys.stderr)
+
+
+def dim(text: str) -> str:
     if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
         return f"\x1b[2m{text}\x1b[0m"
     return text
@@ -325,97 +347,17 @@ def _run_close(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# --- chat --------------------------------------------------------------------
-
-CHAT_HELP = """commands:
-  /append TEXT   append TEXT without asking for an answer
-  /role ROLE     role of the next delta (user, tool, system)
-  /quit          close the session and leave (also Ctrl-D, Ctrl-C)
-  /help          this text"""
-
-
-def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
-    add_connection_arguments(parser)
-    add_session_arguments(parser)
-    parser.add_argument("--system", help="system message appended when the session opens")
-    parser.add_argument("--keep-open", action="store_true", help="leave the session open on exit (no END)")
-    add_generation_arguments(parser)
-
-
-def _read_line(interactive: bool) -> str | None:
-    if interactive:
-        sys.stderr.write("> ")
-        sys.stderr.flush()
-    line = sys.stdin.readline()
-    return line.rstrip("\r\n") if line else None
-
-
-def _run_chat(args: argparse.Namespace) -> int:
-    interactive = sys.stdin.isatty()
-    options = generation_options(args)
-    check_session_arguments(args)  # a usage error before the server is asked anything
-    with connect(args) as client:
-        if not args.wait_for_ready:
-            # Sessions open at their first request: say now, not after the first line typed (or never, on an
-            # empty stdin), that the server cannot be reached or the model is not ready.
-            client.ensure_ready()
-        with open_session(client, args, keep_open=args.keep_open) as session:
-            if args.system is not None:
-                session.append(args.system, role="system")
-            if interactive:
-                print(_dim(f"session {session.session_id} on {args.url}; /help for commands"), file=sys.stderr)
-            num_refused = 0
-            try:
-                num_refused = _chat_loop(session, options, interactive)
-            except KeyboardInterrupt:
-                sys.stdout.write("\n")
-    return EXIT_SERVER_ERROR if num_refused and not interactive else EXIT_OK
-
-
-def _chat_loop(session: Session, options: dict, interactive: bool) -> int:
-    """Run the chat's lines; return how many the server refused."""
-    role, num_refused = None, 0
-    while (line := _read_line(interactive)) is not None:
-        command, _, rest = line.partition(" ")
-        try:
-            if command == "/quit":
-                break
-            if command == "/help":
-                print(CHAT_HELP, file=sys.stderr)
-            elif command == "/role":
-                role = rest.strip() or None
-            elif command == "/append":
-                update = session.append(rest, role=role)
-                role = None
-                print(_dim(update_status(update)), file=sys.stderr)
-            elif command.startswith("/"):
-                print(f"unknown command {command}; /help for commands", file=sys.stderr)
-            elif line.strip():
-                answer = stream_answer(session.generate(line, role=role, **options))
-                role = None
-                print(_dim(answer_status(answer)), file=sys.stderr)
-        except PreposUnavailable:
-            raise
-        except PreposError as error:
-            if error.field == "resume" and error.status is None:
-                raise  # --continue of a session the server neither holds nor has a journal of: no line can go on
-            num_refused += 1
-            sys.stdout.flush()
-            settle_for_message(session, error)
-            reset = ""
-            if error.field == "role" and role is not None:  # a role the model has no framing for: not kept
-                role, reset = None, f" [/role {role} dropped: the next turns take the default role]"
-            print(f"error: {error}{settled_outcome(error)}{reset}", file=sys.stderr)
-    return num_refused
-
-
 # --- entry point ---------------------------------------------------------------
+
+def _chat_cli():
+    return importlib.import_module(".chat_cli", __package__)  # it builds on this module
+
 
 register_command(
     "chat",
     help="interactive multi-turn session on stdin/stdout",
-    add_arguments=_add_chat_arguments,
-    run=_run_chat,
+    add_arguments=lambda parser: _chat_cli().add_arguments(parser),
+    run=lambda args: _chat_cli().run(args),
 )
 register_command("ask", help="ask one question and print the answer", add_arguments=_add_ask_arguments, run=_run_ask)
 register_command(
@@ -431,7 +373,8 @@ register_module_command("calibrate", "prepos_client.calibrate_cli", help="certif
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `prepos` parser with every registered subcommand."""
+    """The `prepos` parser with every registered subcommand (each subcommand's parser in its ``subparsers``
+    attribute)."""
     parser = argparse.ArgumentParser(prog="prepos", description="prepos: stateful LLM sessions on Triton",
                                      epilog="exit codes: " + __doc__.split("Exit codes: ", 1)[1].strip())
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -441,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
             name, help=command.help, description=command.help, add_help=not command.forwards_argv
         )
         command.add_arguments(subparser)
+    parser.subparsers = subparsers.choices
     return parser
 
 
@@ -480,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = extra
         return command.run(args)
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    if sys.stdout is None:  # started with stdout closed (`>&-`): nothing could be written, not even by print
+        print(f"prepos {args.command}: cannot write the output: stdout is closed", file=sys.stderr or sys.__stderr__)
+        return EXIT_SERVER_ERROR
     level = logging.DEBUG if args.verbose else logging.WARNING
     logging.basicConfig(format="prepos: %(levelname)s: %(message)s", level=level)
     try:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from .channel import Tls, tls_of, triton_client
+from .channel import Tls, check_url, tls_of, triton_client
 from .errors import PreposError, PreposTimeout, PreposUnavailable, from_triton
 from .deadlines import check_timeout
 from .session import Session
@@ -55,9 +55,7 @@ class Client:
         wait_for_ready: bool = False,
         tls: bool | Tls = False,
     ):
-        if not isinstance(url, str) or not url:
-            raise TypeError(f"url: expected host:port as a str, got {url!r}")
-        self.url = url
+        self.url = check_url(url)
         self.wait_for_ready = bool(wait_for_ready)
         self.tls = tls_of(tls)
         self.model = model

@@ -26,6 +26,8 @@ class Opening:
     """The server said it does not hold the session: START and ``resume`` reopen it from its journal."""
     held_elsewhere: bool = False
     """The opening was refused as already open: the sequence is another client's."""
+    confirmed: bool = False
+    """A request that opened (or reopened) the session was answered: the server holds it for this client."""
 
     def nothing_to_end(self, num_requests: int) -> bool:
         """Whether no sequence of this client's is open: nothing was sent on a session that is not resumed, or the
@@ -39,10 +41,12 @@ class Opening:
     def opened(self) -> None:
         """A request that carried START was answered: the session is open here."""
         self.resume = self.unknown = self.reopening = self.held_elsewhere = False
+        self.confirmed = True
 
     def reopen(self) -> None:
         """The server does not hold the session: the next request carries START and ``resume``."""
         self.needs_start = self.resume = self.reopening = True
+        self.confirmed = False
 
     def send_again(self, opened_the_session: bool) -> None:
         """A refused request goes again on a new stream: with START, and with ``resume`` unless it was the opening
@@ -68,6 +72,7 @@ class Opening:
             # The opening whose answer was lost had opened the session after all: this START changed nothing, and
             # the next request goes on without one.
             self.needs_start = False
+            self.confirmed = True
             replaced = error.reworded(f"{error.message}: the request that was to open it, whose answer was lost "
                                       "with its stream, had opened it; the next call continues the session")
         else:

@@ -151,8 +151,16 @@ def _str_list(name: str, values: str | Iterable[str], *, allow_str: bool) -> lis
 
 
 def _bytes_input(name: str, values: list[str]) -> InferInput:
-    array = np.array([value.encode("utf-8") for value in values], dtype=np.object_)
+    array = np.array([_utf8(name, value) for value in values], dtype=np.object_)
     return _tensor_input(name, array)
+
+
+def _utf8(name: str, value: str) -> bytes:
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as err:  # lone surrogates: bytes that were no UTF-8 where the text was read
+        raise ValueError(f"{name}: not valid UTF-8 text ({err.reason}: {value[err.start:err.end]!r} at character "
+                         f"{err.start}, bytes that were not UTF-8 where it was read)") from None
 
 
 def _int32_input(name: str, values: Sequence[int] | np.ndarray) -> InferInput:

@@ -103,6 +103,13 @@ class Session:
         """True once the session was closed (END acknowledged) or detached."""
         return self._closed
 
+    @property
+    def opened(self) -> bool:
+        """True once the server has answered a request of this session that opened it (or reopened it), until it
+        was closed or detached, or the server said it no longer holds it. False for a session whose first request
+        was refused, cut short or not sent yet: nothing of it may be open on the server."""
+        return self._opening.confirmed and not self._closed
+
     def append(
         self,
         text: str | None = None,

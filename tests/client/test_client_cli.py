@@ -369,14 +369,90 @@ def test_chat_with_wait_for_ready_does_not_check_the_server_before_its_first_req
     assert sum(fake.num_ready_checks for fake in fake_triton) == 1
 
 
-def test_chat_closes_the_session_on_ctrl_c(fake_triton, monkeypatch):
+@pytest.mark.parametrize("at_a_terminal", [True, False])
+def test_chat_closes_the_session_on_ctrl_c(fake_triton, monkeypatch, capsys, at_a_terminal):
+    """At a terminal Ctrl-C is how a chat ends (exit 0); fed from a pipe, an interrupt is one (exit 130)."""
     class Interrupting(io.StringIO):
         def readline(self, *args):
             raise KeyboardInterrupt
 
+        def isatty(self):
+            return at_a_terminal
+
     monkeypatch.setattr(sys, "stdin", Interrupting())
-    assert cli.main(["chat", "--system", "s"]) == cli.EXIT_OK
+    assert cli.main(["chat", "--system", "s"]) == (cli.EXIT_OK if at_a_terminal else cli.EXIT_INTERRUPTED)
     assert fake_triton[-1].requests[-1].sequence_end
+
+
+def test_piped_chat_refuses_a_line_that_is_not_utf8_and_goes_on(fake_triton, monkeypatch, capsys):
+    # Python reads a pipe's bytes that are not UTF-8 as lone surrogates (surrogateescape).
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Say hi\n\xff\xfe bad bytes\nSay bye\n"),
+                                                       encoding="utf-8", errors="surrogateescape"))
+    assert cli.main(["chat"]) == cli.EXIT_SERVER_ERROR
+    out, err = capsys.readouterr()
+    assert out.split() == ["Say", "hi", "Say", "bye"]  # the echo of each line sent
+    assert "error: line 2: not UTF-8 text (byte 0xff at character 0); not sent" in err
+
+
+def test_chat_continue_with_a_system_message_is_a_usage_error(fake_triton, stdin, capsys):
+    stdin("hello\n")
+    assert cli.main(["chat", "--session-id", "s", "--continue", "--system", "again"]) == cli.EXIT_USAGE
+    assert "--system: a session chat continues (--continue) has its system message already" in capsys.readouterr().err
+    assert not any(fake.requests for fake in fake_triton)
+
+
+def test_chat_with_stdin_closed_reads_no_line(fake_triton, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)
+    assert cli.main(["chat"]) == cli.EXIT_OK
+    assert not any(fake.requests for fake in fake_triton)  # nothing was opened: nothing to close
+
+
+@pytest.mark.parametrize("argv", [["ask", "hi"], ["ask", "hi", "--json"], ["append", "x", "--session-id", "s"]])
+def test_a_command_with_stdout_closed_says_so_and_fails(fake_triton, monkeypatch, capsys, argv):
+    monkeypatch.setattr(sys, "stdout", None)
+    assert cli.main(argv) == cli.EXIT_SERVER_ERROR
+    assert "cannot write the output: stdout is closed" in capsys.readouterr().err
+    assert not any(fake.requests for fake in fake_triton)
+
+
+@pytest.mark.parametrize(("argv", "env", "problem"), [
+    (["ask", "hi", "--url", ""], {}, "empty"),
+    (["ask", "hi"], {"PREPOS_URL": ""}, "empty"),
+    (["ask", "hi", "--url", "127.0.0.1:84237"], {}, "port 84237 of '127.0.0.1:84237' is not in 1-65535"),
+])
+def test_an_address_that_is_none_is_a_usage_error(fake_triton, monkeypatch, capsys, argv, env, problem):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"argument --url: {problem}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["ask", "bad \udcff"], ["ask", "hi", "--choices", "yes,n\udcfe"],
+                                  ["append", "\udcff", "--session-id", "s"]])
+def test_text_that_is_not_utf8_is_a_usage_error_naming_its_input(fake_triton, capsys, argv):
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert "not valid UTF-8 text" in capsys.readouterr().err
+    assert not any(fake.requests for fake in fake_triton)
+
+
+def test_an_unknown_argument_is_named_with_the_subcommands_usage(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["ask", "hi", "extra"])
+    assert exit_.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("usage: prepos ask") and "unrecognized arguments: extra" in err
+
+
+def test_keep_open_says_the_session_is_left_open_only_once_it_opened(fake_triton, capsys):
+    assert cli.main(["ask", "hi", "--keep-open"]) == cli.EXIT_OK
+    assert "is left open: go on with --session-id" in capsys.readouterr().err
+    fake_triton.responder = lambda request: [InferenceServerException(msg="max_tokens: must be >= 0, got -1")]
+    assert cli.main(["ask", "hi", "--keep-open", "--max-tokens", "-1"]) == cli.EXIT_SERVER_ERROR
+    err = capsys.readouterr().err
+    assert "was not opened: its first request did not complete" in err and "left open" not in err
 
 
 def test_registered_commands_join_the_parser(monkeypatch):

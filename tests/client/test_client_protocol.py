@@ -285,3 +285,11 @@ def test_empty_chunk_lists_are_rejected():
 def test_timings_are_plain_floats():
     chunk = parse_chunk(make_result(text="x", queue_ms=1.25, final=True), elapsed_ms=1.0)
     assert type(chunk.queue_ms) is float and not math.isnan(chunk.queue_ms)
+
+
+@pytest.mark.parametrize("given", [dict(text="bad \udcff bytes"), dict(text="ok", choices=["yes", "n\udcfe"]),
+                                   dict(text="ok", stop=["\udcff"])])
+def test_text_that_is_no_utf8_is_refused_naming_its_input(given):
+    # What a command line or pipe holds when its bytes were not UTF-8 (read with surrogateescape).
+    with pytest.raises(ValueError, match=r"not valid UTF-8 text \(surrogates not allowed: '\\udc"):
+        build_inputs(**given)
