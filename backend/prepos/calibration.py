@@ -54,6 +54,32 @@ class SessionLike(Protocol):
     steps: Sequence[StepLike]
 
 
+def check_replayable(sessions: Iterable[SessionLike], framing: Framing, max_tokens: int) -> None:
+    """Raise ValueError naming the session, step and field of the first step the server would refuse (a role the
+    model has no framing for, ``max_tokens`` out of [0, ``max_tokens``], ``choices`` empty, with an empty or a
+    repeated entry, or with ``max_tokens`` 0), or when there is no step at all: a replay records decision points
+    only of requests the server would answer (a repeated choice, always agreed on, would flatter the gate)."""
+    num_steps = 0
+    for session in sessions:
+        for index, step in enumerate(session.steps):
+            num_steps += 1
+            where = f"session {session.name!r} step {index}"
+            if step.role not in framing.entry_ids:
+                raise ValueError(f"{where}: role: unknown role {step.role!r}; the model frames "
+                                 f"{', '.join(sorted(framing.entry_ids))}")
+            if not 0 <= step.max_tokens <= max_tokens:
+                raise ValueError(f"{where}: max_tokens: must be in [0, {max_tokens}], got {step.max_tokens}")
+            if step.choices is None:
+                continue
+            problem = ("empty list" if not step.choices else "an empty entry" if not all(step.choices)
+                       else "duplicate entries" if len(set(step.choices)) != len(step.choices)
+                       else "needs max_tokens >= 1" if step.max_tokens == 0 else None)
+            if problem is not None:
+                raise ValueError(f"{where}: choices: {problem}")
+    if not num_steps:
+        raise ValueError("no steps to replay")
+
+
 @dataclass(frozen=True)
 class SpeculativeFeatures:
     """The scan of one speculative distribution and whether its first decision token agreed with the full path."""

@@ -117,14 +117,18 @@ def load_sessions(args: argparse.Namespace) -> list:
 
 
 def replay(args: argparse.Namespace, sessions: list, placeholders: dict[str, str], records: Path):
-    from prepos.calibration import CalibrationReplay
-    from prepos.config import EngineConfig
+    from prepos.calibration import CalibrationReplay, check_replayable
+    from prepos.config import EngineConfig, LimitsConfig
     from prepos.core import check_device, create_engine
     from prepos.template import EngineManifest, Tokenizer
 
     config = EngineConfig(device=args.device, dtype=args.dtype, num_threads=args.threads)
     check_device(config.device)
     manifest = EngineManifest.load(args.engine_dir)
+    try:  # before the model loads
+        check_replayable(sessions, manifest.framing, LimitsConfig().max_tokens)
+    except ValueError as error:
+        raise ValueError(f"{'--trace' if args.trace is not None else '--workload'}: {error}") from None
     engine = create_engine(config, args.engine_dir)
     tokenizer = Tokenizer(args.engine_dir / "tokenizer.json")
     runner = CalibrationReplay(engine, tokenizer, manifest.framing, placeholders=placeholders)

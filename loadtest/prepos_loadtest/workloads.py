@@ -289,13 +289,19 @@ def read_trace(path: str | Path) -> list[SessionTrace]:
     server's to decide.
 
     Raises:
-        TraceFormatError: a line is not a JSON object or a field is missing,
-            unknown or of the wrong type (the message names file, line, field).
+        TraceFormatError: a line is not UTF-8 text or not a JSON object, or a
+            field is missing, unknown or of the wrong type (the message names
+            file, line, field).
     """
     path = Path(path)
     sessions: dict[str, list[Step]] = {}
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise TraceFormatError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[error.start]:02x} at "
+                                       f"byte {error.start} of the line)") from None
             if line.strip():
                 session, step = _parse_step(line, f"{path}:{number}")
                 sessions.setdefault(session, []).append(step)

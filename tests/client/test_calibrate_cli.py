@@ -66,6 +66,41 @@ def test_bad_input_exits_1_naming_the_argument(setup, capsys, extra, message):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(("step", "message"), [
+    ({"role": "admin"}, "session 'bad' step 1: role: unknown role 'admin'; the model frames"),
+    ({"max_tokens": -5}, "session 'bad' step 1: max_tokens: must be in [0, 4096], got -5"),
+    ({"choices": []}, "session 'bad' step 1: choices: empty list"),
+    ({"choices": ["x", ""]}, "session 'bad' step 1: choices: an empty entry"),
+    ({"choices": ["x", "x"]}, "session 'bad' step 1: choices: duplicate entries"),  # agreed on, always: flattering
+    ({"choices": ["x", "y"], "max_tokens": 0}, "session 'bad' step 1: choices: needs max_tokens >= 1"),
+])
+def test_a_trace_step_the_server_would_refuse_is_named_before_the_model_loads(setup, capsys, monkeypatch, step,
+                                                                              message):
+    tmp_path, engine_dir, trace = setup
+    bad = {"session": "bad", "delta": "Is it?", "max_tokens": 1, **step}
+    trace.write_text(trace.read_text() + json.dumps({"session": "bad", "delta": "Hi.", "max_tokens": 0}) + "\n"
+                     + json.dumps(bad) + "\n")
+    monkeypatch.setattr(prepos.core, "create_engine", lambda config, path: pytest.fail("the model was loaded"))
+    code = calibrate_cli.main(["--trace", str(trace), "--engine-dir", str(engine_dir), "--epsilon", "0.1", "--out",
+                               str(tmp_path / "o")])
+    assert code == calibrate_cli.EXIT_INVALID
+    assert f"--trace: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "message"), [(b"", "--trace: no steps to replay"),
+                                               (b'{"session": "s", "delta": "\xff", "max_tokens": 1}\n',
+                                                "trace.jsonl:1: not UTF-8 text (byte 0xff at byte 27 of the line)")])
+def test_an_empty_trace_or_one_that_is_not_utf8_is_named_before_the_model_loads(setup, capsys, monkeypatch, text,
+                                                                                 message):
+    tmp_path, engine_dir, trace = setup
+    trace.write_bytes(text)
+    monkeypatch.setattr(prepos.core, "create_engine", lambda config, path: pytest.fail("the model was loaded"))
+    code = calibrate_cli.main(["--trace", str(trace), "--engine-dir", str(engine_dir), "--epsilon", "0.1", "--out",
+                               str(tmp_path / "o")])
+    assert code == calibrate_cli.EXIT_INVALID
+    assert message in capsys.readouterr().err
+
+
 def test_the_help_names_the_workloads_that_are_accepted(capsys):
     with pytest.raises(SystemExit):
         calibrate_cli.main(["--help"])
