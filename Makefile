@@ -113,6 +113,13 @@ HTTP_BENCH_ARGS ?=
 bench-http: $(ENGINE)
 	$(PY) loadtest/http_bench.py $(HTTP_BENCH_ARGS)
 
+# HTTP clients dropping their requests mid-answer, round after round: the bridge must answer after each (a few
+# minutes), e.g. make stress-http HTTP_STRESS_ARGS="--rounds 60"
+HTTP_STRESS_ARGS ?=
+.PHONY: stress-http
+stress-http: $(ENGINE)
+	$(PY) loadtest/http_drop_stress.py $(HTTP_STRESS_ARGS)
+
 # Vocabulary-scan microbenchmark: every scan implementation at 49k/128k/152k vocabularies against the
 # memory-bandwidth bound, e.g. make bench-scan SCAN_BENCH_ARGS="--repeats 500 --json out/scan_bench.json"
 SCAN_BENCH_ARGS ?=
