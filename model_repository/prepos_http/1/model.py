@@ -36,7 +36,7 @@ IPC = threading.RLock()
 not the BLS call itself, which waits for Triton to take the request, nor the wait for prepos's next response,
 which would hold up every other relay): one at a time. Made from many threads at once, while HTTP clients
 dropped their requests, they corrupted the stub's heap (``malloc(): unaligned fastbin chunk detected``; once
-tritonserver itself aborted): 3 times in 52 rounds of 16 dropped requests; with the lock, not in 90 rounds
+tritonserver itself aborted): 3 times in under 70 rounds of 16 dropped requests; with the lock, not in 90 rounds
 (``make stress-http``)."""
 log = logging.getLogger("prepos.bridge")
 
