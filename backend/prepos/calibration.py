@@ -23,6 +23,7 @@ can be calibrated in pieces.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sys
@@ -52,6 +53,14 @@ class StepLike(Protocol):
 class SessionLike(Protocol):
     name: str
     steps: Sequence[StepLike]
+
+
+def steps_digest(steps: Sequence[StepLike], index: int) -> str:
+    """A digest of a session's steps up to ``index`` (role, delta, max_tokens and choices of each): what a decision
+    point's record was replayed from, so that a rerun on another trace under the same session names is told."""
+    key = [[step.role, step.delta, step.max_tokens, None if step.choices is None else list(step.choices)]
+           for step in steps[:index + 1]]
+    return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def check_replayable(sessions: Iterable[SessionLike], framing: Framing, max_tokens: int) -> None:
@@ -104,6 +113,7 @@ class DecisionRecord:
     full_token_id: int  # the full path's first decision token
     answer_ids: tuple[int, ...]  # the full path's whole answer (what the log grew by, before closing tokens)
     variants: dict[str, SpeculativeFeatures]
+    steps_digest: str = ""  # of the session's steps up to this one (steps_digest); "" in files written before it
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -151,6 +161,20 @@ def read_records(path: str | Path) -> tuple[dict, list[DecisionRecord]]:
                 continue
             raise ValueError(f"{path}:{number + 1}: not a calibration record") from None
     return header, records
+
+
+def _check_recorded_from_the_same_steps(sessions: Sequence[SessionLike], done: dict, records_path: Path) -> None:
+    """Raise ValueError when a decision point already recorded under a session name and turn was replayed from
+    other steps than the session of that name has now (another trace, or another workload seed, on the same
+    records): it would be skipped as recorded, and the report would cover the other trace's points."""
+    for session in sessions:
+        for index in range(len(session.steps)):
+            record = done.get((session.name, index))
+            if record is not None and record.steps_digest and record.steps_digest != steps_digest(session.steps,
+                                                                                                   index):
+                raise ValueError(f"records: {records_path} holds session {session.name!r} turn {index} replayed "
+                                 "from other steps (another trace, or another seed); use another --out (or "
+                                 "--records), or the trace and seed it was recorded from")
 
 
 class _Progress:
@@ -224,6 +248,7 @@ class CalibrationReplay:
         done = {(r.session, r.turn): r for r in existing}
         sessions = list(sessions)
         points = [(s.name, i) for s in sessions for i, step in enumerate(s.steps) if self._is_decision(step)]
+        _check_recorded_from_the_same_steps(sessions, done, records_path)
         if max_points is not None:
             points = points[:max_points]
         wanted = set(points)
@@ -285,7 +310,7 @@ class CalibrationReplay:
                                       trie, step.max_tokens)
             else:
                 record = self._decision(session.name, index, token_log, entry, delta_ids, forced, trie, step,
-                                        engine_id)
+                                        engine_id, steps_digest(session.steps, index))
                 answer = list(record.answer_ids)
                 yield record
             token_log += [*entry, *delta_ids, *framing.cue_ids, *answer, *framing.closing_ids(answer)]
@@ -294,7 +319,8 @@ class CalibrationReplay:
         return self._scan(logits, allowed_ids=trie.allowed_ids(answer) if trie else None)
 
     def _decision(self, session: str, index: int, token_log: list[int], entry: list[int], delta_ids: list[int],
-                  forced: list[int], trie: ChoiceTrie | None, step: StepLike, engine_id: str) -> DecisionRecord:
+                  forced: list[int], trie: ChoiceTrie | None, step: StepLike, engine_id: str,
+                  digest: str) -> DecisionRecord:
         scans = {}
         for name, spec_delta in self._variants.items():
             spec = [*token_log, *entry, *spec_delta, *self._framing.cue_ids, *forced]
@@ -308,7 +334,7 @@ class CalibrationReplay:
             for name, scan in scans.items()
         }
         return DecisionRecord(session, index, len(delta_ids), len(trie.choices) if trie else 0, full_token,
-                              tuple(answer), variants)
+                              tuple(answer), variants, digest)
 
     def _answer(self, engine_id: str, prompt: list[int], forced: list[int], trie: ChoiceTrie | None,
                 max_tokens: int) -> list[int]:

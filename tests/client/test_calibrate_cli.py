@@ -101,6 +101,21 @@ def test_an_empty_trace_or_one_that_is_not_utf8_is_named_before_the_model_loads(
     assert message in capsys.readouterr().err
 
 
+def test_a_rerun_on_another_trace_under_the_same_session_names_is_refused(setup, capsys):
+    """Its points would be skipped as recorded, and the report would cover the first trace's under the second's
+    title."""
+    tmp_path, engine_dir, trace = setup
+    argv = ["calibrate", "--trace", str(trace), "--engine-dir", str(engine_dir), "--epsilon", "0.1",
+            "--out", str(tmp_path / "o"), "--max-points", "6"]
+    assert cli.main(argv) == 0
+    assert cli.main(argv[:-2]) == 0  # the same trace: the rest is recorded
+    capsys.readouterr()
+    other = trace.read_text().replace("Question 1.", "Another question 1.")
+    trace.write_text(other)
+    assert cli.main(argv) == calibrate_cli.EXIT_INVALID
+    assert "holds session 's1' turn 1 replayed from other steps" in capsys.readouterr().err
+
+
 def test_the_help_names_the_workloads_that_are_accepted(capsys):
     with pytest.raises(SystemExit):
         calibrate_cli.main(["--help"])
