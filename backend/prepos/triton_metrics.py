@@ -5,6 +5,7 @@ module imports nothing of Triton's and loads anywhere."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from prepos.metrics import MetricSpec
@@ -17,10 +18,12 @@ class TritonMetricsSink:
 
     ``metric_family`` is ``pb_utils.MetricFamily``, which the stub binds only once the model is initialised: build
     the sink in ``initialize``. Two models may declare the same family (same name, kind and description): Triton
-    keeps one, and each model's series carry its ``model`` label."""
+    keeps one, and each model's series carry its ``model`` label. ``lock``, where given, is held around every call
+    into the stub (a model whose threads must call into it one at a time: the HTTP bridge)."""
 
-    def __init__(self, model_name: str, metric_family: Any):
+    def __init__(self, model_name: str, metric_family: Any, lock: Any = None):
         self._model = model_name
+        self._lock = lock if lock is not None else contextlib.nullcontext()
         self._metric_family = metric_family
         self._families: dict[str, Any] = {}
         self._buckets: dict[str, list[float] | None] = {}
@@ -28,7 +31,8 @@ class TritonMetricsSink:
 
     def declare(self, spec: MetricSpec) -> None:
         kind = getattr(self._metric_family, spec.kind.upper())
-        self._families[spec.name] = self._metric_family(name=spec.name, description=spec.description, kind=kind)
+        with self._lock:
+            self._families[spec.name] = self._metric_family(name=spec.name, description=spec.description, kind=kind)
         self._buckets[spec.name] = list(spec.buckets) or None
 
     def _metric(self, name: str, labels: dict[str, str]) -> Any:
@@ -44,12 +48,15 @@ class TritonMetricsSink:
 
     def inc(self, name: str, labels: dict[str, str], value: float) -> None:
         if server_alive():
-            self._metric(name, labels).increment(value)
+            with self._lock:
+                self._metric(name, labels).increment(value)
 
     def set(self, name: str, labels: dict[str, str], value: float) -> None:
         if server_alive():
-            self._metric(name, labels).set(value)
+            with self._lock:
+                self._metric(name, labels).set(value)
 
     def observe(self, name: str, labels: dict[str, str], value: float) -> None:
         if server_alive():
-            self._metric(name, labels).observe(value)
+            with self._lock:
+                self._metric(name, labels).observe(value)

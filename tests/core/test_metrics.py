@@ -280,3 +280,23 @@ def test_every_metric_family_is_documented_in_the_readme():
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert [spec.name for spec in SPECS if f"`{spec.name}" not in readme] == []
+
+
+def test_the_triton_sink_calls_into_the_stub_holding_its_lock(monkeypatch):
+    # The HTTP bridge's threads call into its stub one at a time (model_repository/prepos_http): metrics too.
+    import threading
+
+    from prepos import triton_metrics
+    from prepos.metrics import SPECS
+
+    lock = threading.RLock()
+    held = []
+    monkeypatch.setattr(triton_metrics, "server_alive", lambda: True)
+    monkeypatch.setattr(_FakeMetric, "increment", lambda self, value: held.append(lock._is_owned()))
+    monkeypatch.setattr(_FakeMetric, "set", lambda self, value: held.append(lock._is_owned()))
+    sink = triton_metrics.TritonMetricsSink("prepos_http", _FakeFamily, lock=lock)
+    gauge = next(spec for spec in SPECS if spec.kind == "gauge")
+    sink.declare(gauge)
+    sink.inc(gauge.name, {}, 1)
+    sink.set(gauge.name, {}, 2)
+    assert held == [True, True] and not lock._is_owned()

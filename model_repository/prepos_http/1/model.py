@@ -53,7 +53,7 @@ class TritonPythonModel:
         self.target_model = settings.target_model
         self.outputs = [output["name"] for output in config["output"]]
         # The bridge's own refusals, and Triton's of the requests it relays: prepos counts its own.
-        metrics = TritonMetricsSink(args["model_name"], pb_utils.MetricFamily)
+        metrics = TritonMetricsSink(args["model_name"], pb_utils.MetricFamily, lock=IPC)
         self.refusals = RefusalCounter(metrics, ERROR_FIELDS)
         self.relays = RelayGauge(metrics)  # requests on a relay thread, and waiting for one
         self.relays.start()
