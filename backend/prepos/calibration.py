@@ -63,9 +63,10 @@ def steps_digest(steps: Sequence[StepLike], index: int) -> str:
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def check_replayable(sessions: Iterable[SessionLike], framing: Framing, max_tokens: int) -> None:
+def check_replayable(sessions: Iterable[SessionLike], framing: Framing) -> None:
     """Raise ValueError naming the session, step and field of the first step the server would refuse (a role the
-    model has no framing for, ``max_tokens`` out of [0, ``max_tokens``], ``choices`` empty, with an empty or a
+    model has no framing for, a negative ``max_tokens`` (the upper limit is the server's setting; the replay caps
+    answers at its own), ``choices`` empty, with an empty or a
     repeated entry, or with ``max_tokens`` 0), or when there is no step at all: a replay records decision points
     only of requests the server would answer (a repeated choice, always agreed on, would flatter the gate)."""
     num_steps = 0
@@ -76,8 +77,8 @@ def check_replayable(sessions: Iterable[SessionLike], framing: Framing, max_toke
             if step.role not in framing.entry_ids:
                 raise ValueError(f"{where}: role: unknown role {step.role!r}; the model frames "
                                  f"{', '.join(sorted(framing.entry_ids))}")
-            if not 0 <= step.max_tokens <= max_tokens:
-                raise ValueError(f"{where}: max_tokens: must be in [0, {max_tokens}], got {step.max_tokens}")
+            if step.max_tokens < 0:
+                raise ValueError(f"{where}: max_tokens: must be >= 0, got {step.max_tokens}")
             if step.choices is None:
                 continue
             problem = ("empty list" if not step.choices else "an empty entry" if not all(step.choices)

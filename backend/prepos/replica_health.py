@@ -84,8 +84,8 @@ class ReplicaHealth:
         try:
             connection.request("GET", TRITON_READY_PATH)
             status = connection.getresponse().status
-        except OSError as err:
-            return False, f"not ready: Triton's {TRITON_READY_PATH} did not answer ({err})"
+        except (OSError, http.client.HTTPException) as err:
+            return False, f"not ready: Triton's {TRITON_READY_PATH} did not answer ({err!r})"
         finally:
             connection.close()
         if status != 200:

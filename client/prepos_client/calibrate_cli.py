@@ -118,7 +118,7 @@ def load_sessions(args: argparse.Namespace) -> list:
 
 def replay(args: argparse.Namespace, sessions: list, placeholders: dict[str, str], records: Path):
     from prepos.calibration import CalibrationReplay, check_replayable
-    from prepos.config import EngineConfig, LimitsConfig
+    from prepos.config import EngineConfig
     from prepos.core import check_device, create_engine
     from prepos.template import EngineManifest, Tokenizer
 
@@ -126,7 +126,7 @@ def replay(args: argparse.Namespace, sessions: list, placeholders: dict[str, str
     check_device(config.device)
     manifest = EngineManifest.load(args.engine_dir)
     try:  # before the model loads
-        check_replayable(sessions, manifest.framing, LimitsConfig().max_tokens)
+        check_replayable(sessions, manifest.framing)
     except ValueError as error:
         raise ValueError(f"{'--trace' if args.trace is not None else '--workload'}: {error}") from None
     engine = create_engine(config, args.engine_dir)

@@ -66,7 +66,11 @@ def check_url(url: str) -> str:
 
 
 _MAX_PEM_BYTES = 16 << 20  # more than any bundle of roots
-_PEM_LABELS = {"root_certificates": "CERTIFICATE", "certificate_chain": "CERTIFICATE", "private_key": "PRIVATE KEY"}
+_PEM_BEGINS = {  # the PEM blocks gRPC reads for each: certificates, and unencrypted PKCS#8, PKCS#1 or SEC1 keys
+    "root_certificates": ("CERTIFICATE", re.compile(rb"-----BEGIN (TRUSTED )?CERTIFICATE-----\s*$")),
+    "certificate_chain": ("CERTIFICATE", re.compile(rb"-----BEGIN (TRUSTED )?CERTIFICATE-----\s*$")),
+    "private_key": ("PRIVATE KEY", re.compile(rb"-----BEGIN ((RSA|EC) )?PRIVATE KEY-----\s*$")),
+}
 
 
 def is_readable_file(path: str) -> bool:
@@ -92,15 +96,15 @@ class Tls:
     server_name: str | None = None
 
     def __post_init__(self) -> None:
-        for name, label in _PEM_LABELS.items():
+        for name, (label, begin) in _PEM_BEGINS.items():
             path = getattr(self, name)
             if path is None:
                 continue
             if not is_readable_file(path):
                 raise ValueError(f"tls.{name}: no readable file at {path!r}")
             with open(path, "rb") as f:
-                begins = [line for line in f.read(_MAX_PEM_BYTES).splitlines() if line.startswith(b"-----BEGIN ")]
-            if not any(label.encode() in line for line in begins):  # gRPC would say only that it cannot connect
+                found = any(begin.match(line) for line in f.read(_MAX_PEM_BYTES).splitlines())
+            if not found:  # gRPC would say only that it cannot connect
                 raise ValueError(f"tls.{name}: {path!r} holds no PEM {label.lower()} (-----BEGIN ...{label}-----)")
         if self.server_name is not None and not self.server_name.strip():
             raise ValueError("tls.server_name: empty; give the name the server's certificate carries, or None")

@@ -62,6 +62,8 @@ class _Lines:
 
 def run(args: argparse.Namespace) -> int:
     stdin = sys.stdin if sys.stdin is not None else io.StringIO("")  # closed (`<&-`): no lines, as an empty file
+    if isinstance(stdin, io.TextIOWrapper):  # bytes that are not UTF-8 come as lone surrogates, whatever the locale
+        stdin.reconfigure(errors="surrogateescape")
     lines = _Lines(stdin, interactive=stdin.isatty())
     options = generation_options(args)
     check_session_arguments(args)  # a usage error before the server is asked anything

@@ -226,8 +226,8 @@ def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -
 
 
 def _leave_open(session: Session, *, made_up: bool) -> None:
-    """Detach the session; say its id when it was made up here and is open on the server (the only way to go on
-    with it), or that it was not opened (its first request refused or cut short: there is nothing to go on with)."""
+    """Detach the session; say its id when it was made up here and was opened on the server (the only way to go on
+    with it), or that it was not (no request, or its first refused or cut short: there is nothing to go on with)."""
     opened = session.opened
     session.detach()
     if not made_up:
@@ -236,7 +236,7 @@ def _leave_open(session: Session, *, made_up: bool) -> None:
         print(dim(f"[session {session.session_id} is left open: go on with --session-id {session.session_id} "
                   "--continue]"), file=sys.stderr)
     else:
-        print(dim(f"[session {session.session_id} was not opened: its first request did not complete]"),
+        print(dim(f"[session {session.session_id} was not opened on the server: nothing to go on with]"),
               file=sys.stderr)
 
 

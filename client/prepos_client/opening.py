@@ -27,7 +27,8 @@ class Opening:
     held_elsewhere: bool = False
     """The opening was refused as already open: the sequence is another client's."""
     confirmed: bool = False
-    """A request that opened (or reopened) the session was answered: the server holds it for this client."""
+    """A request that opened (or reopened) the session was answered: the server held it for this client (it may
+    have ended it since, a drain keeping its journal)."""
 
     def nothing_to_end(self, num_requests: int) -> bool:
         """Whether no sequence of this client's is open: nothing was sent on a session that is not resumed, or the
@@ -46,7 +47,6 @@ class Opening:
     def reopen(self) -> None:
         """The server does not hold the session: the next request carries START and ``resume``."""
         self.needs_start = self.resume = self.reopening = True
-        self.confirmed = False
 
     def send_again(self, opened_the_session: bool) -> None:
         """A refused request goes again on a new stream: with START, and with ``resume`` unless it was the opening

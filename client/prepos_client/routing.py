@@ -57,7 +57,9 @@ once across a failover too.
 
 A replica that accepts connections but answers nothing (a frozen process, a
 node cut off behind a proxy that still accepts) shows only as calls that time
-out. When a call times out, its replica is asked whether it is ready, with
+out. When a call times out on the client's time limit (not the server's own
+deadline error, which shows the replica answers), its replica is asked whether
+it is ready, each of the check's two calls (server live, model ready) with
 `health_timeout_s` to answer: one that does not answer, or is not ready,
 leaves the ring as an unreachable one does, and the session moves; the call
 raises its `PreposTimeout` all the same (the request may have been accepted
@@ -142,8 +144,9 @@ class RoutedClient:
         min_ring_size, max_ring_size: as the chart's `router.ringHash`.
         readmit_interval_s: how often, at most, a replica that left the ring because it could not be reached or
             was stopping is asked whether it is ready again (when a session is placed); once it is, it rejoins.
-        health_timeout_s: how long a replica has to answer such a check, and the check made when a call times
-            out on it (one that does not answer in time leaves the ring). The placement that asks waits for it.
+        health_timeout_s: how long a replica has to answer each of the two calls of such a check (server live,
+            model ready), and of the check made when a call times out on it (one that does not answer in time
+            leaves the ring). The placement that asks waits for it.
         wait_for_ready: a call whose replica is stopping, restarting or unreachable while no other replica is on
             the ring waits, within its time limit, until that replica is ready again and is sent again then,
             instead of raising (see `Client`); with other replicas on the ring the session moves, as without it.
@@ -211,9 +214,24 @@ class RoutedClient:
         rejoins it first).
 
         Raises:
-            LookupError: no replica is left.
+            LookupError: no replica is left (without `wait_for_ready`; with it, the session's owner among every
+                replica that left the ring is given, for its first call to wait for).
         """
         session_id = check_session_id(session_id)
+        try:
+            return self.owner(session_id)
+        except LookupError:
+            if not self.wait_for_ready:
+                raise
+        # Every replica left the ring: place it as if none had, and its first call waits for its owner.
+        with self._lock:
+            every = HashRing(self._weights, min_ring_size=self._ring.min_ring_size,
+                             max_ring_size=self._ring.max_ring_size)
+        return every.lookup(session_id)
+
+    def owner(self, session_id: str | int) -> str:
+        """The session's owner on the ring as it is (a replica that left the ring and is ready again rejoins it
+        first). Raises LookupError when no replica is on it."""
         self._readmit()
         return self._ring.lookup(session_id)
 
@@ -231,8 +249,11 @@ class RoutedClient:
             self._sessions.add(session)
         return session
 
-    def is_alone(self, replica: str) -> bool:
-        """Whether no replica but `replica` is on the ring (it may have left it itself)."""
+    def is_alone(self, replica: str, *, readmit: bool = False) -> bool:
+        """Whether no replica but `replica` is on the ring (it may have left it itself); with `readmit`, replicas
+        that left the ring are asked first whether they are ready again (at most every `readmit_interval_s`)."""
+        if readmit and set(self._ring.hosts) <= {replica}:
+            self._readmit()
         return set(self._ring.hosts) <= {replica}
 
     def remove_replica(self, replica: str) -> bool:
@@ -306,8 +327,8 @@ class RoutedClient:
                        ", ".join(hosts))
 
     def is_ready(self, replica: str) -> bool:
-        """Whether `replica` reports the model ready within `health_timeout_s` (False: not ready, not reachable,
-        or no answer in time)."""
+        """Whether `replica` reports itself live and the model ready, each call within `health_timeout_s` (False:
+        not ready, not reachable, or no answer in time)."""
         with Client(replica, self.model, timeout_s=self._health_timeout_s, headers=self.headers,
                     tls=self.tls or False) as health:
             return health.is_ready()
@@ -342,6 +363,8 @@ def _why_moves(error: PreposError, answers: Callable[[], bool]) -> tuple[str, bo
     if away is not None:
         return away, True
     if isinstance(error, PreposTimeout):
+        if error.field == "timeout":  # the server's own deadline error: it answers
+            return None
         return None if answers() else ("answers nothing, not even a readiness check", False)
     if isinstance(error, PreposUnavailable):
         return "lost while the request was under way", False
@@ -456,8 +479,9 @@ class RoutedSession:
     def _call_with_session(self, send: Callable[[Session], _T], *, accepted: bool = True) -> tuple[Session, _T]:
         while True:
             session = self._session
-            # Waiting for a replica that is down is for when there is no other to move to.
-            session.wait_for_ready = self.wait_for_ready and self._client.is_alone(session.url)
+            # Waiting for a replica that is down is for when there is no other to move to (one that left the ring
+            # and is ready again counts: it is asked first).
+            session.wait_for_ready = self.wait_for_ready and self._client.is_alone(session.url, readmit=True)
             try:
                 result = send(session)
             except PreposError as error:
@@ -493,7 +517,7 @@ class RoutedSession:
         lost = session.url
         self._client.lose_replica(lost, draining=says_draining(error))
         try:
-            replica = self._client.replica_for(self.session_id)
+            replica = self._client.owner(self.session_id)
         except LookupError:
             raise error from None
         try:

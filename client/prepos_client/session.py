@@ -106,8 +106,9 @@ class Session:
     @property
     def opened(self) -> bool:
         """True once the server has answered a request of this session that opened it (or reopened it), until it
-        was closed or detached, or the server said it no longer holds it. False for a session whose first request
-        was refused, cut short or not sent yet: nothing of it may be open on the server."""
+        was closed or detached (the server may have ended it since, a drain keeping its journal to resume it from).
+        False for a session whose first request was refused, cut short or not sent yet: nothing of it may be open
+        on the server."""
         return self._opening.confirmed and not self._closed
 
     def append(

@@ -395,6 +395,48 @@ def test_with_wait_for_ready_a_session_still_moves_while_another_replica_is_on_t
     assert session.ask("again").text == "again" and session.replica == REPLICAS[1]
 
 
+def test_with_wait_for_ready_a_replica_back_since_is_asked_before_the_session_waits_for_its_own(replicas):
+    """A rolling update with no placement between its steps: the other replica left the ring and came back, but
+    nothing asked it since. The session's replica going down moves the session there, rather than waiting."""
+    client = RoutedClient(REPLICAS[:2], timeout_s=10, wait_for_ready=True, readmit_interval_s=0.01)
+    (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    session = client.session(session_id)
+    session.append("system", role="system")
+    client.lose_replica(REPLICAS[1])  # it restarted meanwhile ...
+    time.sleep(0.05)  # ... and is back, unasked
+    replicas.dead.add(REPLICAS[0])
+    started = time.monotonic()
+    assert session.ask("hello").text == "hello"
+    assert session.replica == REPLICAS[1] and time.monotonic() - started < 5
+    assert replicas.num_ready_checks(REPLICAS[0]) == 0  # not waited for
+
+
+def test_with_wait_for_ready_a_session_placed_while_every_replica_is_away_waits_for_its_owner(replicas):
+    client = RoutedClient(REPLICAS[:1], timeout_s=10, wait_for_ready=True, readmit_interval_s=0.01)
+    client.lose_replica(REPLICAS[0])  # its stream broke, say
+    back_after(replicas, REPLICAS[0], 3)
+    session = client.session("s-0")  # placed though the ring is empty
+    assert session.replica == REPLICAS[0]
+    assert session.ask("hello").text == "hello"
+    gone = RoutedClient(REPLICAS[:1], wait_for_ready=True)
+    gone.remove_replica(REPLICAS[0])  # removed for good: no owner to wait for
+    with pytest.raises(LookupError):
+        gone.session("s-1")
+
+
+def test_the_servers_own_deadline_error_asks_no_readiness_check(replicas):
+    deadline = InferenceServerException(msg="timeout: the request's deadline passed; its turn was not accepted "
+                                            "[DEADLINE_EXCEEDED]")
+    client = RoutedClient(REPLICAS, timeout_s=2)
+    session = client.session("s-0")
+    session.append("system", role="system")
+    replicas.errors[session.replica] = deadline
+    with pytest.raises(PreposTimeout) as raised:
+        session.ask("hello")
+    assert raised.value.field == "timeout"
+    assert replicas.num_ready_checks(session.replica) == 0 and not session.failovers
+
+
 def test_without_wait_for_ready_a_lone_replica_that_is_down_raises_at_once(replicas):
     client = RoutedClient(REPLICAS[:1], timeout_s=10)
     session = client.session("s-0")

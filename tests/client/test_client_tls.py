@@ -20,6 +20,9 @@ def test_tls_names_a_file_it_cannot_read(tmp_path):
     ("root_certificates", "not a certificate at all\n"),
     ("root_certificates", "-----BEGIN PRIVATE KEY-----\nMII=\n-----END PRIVATE KEY-----\n"),  # a key, not roots
     ("private_key", "-----BEGIN CERTIFICATE-----\nMII=\n-----END CERTIFICATE-----\n"),
+    ("certificate_chain", "-----BEGIN CERTIFICATE REQUEST-----\nMII=\n-----END CERTIFICATE REQUEST-----\n"),
+    ("private_key", "-----BEGIN OPENSSH PRIVATE KEY-----\nb3Bl\n-----END OPENSSH PRIVATE KEY-----\n"),
+    ("private_key", "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMII=\n-----END ENCRYPTED PRIVATE KEY-----\n"),
 ])
 def test_tls_names_a_file_that_holds_no_pem_of_its_kind(tmp_path, field, text):
     # gRPC itself would only fail to connect ("cannot reach prepos"), blaming the server.

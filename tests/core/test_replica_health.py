@@ -83,6 +83,26 @@ def test_not_ready_when_triton_does_not_answer(health, triton):
     assert status == 503 and "did not answer" in text
 
 
+def test_not_ready_when_triton_answers_no_http(tmp_path):
+    with socket.socket() as garbage:
+        garbage.bind(("127.0.0.1", 0))
+        garbage.listen()
+
+        def answer_garbage() -> None:
+            connection, _ = garbage.accept()
+            with connection:
+                connection.recv(1024)
+                connection.sendall(b"garbage\r\n\r\n")
+
+        threading.Thread(target=answer_garbage, daemon=True).start()
+        health = ReplicaHealth(0, garbage.getsockname()[1], host="127.0.0.1").start()
+        try:
+            status, text = get(health.port)
+        finally:
+            health.close()
+    assert status == 503 and "did not answer (BadStatusLine" in text
+
+
 def test_a_leaving_file_fails_it_while_triton_is_still_ready(health, tmp_path):
     (tmp_path / "leaving").touch()
     status, text = get(health.port)
