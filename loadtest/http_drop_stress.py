@@ -6,7 +6,7 @@ HTTP requests at once (every other one ``generate_stream``, the rest
 request went out, then, once their answers have run out, one request that must
 be answered (200). Before the bridge's calls into its backend stub went one at
 a time, 3 rounds in under 70 left the stub dead (``malloc(): unaligned fastbin chunk
-detected``) and every later HTTP request refused; since, none in 90.
+detected``) and every later HTTP request refused; since, none in 120.
 
     python loadtest/http_drop_stress.py [--rounds 30] [--clients 16]
 

@@ -36,7 +36,7 @@ IPC = threading.RLock()
 not the BLS call itself, which waits for Triton to take the request, nor the wait for prepos's next response,
 which would hold up every other relay): one at a time. Made from many threads at once, while HTTP clients
 dropped their requests, they corrupted the stub's heap (``malloc(): unaligned fastbin chunk detected``; once
-tritonserver itself aborted): 3 times in under 70 rounds of 16 dropped requests; with the lock, not in 90 rounds
+tritonserver itself aborted): 3 times in under 70 rounds of 16 dropped requests; with the lock, not in 120 rounds
 (``make stress-http``)."""
 log = logging.getLogger("prepos.bridge")
 
@@ -108,33 +108,36 @@ class TritonPythonModel:
                 except StopIteration:
                     break
                 with IPC:
-                    if response.has_error():
-                        error = response.error()
-                        refusal = triton_refusal(error.message())  # None: prepos's own, which prepos counts
-                        if refusal is not None:  # Triton's, before prepos saw it: counted here, its status added
-                            field, status = refusal
-                            self.refusals.refused(field)
-                            if status is not None:
-                                error = triton_error(pb_utils.TritonError, error.message(), status)
-                        sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
-                        return
-                    tensors = response.output_tensors()
-                    # a cancelled client's request still runs to its end; no is_cancelled once the server is gone
-                    if not tensors or not server_alive() or sender.is_cancelled():
-                        continue
-                    outputs = {tensor.name(): tensor.as_numpy() for tensor in tensors}
-                    error = relayed_error(outputs)
-                    if error is not None:  # an error after other responses (prepos.bridge), always the last response
-                        message, status = error
-                        sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError, message,
-                                                                                  status)), flags=FINAL)
-                        return
-                    if target.stream:
-                        unset = absent_outputs(outputs)
-                        sender.send(pb_utils.InferenceResponse(
-                            output_tensors=[t for t in tensors if t.name() not in unset]))
-                    else:
-                        held.append(outputs)
+                    try:
+                        if response.has_error():
+                            error = response.error()
+                            refusal = triton_refusal(error.message())  # None: prepos's own, which prepos counts
+                            if refusal is not None:  # Triton's, before prepos saw it: counted here, its status added
+                                field, status = refusal
+                                self.refusals.refused(field)
+                                if status is not None:
+                                    error = triton_error(pb_utils.TritonError, error.message(), status)
+                            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                            return
+                        tensors = response.output_tensors()
+                        # a cancelled client's request still runs to its end; no is_cancelled once the server is gone
+                        if not tensors or not server_alive() or sender.is_cancelled():
+                            continue
+                        outputs = {tensor.name(): tensor.as_numpy() for tensor in tensors}
+                        error = relayed_error(outputs)
+                        if error is not None:  # an error after other responses (prepos.bridge), always the last
+                            message, status = error
+                            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError, message,
+                                                                                      status)), flags=FINAL)
+                            return
+                        if target.stream:
+                            unset = absent_outputs(outputs)
+                            sender.send(pb_utils.InferenceResponse(
+                                output_tensors=[t for t in tensors if t.name() not in unset]))
+                        else:
+                            held.append(outputs)
+                    finally:  # what the stub made for this response is freed here, under the lock
+                        response = tensors = outputs = None
             if not server_alive():
                 return  # nobody to answer (see server_alive)
             with IPC:
@@ -155,6 +158,9 @@ class TritonPythonModel:
                                                                          f"prepos_http: {err}", Status.INTERNAL)),
                             flags=FINAL)
             self.refusals.refused("request")  # after the answer: the client has one whatever this does
+        finally:  # the stub's objects this relay made (the BLS call's included) are freed under the lock too
+            with IPC:
+                forward = responses = held = inputs = response = tensors = outputs = None
 
     def finalize(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
