@@ -4,12 +4,16 @@ An engine directory holds fp32 safetensors weights, ``config.json``, the
 tokenizer (with its chat template) and ``prepos_engine.json``, which records
 where the engine came from and the chat framing the server uses. It is built
 in a temporary sibling directory and renamed into place, so an interrupted
-build never leaves a directory that looks complete.
+build never leaves a directory that looks complete. Builds of one output take
+turns (a lock file beside it): replicas sharing one volume (the Helm chart's
+init containers on a ReadWriteMany claim) build it once, the others wait and
+reuse it, and none removes another's directory under construction.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import inspect
 import json
@@ -154,24 +158,32 @@ def _step(what: str, heartbeat_s: float = 10.0) -> Iterator[None]:
     log.info("%s: done in %.1f s", what, time.monotonic() - t0)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_leftovers(output: Path) -> None:
-    """Remove temporary directories that interrupted builds of ``output`` left behind."""
+    """Remove temporary directories that interrupted builds of ``output`` left behind. Called holding the build
+    lock: no other build of ``output`` is under way, whichever process (or container: process ids do not tell
+    across them) made them."""
     pattern = re.compile(re.escape(output.name) + r"\.(?:tmp|old)-(\d+)-")
     for p in output.parent.glob(output.name + ".*-*"):
-        m = pattern.match(p.name)
-        if m and p.is_dir() and not _pid_alive(int(m.group(1))):
+        if pattern.match(p.name) and p.is_dir():
             log.info("removing leftover of an interrupted build: %s", p)
             shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _build_lock(output: Path) -> Iterator[None]:
+    """Hold the lock on building ``output`` (``.<name>.lock`` beside it; flock, which NFSv4 and the usual
+    ReadWriteMany file systems carry across machines), waiting for a build under way elsewhere."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output.parent / f".{output.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another build of %s is under way; waiting for it", output)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _replace_dir(new: Path, output: Path) -> None:
@@ -363,6 +375,11 @@ def convert(
 
     if out.resolve() == src.path or out.resolve() in src.path.parents:
         raise ConvertError(f"output {out} must not be or contain the source {src.path}")
+    with _build_lock(out):  # read what is there once a build under way elsewhere has finished
+        return _convert_locked(src, out, fingerprint, force, t0)
+
+
+def _convert_locked(src: Source, out: Path, fingerprint: dict[str, Any], force: bool, t0: float) -> Path:
     existing = read_engine(out)
     if existing is not None and not force and existing.get("source") == fingerprint:
         log.info("reusing engine %s: built from %s, which is unchanged (--force rebuilds)", out, src.describe())
@@ -375,7 +392,6 @@ def convert(
         log.info("engine %s was built from a different or changed source; rebuilding", out)
 
     log.info("building engine %s from %s", out, src.describe())
-    out.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:

@@ -187,6 +187,34 @@ def test_interrupted_build_leaves_no_engine(tiny_checkpoint, tmp_path, monkeypat
     assert _leftovers(tmp_path) == []
 
 
+def test_a_build_waits_for_one_under_way_and_then_reuses_its_engine(tiny_checkpoint, tmp_path):
+    """Replicas sharing a volume (the chart's init containers on a ReadWriteMany claim) build one output once."""
+    import fcntl
+    import threading
+
+    out = tmp_path / "engines" / "tiny"
+    out.parent.mkdir(parents=True)
+    built: list = []
+    with open(out.parent / ".tiny.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another replica's build under way
+        waiting = threading.Thread(target=lambda: built.append(convert(tiny_checkpoint, out)))
+        waiting.start()
+        waiting.join(2.0)
+        assert waiting.is_alive() and not out.exists()  # it waits; it does not build beside the other
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiting.join(120)
+    assert built == [out.absolute()] and (out / ENGINE_FILE).is_file()
+
+
+def test_leftovers_are_removed_whatever_process_id_they_name(tiny_checkpoint, tmp_path):
+    # Process ids do not tell across containers: another pod's dead build may name a pid alive here.
+    out = tmp_path / "out"
+    leftover = tmp_path / f"out.tmp-{os.getpid()}-abc"
+    leftover.mkdir()
+    convert(tiny_checkpoint, out)
+    assert _leftovers(tmp_path) == [] and (out / ENGINE_FILE).is_file()
+
+
 def test_missing_source(tmp_path):
     with pytest.raises(ConvertError, match="source not found"):
         convert(tmp_path / "nope", tmp_path / "out")
