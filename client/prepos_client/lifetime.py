@@ -1,5 +1,6 @@
 """What becomes of sessions a program leaves open: closed at interpreter exit, or, when dropped without close
-or detach, their connection closed on a thread of their own."""
+or detach, their connection closed on a thread of their own; and of an END a call stopped waiting for, which is
+left to reach the server."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 
 from .channel import stop_stream
@@ -55,6 +57,28 @@ def _close_abandoned() -> None:
         except Exception:  # the connection is dropped either way
             logger.debug("closing the connection of a dropped session failed", exc_info=True)
         del triton  # its finalizer, now with nothing to join, runs here
+
+
+END_FINISH_S = 30.0
+"""How long an END whose call ran out of its time limit is left to be answered before its stream is cancelled."""
+
+
+def finish_then_close(triton, router, wait_s: float = END_FINISH_S) -> None:
+    """Stop ``triton``'s stream once ``router`` has no request pending (at most ``wait_s``; what is still pending
+    then is cancelled) and close the connection, on a thread of its own. For an END its call stopped waiting for:
+    cancelled, it would not reach the server, and Triton would keep the session's sequence open (its id refused as
+    already open) until the idle timeout; sent, it ends the sequence whatever the server answers."""
+    def finish() -> None:
+        deadline = time.monotonic() + wait_s
+        while router.num_pending and router.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            stop_stream(triton, cancel_requests=router.failure is None and router.num_pending > 0)
+            triton.close()
+        except Exception:  # the connection is dropped either way
+            logger.debug("closing the connection of an ended session failed", exc_info=True)
+
+    threading.Thread(target=finish, name="prepos-session-end", daemon=True).start()
 
 
 def _start_closer() -> None:

@@ -14,7 +14,7 @@ from .channel import Tls, stop_stream, triton_client, wait_until_ready
 from .deadlines import check_timeout, server_timeout_us
 from .errors import PreposError, PreposTimeout, from_triton
 from .inflight import Inflight, final_delivery, next_delivery, record_delivered_outcome, record_late_outcome
-from .lifetime import close_when_dropped, streaming_sessions
+from .lifetime import close_when_dropped, finish_then_close, streaming_sessions
 from .opening import Opening
 from .protocol import (Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk,
                        resume_input)
@@ -379,8 +379,9 @@ class Session:
                     outcome = "; whether its turn was accepted is not known yet (settle() finds out)"
                 else:
                     # Triton ends the sequence at an END request whatever becomes of the request: the session is
-                    # over on the server, and a later request without START would be refused.
-                    self._release()
+                    # over on the server once the END reaches it (not cancelled: left to finish), and a later
+                    # request without START would be refused.
+                    self._release(finish_pending=True)
                     outcome = f"; {_ENDED_ANYWAY} (whether its turn was accepted is unknown)"
                 inflight.timed_out = PreposTimeout(
                     f"session {self.session_id}: no complete response to request "
@@ -533,12 +534,20 @@ class Session:
         # out; cancel those instead.
         stop_stream(self._triton, cancel_requests=router.failure is None and router.num_pending > 0)
 
-    def _release(self) -> None:
+    def _release(self, *, finish_pending: bool = False) -> None:
+        """Close the session here. ``finish_pending``: the stream's pending requests (an END the call stopped
+        waiting for) are left to be answered, on a thread of their own (``lifetime.finish_then_close``), rather than
+        cancelled."""
         self._closed = True
         for inflight in self._unsettled:
             record_delivered_outcome(inflight, self.session_id)
         self._unsettled = []
         streaming_sessions.discard(self)
+        if finish_pending and self._router is not None:
+            router, self._router = self._router, None
+            self._dropped.detach()
+            finish_then_close(self._triton, router)
+            return
         try:
             self._stop_stream()
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 import pytest
@@ -453,11 +454,20 @@ def test_closing_after_a_timed_out_opening_that_also_ended_sends_nothing_more(fa
 
 def test_a_timed_out_request_that_carried_end_leaves_the_session_closed(fake_triton):
     session = open_session(session_id="s", timeout_s=0.05)
-    fake_triton[0].responder = SessionRules()  # holds the SLOW request: no response within the time limit
+    rules = SessionRules()  # holds the SLOW request: no response within the time limit
+    fake_triton[0].responder = rules
     session.append("context")
     with pytest.raises(PreposTimeout, match="carried END, so the session is closed"):
         session.ask("SLOW", end=True)
-    assert session.closed and fake_triton[0].closed
+    # The END is not cancelled: cancelled, it would not reach the server, and the session's sequence would stay
+    # open there (its id refused as already open) until the idle timeout. Its stream ends once it is answered.
+    assert session.closed and not fake_triton[0].closed and fake_triton[0].stop_calls == []
+    rules.finish_held(fake_triton[0], accepted=False)  # the server's deadline error: the END ended it all the same
+    deadline = time.monotonic() + 5
+    while not fake_triton[0].closed:
+        assert time.monotonic() < deadline, "the stream was not closed once the END was answered"
+        time.sleep(0.01)
+    assert fake_triton[0].stop_calls == [False] and "s" not in rules.open_ids
     with pytest.raises(PreposError, match="session s is closed"):
         session.ask("again")  # not sent without START, which the ended sequence would refuse
     assert session.close() is None
