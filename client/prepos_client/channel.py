@@ -65,6 +65,22 @@ def check_url(url: str) -> str:
     return url
 
 
+def check_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """``headers`` as a dict, if every name and value is a str (gRPC would refuse another at the first call).
+
+    Raises:
+        TypeError: not a mapping, or a name or value that is not a str (named).
+    """
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise TypeError(f"headers: expected a mapping of str to str, got {type(headers).__name__}")
+    for name, value in headers.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError(f"headers: {name!r}: expected str names and values, got {value!r}")
+    return dict(headers)
+
+
 _MAX_PEM_BYTES = 16 << 20  # more than any bundle of roots
 _PEM_BEGINS = {  # the PEM blocks gRPC reads for each: certificates, and unencrypted PKCS#8, PKCS#1 or SEC1 keys
     "root_certificates": ("CERTIFICATE", re.compile(rb"-----BEGIN (TRUSTED )?CERTIFICATE-----\s*$")),

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from .channel import Tls, check_url, tls_of, triton_client
+from .channel import Tls, check_headers, check_url, tls_of, triton_client
 from .errors import PreposError, PreposTimeout, PreposUnavailable, from_triton
 from .deadlines import check_timeout
 from .session import Session
@@ -60,7 +60,7 @@ class Client:
         self.tls = tls_of(tls)
         self.model = model
         self.timeout_s = check_timeout(timeout_s)
-        self.headers = dict(headers or {})
+        self.headers = check_headers(headers)
         if token:
             self.headers[GRPC_ACCESS_TOKEN_HEADER] = token
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()

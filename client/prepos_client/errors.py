@@ -86,8 +86,8 @@ class PreposTimeout(PreposError, TimeoutError):
         accepted: whether the request's turn was accepted: False when the
             server stopped it (or it was never sent), True when its final
             response came after the client gave up, None while that is not
-            known (or cannot be: the stream ended, or the request carried END
-            and the session was closed with it).
+            known (or cannot be: the stream ended, or the client's own limit
+            ran out on a request that carried END, which closed the session).
     """
 
     def __init__(self, message: str, *, field: str | None = None, status: str | None = None,

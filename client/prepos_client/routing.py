@@ -86,11 +86,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .channel import Tls, tls_of
+from .channel import Tls, check_headers, check_url, tls_of
 from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER, Client
 from .deadlines import check_timeout
 from .errors import PreposError, PreposTimeout, PreposUnavailable
-from .protocol import Answer, Chunk, Update
+from .protocol import Answer, Chunk, Update, is_number
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
 from .refusals import says_draining, server_away
 from .session import Session
@@ -179,15 +179,18 @@ class RoutedClient:
         self.wait_for_ready = bool(wait_for_ready)
         self.tls = tls_of(tls)
         self.timeout_s = check_timeout(timeout_s)
-        self.headers = dict(headers or {})
+        self.headers = check_headers(headers)
         if token:
             self.headers[GRPC_ACCESS_TOKEN_HEADER] = token
+        for replica in replicas:
+            if isinstance(replica, str):  # gRPC would wrap a port past 65535 onto another one
+                check_url(replica)
         self._ring = HashRing(replicas, min_ring_size=min_ring_size, max_ring_size=max_ring_size)
         if not self._ring.hosts:
             raise ValueError("replicas: at least one replica is needed")
-        if not readmit_interval_s > 0:
-            raise ValueError(f"readmit_interval_s: expected seconds > 0, got {readmit_interval_s!r}")
-        self._readmit_interval_s = float(readmit_interval_s)
+        self._readmit_interval_s = check_timeout(readmit_interval_s, "readmit_interval_s")
+        if not is_number(drain_readmit_after_s):
+            raise TypeError(f"drain_readmit_after_s: expected seconds as a number, got {drain_readmit_after_s!r}")
         if not drain_readmit_after_s >= 0:
             raise ValueError(f"drain_readmit_after_s: expected seconds >= 0, got {drain_readmit_after_s!r}")
         self._drain_readmit_after_s = float(drain_readmit_after_s)
@@ -266,6 +269,7 @@ class RoutedClient:
 
     def add_replica(self, replica: str, weight: int = 1) -> None:
         """Put `replica` on the ring (last in host order) with `weight`, for sessions opened from now on."""
+        check_url(replica)
         with self._lock:
             self._weights[replica] = weight
             self._left.pop(replica, None)

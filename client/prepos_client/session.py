@@ -54,7 +54,9 @@ class Session:
     sent twice. Without it (the default) the call raises the refusal at once.
 
     A Session is meant for one thread at a time. Close or detach it when
-    done; one still open when the interpreter exits is closed then.
+    done; one still open when the interpreter exits is closed then (one
+    dropped before, garbage-collected, stays open on the server until its idle
+    timeout, as a detached one).
 
     When a call's own time limit runs out before the server's answer comes,
     the client cannot know yet whether the request's turn was accepted: the
@@ -395,8 +397,7 @@ class Session:
                     continue
                 error = self._settle(inflight, delivery.error) or delivery.error
                 if isinstance(error, PreposTimeout) and inflight.closes_session:  # stopped at the server's deadline
-                    raise PreposTimeout(f"{error.message}; {_ENDED_ANYWAY}", field=error.field, status=error.status,
-                                        code=error.code)
+                    raise error.reworded(f"{error.message}; {_ENDED_ANYWAY}")  # accepted: False, as the server said
                 raise error
             chunk = parse_chunk(
                 delivery.result,
@@ -521,6 +522,9 @@ class Session:
         try:
             self._triton.start_stream(callback=router.on_response, headers=self._headers)
         except InferenceServerException as error:
+            if "cannot start another stream" in (error.message() or ""):  # two threads opened it at once
+                raise PreposError(f"session {self.session_id}: used from two threads at once; a Session is for "
+                                  "one thread at a time (another call is opening its stream)") from None
             raise from_triton(error) from None
         self._router = router
         streaming_sessions.add(self)

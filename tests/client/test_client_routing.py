@@ -576,3 +576,20 @@ def test_a_drain_readmit_allowance_that_is_negative_is_refused(allowance):
 def test_a_bad_timeout_is_refused_when_the_client_is_made(timeout_s):
     with pytest.raises((ValueError, TypeError), match="timeout_s"):
         RoutedClient(REPLICAS, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize(("options", "named"), [({"readmit_interval_s": "x"}, "readmit_interval_s"),
+                                                ({"drain_readmit_after_s": "x"}, "drain_readmit_after_s"),
+                                                ({"headers": {"x-a": 5}}, "headers: 'x-a'")])
+def test_a_knob_of_the_wrong_type_is_refused_naming_it(options, named):
+    with pytest.raises(TypeError, match=named):
+        RoutedClient(REPLICAS, **options)
+
+
+@pytest.mark.parametrize("replicas", [["127.0.0.1:84437"], {"127.0.0.1:8001": 1, "127.0.0.1:0": 1}])
+def test_a_replica_whose_port_grpc_would_wrap_is_refused(replicas):
+    # 84437 is 18901 + 65536: gRPC would have talked to port 18901.
+    with pytest.raises(ValueError, match="not in 1-65535"):
+        RoutedClient(replicas)
+    with pytest.raises(ValueError, match="not in 1-65535"):
+        RoutedClient(REPLICAS).add_replica("127.0.0.1:70000")

@@ -709,3 +709,28 @@ def test_pipelined_requests_refused_as_not_open_leave_the_reopening_to_the_next_
     assert [r.sequence_start for r in fake_triton[0].requests] == [True, False, False, True]
 
 
+
+
+def test_the_servers_deadline_error_for_a_request_that_carried_end_says_it_was_not_accepted(fake_triton):
+    session = open_session(session_id="s")
+    deadline = InferenceServerException(msg="timeout: the request's deadline passed before it finished; its turn "
+                                            "was not accepted [DEADLINE_EXCEEDED]")
+    fake_triton[0].responder = lambda request: [deadline] if request.sequence_end else echo_responder(request)
+    session.append("context")
+    with pytest.raises(PreposTimeout, match="carried END, so the session is closed") as raised:
+        session.ask("hi", end=True)
+    assert raised.value.accepted is False and raised.value.field == "timeout" and session.closed
+
+
+def test_headers_that_are_not_strings_are_refused_naming_them():
+    with pytest.raises(TypeError, match="headers: 'x-a': expected str names and values"):
+        Client("127.0.0.1:9", headers={"x-a": 5})
+
+
+def test_a_session_opened_from_two_threads_at_once_says_so(fake_triton):
+    session = open_session(session_id="s")
+    fake_triton[0].start_stream = lambda **kwargs: (_ for _ in ()).throw(InferenceServerException(
+        msg="cannot start another stream with one already running. 'InferenceServerClient' supports only a "
+            "single active stream at a given time."))
+    with pytest.raises(PreposError, match="session s: used from two threads at once; a Session is for one thread"):
+        session.ask("hi")
