@@ -6,6 +6,7 @@ import logging
 import math
 import queue
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from .errors import PreposError, PreposTimeout
@@ -29,10 +30,32 @@ class Inflight:
     sent_again: tuple[str, ...] = ()  # why it (as an earlier request) was sent again already (see _send_again)
     waits: int = 0  # how many times its call waited for the server to be ready again (see _send_again)
     alone: bool = False  # no other request of the session was in flight when it was sent
+    read_ahead: deque = field(default_factory=deque)  # deliveries taken early (Session._await_opening), in order
+    settled_as: tuple | None = None  # (error to raise) once its outcome was recorded ahead of its caller
 
 
-def next_delivery(deliveries: queue.SimpleQueue, deadline: float):
-    """The next delivery, waiting until `deadline` (perf_counter time); raises queue.Empty after it."""
+def next_delivery(inflight: Inflight, deadline: float):
+    """The request's next delivery (one read ahead first), waiting until `deadline` (perf_counter time); raises
+    queue.Empty after it."""
+    if inflight.read_ahead:
+        return inflight.read_ahead.popleft()
+    return _next_queued(inflight.deliveries, deadline)
+
+
+def read_ahead_to_final(inflight: Inflight, deadline: float):
+    """The request's final delivery (its final response or error), keeping every delivery taken for its caller to
+    read in order; waits until `deadline`, raising queue.Empty after it (what was taken is kept)."""
+    for delivery in inflight.read_ahead:
+        if delivery.error is not None or is_final_response(delivery.result):
+            return delivery
+    while True:
+        delivery = _next_queued(inflight.deliveries, deadline)
+        inflight.read_ahead.append(delivery)
+        if delivery.error is not None or is_final_response(delivery.result):
+            return delivery
+
+
+def _next_queued(deliveries: queue.SimpleQueue, deadline: float):
     if deadline == math.inf:
         return deliveries.get()  # an infinite timeout overflows the queue's clock
     return deliveries.get(timeout=max(0.0, deadline - time.perf_counter()))
@@ -43,7 +66,7 @@ def final_delivery(inflight: Inflight, deadline: float):
     (perf_counter time); raises queue.Empty after it. Chunks before the last one decide nothing: only the final
     response accepts the turn."""
     while True:
-        delivery = next_delivery(inflight.deliveries, deadline)
+        delivery = next_delivery(inflight, deadline)
         if delivery.error is not None or is_final_response(delivery.result):
             return delivery
 

@@ -13,7 +13,8 @@ from tritonclient.utils import InferenceServerException
 from .channel import Tls, stop_stream, triton_client, wait_until_ready
 from .deadlines import check_timeout, server_timeout_us
 from .errors import PreposError, PreposTimeout, from_triton
-from .inflight import Inflight, final_delivery, next_delivery, record_delivered_outcome, record_late_outcome
+from .inflight import (Inflight, final_delivery, next_delivery, read_ahead_to_final, record_delivered_outcome,
+                       record_late_outcome)
 from .lifetime import close_when_dropped, finish_then_close, streaming_sessions
 from .opening import Opening
 from .protocol import (Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk,
@@ -52,6 +53,11 @@ class Session:
     session from its journal): a restart of the server costs the calls made
     meanwhile only time. Such a refusal changed nothing, so the turn is never
     sent twice. Without it (the default) the call raises the refusal at once.
+
+    A request sent behind the one that was to open the session, before that
+    one's answer was read (a `generate` not iterated yet), first waits, within
+    its own time limit, for that answer (kept for its caller), so that it
+    carries START again if the opening was refused.
 
     A Session is meant for one thread at a time. Close or detach it when
     done; one still open when the interpreter exits is closed then (one
@@ -94,6 +100,7 @@ class Session:
         self._opening = Opening(resume=resume)
         self._unsettled: list[Inflight] = []  # requests the caller gave up on, whose outcome is still to come
         self._ending: Inflight | None = None  # a request carrying END whose outcome is still to be recorded
+        self._opening_sent: Inflight | None = None  # a request carrying START whose outcome is still to be recorded
         self._closed = False
         self._num_requests = 0
         self._router: ResponseRouter | None = None
@@ -324,6 +331,8 @@ class Session:
         if self._ending is not None:  # Triton ended the sequence at that END: it would refuse this request
             raise PreposError(f"session {self.session_id} is closing: request {self._ending.request_id} carried END "
                               "and its answer is still to come; nothing was sent")
+        if self._opening_sent is not None and self._opening_sent.timed_out is None:
+            self._await_opening(self._opening_sent, timeout_s, deadline)
         if settled and time.perf_counter() >= deadline:
             raise PreposTimeout(f"session {self.session_id}: no time left within {timeout_s:g} s after waiting for "
                                 "the outcome of a request that timed out; nothing was sent", accepted=False)
@@ -365,13 +374,32 @@ class Session:
                                 alone=alone, waits=waits)
             if end:
                 self._ending = inflight
+            if opens_session:
+                self._opening_sent = inflight
             return inflight
+
+    def _await_opening(self, opening: Inflight, timeout_s: float, deadline: float) -> None:
+        """Before a request goes out behind the one that was to open the session, whose caller has not read its
+        answer yet: wait, until ``deadline``, for that answer (kept for its caller) and record it, so that this
+        request carries START again if the opening was refused (without, it would be refused as not open, and
+        reopening a session that never opened finds no journal). A refusal the opening's own call sends again
+        (a draining or restarting server) is left to it, as before."""
+        try:
+            delivery = read_ahead_to_final(opening, deadline)
+        except queue.Empty:
+            raise PreposTimeout(f"session {self.session_id}: request {opening.request_id}, which was to open the "
+                                f"session, has not been answered within {timeout_s:g} s; nothing was sent",
+                                accepted=False) from None
+        if delivery.error is not None and send_again_as(delivery.error, opening,
+                                                        wait_for_ready=self.wait_for_ready) is not None:
+            return
+        opening.settled_as = (self._settle(opening, delivery.error),)
 
     def _receive(self, inflight: Inflight, timeout_s: float) -> Iterator[Chunk]:
         decoder = new_text_decoder()
         while True:
             try:
-                delivery = next_delivery(inflight.deliveries, inflight.deadline)
+                delivery = next_delivery(inflight, inflight.deadline)
             except queue.Empty:
                 if inflight.opens_session or not inflight.closes_session:
                     # Its outcome (the server's deadline error, or a final response already on its way) is still
@@ -391,7 +419,9 @@ class Session:
                 )
                 raise inflight.timed_out from None
             if delivery.error is not None:
-                again = self._send_again(inflight, delivery.error)
+                if inflight is self._opening_sent:  # its caller has its answer: this call deals with it
+                    self._opening_sent = None
+                again = self._send_again(inflight, delivery.error) if inflight.settled_as is None else None
                 if again is not None:
                     inflight = again
                     continue
@@ -451,7 +481,12 @@ class Session:
 
     def _settle(self, inflight: Inflight, error: PreposError | None) -> PreposError | None:
         """Update the session's state for the outcome of a request: its final response (``error`` None) or error.
-        Returns the error to raise in place of ``error``, if another."""
+        Returns the error to raise in place of ``error``, if another. Once only: a request whose outcome was
+        recorded ahead of its caller (``_await_opening``) gets what was returned then."""
+        if inflight.settled_as is not None:
+            return inflight.settled_as[0]
+        if inflight is self._opening_sent:
+            self._opening_sent = None
         if inflight is self._ending:
             self._ending = None
         if error is None:

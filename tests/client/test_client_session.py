@@ -734,3 +734,33 @@ def test_a_session_opened_from_two_threads_at_once_says_so(fake_triton):
             "single active stream at a given time."))
     with pytest.raises(PreposError, match="session s: used from two threads at once; a Session is for one thread"):
         session.ask("hi")
+
+
+def test_a_request_sent_behind_an_unread_refused_opening_opens_the_session(fake_triton):
+    """The opening's refusal is not read yet when the next call sends: that request must carry START (it went
+    without one, was refused as not open, and its reopening found no journal: the session was lost)."""
+    rules = SessionRules()
+
+    def respond(request):
+        if "choices" in request.inputs:  # the server refuses the whole request, its START too
+            return [InferenceServerException(msg="choices: duplicate entries [INVALID_ARGUMENT]")]
+        return rules(request)
+
+    session = open_session(session_id="s")
+    fake_triton[0].responder = respond
+    refused = session.generate("Pick one.", choices=["yes", "yes"])  # sent, its answer not read
+    assert session.ask("Hello!").text == "Hello!"
+    with pytest.raises(PreposError, match="duplicate entries"):
+        list(refused)
+    assert session.ask("again").text == "again"
+    assert [r.sequence_start for r in fake_triton[0].requests] == [True, True, False]
+    assert rules.accepted == ["Hello!", "again"]
+
+
+def test_a_request_sent_behind_an_unread_accepted_opening_goes_without_start(fake_triton):
+    session = open_session(session_id="s")
+    fake_triton[0].responder = SessionRules()
+    first = session.generate("Hello!")  # sent, its answer not read
+    assert session.ask("again").text == "again"
+    assert [c.text for c in first] == ["Hello!"]
+    assert [r.sequence_start for r in fake_triton[0].requests] == [True, False]
