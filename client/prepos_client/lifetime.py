@@ -81,6 +81,19 @@ def finish_then_close(triton, router, wait_s: float = END_FINISH_S) -> None:
     threading.Thread(target=finish, name="prepos-session-end", daemon=True).start()
 
 
+def close_on_exit(session, exc_type) -> None:
+    """A session's ``__exit__``: close it. Leaving on an error, END is tried once (not waited for, whatever
+    ``wait_for_ready``) and a failure to close is logged, the error that is leaving raised instead."""
+    if exc_type is not None:
+        session.wait_for_ready = False
+    try:
+        session.close()
+    except PreposError:
+        if exc_type is None:
+            raise
+        logger.warning("closing session %s failed", session.session_id, exc_info=True)
+
+
 def _start_closer() -> None:
     global _closer
     with _closer_started:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 from .errors import PreposError, PreposTimeout, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .refusals import says_draining, server_away
+from .lifetime import close_on_exit
 from .session import Session
 from .session_ids import check_session_id
 
@@ -135,14 +136,7 @@ class RoutedSession:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        if exc_type is not None:
-            self.wait_for_ready = False  # leaving on an error: END is tried once, not waited for
-        try:
-            self.close()
-        except PreposError:
-            if exc_type is None:
-                raise
-            logger.warning("closing session %s failed", self.session_id, exc_info=True)
+        close_on_exit(self, exc_type)
 
     def __repr__(self) -> str:
         return f"RoutedSession({self.session_id!r}, replica={self.replica!r}, failovers={len(self.failovers)})"

@@ -15,7 +15,7 @@ from .deadlines import check_timeout, server_timeout_us
 from .errors import PreposError, PreposTimeout, from_triton
 from .inflight import (Inflight, final_delivery, next_delivery, read_ahead_to_final, record_delivered_outcome,
                        record_late_outcome)
-from .lifetime import close_when_dropped, finish_then_close, streaming_sessions
+from .lifetime import close_on_exit, close_when_dropped, finish_then_close, streaming_sessions
 from .opening import Opening
 from .protocol import (Answer, Chunk, Update, build_inputs, new_text_decoder, parse_chunk,
                        resume_input)
@@ -301,14 +301,7 @@ class Session:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        if exc_type is not None:
-            self.wait_for_ready = False  # leaving on an error: END is tried once, not waited for
-        try:
-            self.close()
-        except PreposError:
-            if exc_type is None:
-                raise
-            logger.warning("closing session %s failed", self.session_id, exc_info=True)
+        close_on_exit(self, exc_type)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
