@@ -325,7 +325,10 @@ class Session:
             raise PreposError(f"session {self.session_id} is closing: request {self._ending.request_id} carried END "
                               "and its answer is still to come; nothing was sent")
         if self._opening_sent is not None and self._opening_sent.timed_out is None:
-            self._await_opening(self._opening_sent, timeout_s, deadline)
+            refused = self._await_opening(self._opening_sent, timeout_s, deadline)
+            if self._closed:  # the opening's answer closed it (a resume that found no journal)
+                raise PreposError(f"session {self.session_id} is closed: the request that was to open it was "
+                                  f"refused ({refused}); nothing was sent")
         if settled and time.perf_counter() >= deadline:
             raise PreposTimeout(f"session {self.session_id}: no time left within {timeout_s:g} s after waiting for "
                                 "the outcome of a request that timed out; nothing was sent", accepted=False)
@@ -371,12 +374,12 @@ class Session:
                 self._opening_sent = inflight
             return inflight
 
-    def _await_opening(self, opening: Inflight, timeout_s: float, deadline: float) -> None:
+    def _await_opening(self, opening: Inflight, timeout_s: float, deadline: float) -> PreposError | None:
         """Before a request goes out behind the one that was to open the session, whose caller has not read its
         answer yet: wait, until ``deadline``, for that answer (kept for its caller) and record it, so that this
         request carries START again if the opening was refused (without, it would be refused as not open, and
         reopening a session that never opened finds no journal). A refusal the opening's own call sends again
-        (a draining or restarting server) is left to it, as before."""
+        (a draining or restarting server) is left to it, as before. Returns the opening's error, if any."""
         try:
             delivery = read_ahead_to_final(opening, deadline)
         except queue.Empty:
@@ -385,8 +388,9 @@ class Session:
                                 accepted=False) from None
         if delivery.error is not None and send_again_as(delivery.error, opening,
                                                         wait_for_ready=self.wait_for_ready) is not None:
-            return
+            return None
         opening.settled_as = (self._settle(opening, delivery.error),)
+        return opening.settled_as[0] or delivery.error
 
     def _receive(self, inflight: Inflight, timeout_s: float) -> Iterator[Chunk]:
         decoder = new_text_decoder()

@@ -764,3 +764,15 @@ def test_a_request_sent_behind_an_unread_accepted_opening_goes_without_start(fak
     assert session.ask("again").text == "again"
     assert [c.text for c in first] == ["Hello!"]
     assert [r.sequence_start for r in fake_triton[0].requests] == [True, False]
+
+
+def test_a_request_behind_an_unread_resume_that_found_no_journal_resumes_again(fake_triton):
+    session = open_session(session_id="s", resume=True)
+    fake_triton[0].responder = lambda request: [InferenceServerException(msg=NO_JOURNAL + " [NOT_FOUND]")]
+    resumed = session.generate("hi")  # sent, its answer not read
+    with pytest.raises(PreposError, match="no journal") as refused:
+        session.ask("again")
+    assert refused.value.field == "resume"
+    assert [(r.sequence_start, r.inputs["resume"].tolist()) for r in fake_triton[0].requests] == [(True, [True])] * 2
+    with pytest.raises(PreposError, match="no journal"):
+        list(resumed)
