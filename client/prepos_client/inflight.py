@@ -46,12 +46,12 @@ def read_ahead_to_final(inflight: Inflight, deadline: float):
     """The request's final delivery (its final response or error), keeping every delivery taken for its caller to
     read in order; waits until `deadline`, raising queue.Empty after it (what was taken is kept)."""
     for delivery in inflight.read_ahead:
-        if delivery.error is not None or is_final_response(delivery.result):
+        if _decides(delivery):
             return delivery
     while True:
         delivery = _next_queued(inflight.deliveries, deadline)
         inflight.read_ahead.append(delivery)
-        if delivery.error is not None or is_final_response(delivery.result):
+        if _decides(delivery):
             return delivery
 
 
@@ -67,8 +67,13 @@ def final_delivery(inflight: Inflight, deadline: float):
     response accepts the turn."""
     while True:
         delivery = next_delivery(inflight, deadline)
-        if delivery.error is not None or is_final_response(delivery.result):
+        if _decides(delivery):
             return delivery
+
+
+def _decides(delivery) -> bool:
+    """Whether a delivery decides its request: an error, or the final response."""
+    return delivery.error is not None or is_final_response(delivery.result)
 
 
 def record_late_outcome(inflight: Inflight, error: PreposError | None, session_id: str) -> None:

@@ -158,10 +158,7 @@ class RoutedSession:
             try:
                 result = send(session)
             except PreposError as error:
-                moves = _why_moves(error, lambda: self._client.is_ready(session.url))
-                if moves is None:
-                    raise
-                self._fail_over(session, error, moves)
+                self._move_or_raise(session, error)
                 continue
             self._opened = self._opened or accepted
             return session, result
@@ -172,16 +169,21 @@ class RoutedSession:
             try:
                 first = next(chunks)
             except PreposError as error:
-                moves = _why_moves(error, lambda: self._client.is_ready(session.url))
-                if moves is None:
-                    raise
-                self._fail_over(session, error, moves)
+                self._move_or_raise(session, error)
                 session, chunks = self._call_with_session(send, accepted=False)
                 continue
             break
         self._opened = True
         yield first
         yield from chunks
+
+    def _move_or_raise(self, session: Session, error: PreposError) -> None:
+        """Move the session off `session`'s replica for `error` (see `_why_moves`), or raise `error` when it does not
+        move the session; returns when the request is to be sent again on the new owner."""
+        moves = _why_moves(error, lambda: self._client.is_ready(session.url))
+        if moves is None:
+            raise error
+        self._fail_over(session, error, moves)
 
     def _fail_over(self, session: Session, error: PreposError, moves: tuple[str, bool]) -> None:
         """Move the session off `session`'s replica; raise `error` when its request is not to be sent again, or

@@ -214,8 +214,7 @@ class RoutedClient:
                 raise
         # Every replica left the ring: place it as if none had, and its first call waits for its owner.
         with self._lock:
-            every = HashRing(self._weights, min_ring_size=self._ring.min_ring_size,
-                             max_ring_size=self._ring.max_ring_size)
+            every = self._ring_of(self._weights)
         return every.lookup(session_id)
 
     def owner(self, session_id: str | int) -> str:
@@ -286,8 +285,12 @@ class RoutedClient:
         """Make the ring over every replica given or added that has not left, in that order; returns its hosts.
         Callers hold the lock."""
         live = {replica: weight for replica, weight in self._weights.items() if replica not in self._left}
-        self._ring = HashRing(live, min_ring_size=self._ring.min_ring_size, max_ring_size=self._ring.max_ring_size)
+        self._ring = self._ring_of(live)
         return self._ring.hosts
+
+    def _ring_of(self, weights: Mapping[str, int]) -> HashRing:
+        """A ring over `weights` with this client's ring sizes."""
+        return HashRing(weights, min_ring_size=self._ring.min_ring_size, max_ring_size=self._ring.max_ring_size)
 
     def _readmit(self) -> None:
         """Ask each replica that left the ring, and was not asked within ``readmit_interval_s``, whether it is
