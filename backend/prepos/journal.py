@@ -85,6 +85,12 @@ class RecoveredSession:
     dropped_tail_bytes: int  # bytes cut off the end of the file (a torn or corrupt tail); 0 when clean
 
 
+CHANGED = "changed"
+"""A journal another server reopened, wrote or replaced since this one last did (``change_elsewhere``)."""
+DELETED = "deleted"
+"""A journal another server deleted since this one last wrote or read it (``change_elsewhere``)."""
+
+
 class UnusableJournal(ValueError):
     """A session's journal that exists but cannot reopen it (bad magic or header, or another session's): the text
     says what is wrong."""
@@ -201,36 +207,33 @@ class SessionJournal:
         path.unlink(missing_ok=True)
         return True
 
-    def changed_elsewhere(self, session_id: str | int) -> bool:
-        """Whether another server has reopened, written, replaced or deleted the session's journal since this one
-        last wrote or read it (replicas sharing the directory): this server's copy of the session is then stale.
-        False when this server has no note of it, or the journal cannot be looked at."""
+    def change_elsewhere(self, session_id: str | int) -> str | None:
+        """What another server did to the session's journal since this one last wrote or read it (replicas sharing
+        the directory), one ``stat``: :data:`CHANGED` (reopened, written or replaced: it holds the session now) or
+        :data:`DELETED` (an END or its idle timeout there: the session is over), either of which makes this
+        server's copy of the session stale; None when nothing was done to it, this server has no note of it, or it
+        cannot be looked at (a failing file system, or its directory gone too: a volume that went away tells
+        nothing of the session)."""
         path = self.path(session_id)
         left_as = self._left_as.get(path)
         if left_as is None:
-            return False
+            return None
         try:
-            return _identity(path.stat()) != left_as
+            return CHANGED if _identity(path.stat()) != left_as else None
         except FileNotFoundError:
-            return self.ended_elsewhere(session_id)
-        except OSError:  # a failing file system: nothing tells of another server's write
-            return False
+            return DELETED if self.directory.is_dir() else None
+        except OSError:
+            return None
+
+    def changed_elsewhere(self, session_id: str | int) -> bool:
+        """Whether another server has reopened, written, replaced or deleted the session's journal since this one
+        last wrote or read it (:meth:`change_elsewhere`): this server's copy of the session is then stale."""
+        return self.change_elsewhere(session_id) is not None
 
     def ended_elsewhere(self, session_id: str | int) -> bool:
-        """Whether the session's journal, which this server wrote or read, was deleted since by another server (an
-        END sent there, or its idle timeout there): the session is over, and this server's copy of it stale. False
-        when this server has no note of it, the journal is there, or its directory is gone too (a volume that went
-        away tells nothing of the session)."""
-        path = self.path(session_id)
-        if self._left_as.get(path) is None:
-            return False
-        try:
-            path.stat()
-        except FileNotFoundError:
-            return self.directory.is_dir()
-        except OSError:
-            return False
-        return False
+        """Whether another server has deleted the session's journal since this one last wrote or read it
+        (:meth:`change_elsewhere`): the session is over, and this server's copy of it stale."""
+        return self.change_elsewhere(session_id) == DELETED
 
     # --- reading -------------------------------------------------------
 

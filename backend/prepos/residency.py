@@ -113,17 +113,12 @@ class Residency:
                  len(session.token_log))
         return session
 
-    def taken_over(self, session: Session) -> bool:
-        """Whether another server has reopened or written the session's journal since this one last did: its
-        client moved there (a replica lost for a moment behind the router, say) and may have taken turns there,
-        so this server's copy is stale (:meth:`prepos.journal.SessionJournal.changed_elsewhere`)."""
-        return self._journal is not None and self._journal.changed_elsewhere(session.session_id)
-
-    def ended_elsewhere(self, session: Session) -> bool:
-        """Whether another server has deleted the session's journal since this one last wrote or read it: the
-        session was ended there, and this server's copy is stale
-        (:meth:`prepos.journal.SessionJournal.ended_elsewhere`)."""
-        return self._journal is not None and self._journal.ended_elsewhere(session.session_id)
+    def change_elsewhere(self, session: Session) -> str | None:
+        """What another server did to the session's journal since this one last wrote or read it (``CHANGED``: its
+        client moved there, a replica lost for a moment behind the router, say, and may have taken turns there;
+        ``DELETED``: the session was ended there), either of which makes this server's copy stale; None without a
+        journal or a change (:meth:`prepos.journal.SessionJournal.change_elsewhere`)."""
+        return None if self._journal is None else self._journal.change_elsewhere(session.session_id)
 
     def close(self, session: Session, reason: str, *, keep_journal: bool = False,
               journal_if_unchanged: bool = False) -> None:

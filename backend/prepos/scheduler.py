@@ -35,6 +35,7 @@ from prepos.config import GateConfig, SchedulerConfig
 from prepos.engines.base import Engine
 from prepos.gate import Gate
 from prepos.gate_watch import GateWatch
+from prepos.journal import DELETED
 from prepos.kv_writes import WriteReportingEngine
 from prepos.metrics import Metrics
 from prepos.protocol import (DRAIN_REASON, END_REASON, START_REJECTED_REASON, ProtocolError, Rejection, Request,
@@ -256,9 +257,9 @@ class Scheduler:
         try:
             existing = known = self.store.get(request.session_id)
             if existing is not None and existing.task is None and isinstance(request, Request) and request.start \
-                    and not request.resume and self._residency.ended_elsewhere(existing):
+                    and not request.resume and self._residency.change_elsewhere(existing) == DELETED:
                 # Ended on another server (its journal deleted there): a new session may take the id here.
-                self._taken_over(existing)
+                self._drop_stale(existing, DELETED)
                 existing = None
             if existing is not None and existing.task is None and isinstance(request, Request) \
                     and (not request.start or request.resume) and self._taken_over(existing):
@@ -300,9 +301,15 @@ class Scheduler:
         """Drop the session's copy here (keeping its journal) if another server has reopened or written its journal
         since this one last did: it holds the session now, or its client came back here after taking turns there
         (behind a router, a replica lost for a moment and back). Returns whether it was dropped."""
-        if not self._residency.taken_over(session):
+        change = self._residency.change_elsewhere(session)
+        if change is None:
             return False
-        if self._residency.ended_elsewhere(session):
+        self._drop_stale(session, change)
+        return True
+
+    def _drop_stale(self, session: Session, change: str) -> None:
+        """Drop the session's copy here, its journal kept, for what another server did to the journal."""
+        if change == DELETED:
             log.warning("session %r: its journal was deleted by another server since this one last wrote it (the "
                         "session was ended there); the copy here is stale and is dropped", session.session_id)
         else:
@@ -311,7 +318,6 @@ class Scheduler:
                         session.session_id)
         self._close(session, TAKEN_OVER_REASON)
         self._metrics.session_taken_over()
-        return True
 
     def _open_or_resume(self, request: Request) -> Session:
         """The session a START opens: a new one, or (with ``resume``) the one its journal holds."""
