@@ -88,8 +88,7 @@ class TritonPythonModel:
             except ProtocolError as err:
                 self.refusals.refused(err.field)  # counted before the answer: a scrape after it sees the refusal
                 with IPC:
-                    sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError, str(err),
-                                                                              err.status)), flags=FINAL)
+                    _send_error(sender, str(err), err.status)
                 return
             flags = ((pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if target.start else 0)
                      | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if target.end else 0))
@@ -126,9 +125,7 @@ class TritonPythonModel:
                         outputs = {tensor.name(): tensor.as_numpy() for tensor in tensors}
                         error = relayed_error(outputs)
                         if error is not None:  # an error after other responses (prepos.bridge), always the last
-                            message, status = error
-                            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError, message,
-                                                                                      status)), flags=FINAL)
+                            _send_error(sender, *error)
                             return
                         if target.stream:
                             unset = absent_outputs(outputs)
@@ -154,9 +151,7 @@ class TritonPythonModel:
         except Exception as err:  # noqa: BLE001 - the client gets an answer, never a hang
             log.exception("relaying a request to %s failed", self.target_model)
             with IPC:
-                sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError,
-                                                                         f"prepos_http: {err}", Status.INTERNAL)),
-                            flags=FINAL)
+                _send_error(sender, f"prepos_http: {err}", Status.INTERNAL)
             self.refusals.refused("request")  # after the answer: the client has one whatever this does
         finally:  # the stub's objects this relay made (the BLS call's included) are freed under the lock too
             with IPC:
@@ -165,3 +160,8 @@ class TritonPythonModel:
     def finalize(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.relays.stop()
+
+
+def _send_error(sender, message, status):
+    """Answer a request with an error, its final response (under ``IPC``)."""
+    sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils.TritonError, message, status)), flags=FINAL)
