@@ -359,7 +359,31 @@ def test_engine_build_init_container_writes_the_engine_triton_reads(chart):
     assert {m["name"]: m["mountPath"] for m in container(statefulset, "triton")["volumeMounts"]}["engines"] == mounts["engines"]
 
     statefulset = one(render(chart, with_minimal(engineBuild={"enabled": False})), "StatefulSet")
-    assert "initContainers" not in statefulset["spec"]["template"]["spec"]
+    assert [c["name"] for c in statefulset["spec"]["template"]["spec"]["initContainers"]] == ["engine-check"]
+
+
+@pytest.mark.parametrize("has_engine", [True, False])
+def test_without_the_build_an_init_container_stops_a_pod_whose_engine_is_missing(chart, tmp_path, has_engine):
+    """engineBuild off: the check runs (here under the local sh, as the pod would) against the engine directory
+    Triton reads, through the same volume mount, and fails naming it when the engine is not there."""
+    import subprocess
+    values = with_minimal(engineBuild={"enabled": False}, storage={"mountPath": "/srv/engines"},
+                          prepos={"engineDir": "/srv/engines/mine"})
+    statefulset = one(render(chart, values), "StatefulSet")
+    check = container(statefulset, "engine-check")
+    assert env_of(check)["PREPOS_ENGINE_DIR"] == env_of(container(statefulset, "triton"))["PREPOS_ENGINE_DIR"]
+    assert {m["name"]: m["mountPath"] for m in check["volumeMounts"]} == {"engines": "/srv/engines"}
+    engine_dir = tmp_path / "mine"
+    engine_dir.mkdir()
+    if has_engine:
+        (engine_dir / "prepos_engine.json").write_text("{}")
+    completed = subprocess.run(check["command"], env={"PATH": "/usr/bin:/bin", "PREPOS_ENGINE_DIR": str(engine_dir)},
+                               capture_output=True, text=True, timeout=30)
+    if has_engine:
+        assert (completed.returncode, completed.stderr) == (0, "")
+    else:
+        assert completed.returncode == 1
+        assert f"no engine at {engine_dir} " in completed.stderr and "engineBuild.enabled is false" in completed.stderr
 
 
 def test_engine_storage_sources(chart):
@@ -597,6 +621,8 @@ def test_security_contexts_reach_every_pod_and_container(chart):
     assert statefulset["spec"]["template"]["spec"]["securityContext"] == {"fsGroup": 1000}
     for name in ("triton", "engine-build"):
         assert container(statefulset, name)["securityContext"] == restricted
+    unbuilt = one(render(chart, {**values, "engineBuild": {"enabled": False}}), "StatefulSet")
+    assert container(unbuilt, "engine-check")["securityContext"] == restricted
     assert deployment["spec"]["template"]["spec"]["securityContext"] == {"runAsNonRoot": True}
     assert container(deployment, "envoy")["securityContext"] == {"runAsUser": 101}
     plain = render(chart, MINIMAL)
