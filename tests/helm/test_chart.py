@@ -245,12 +245,13 @@ def test_long_names_still_give_pods_and_distinct_objects(chart, release, values)
         (with_minimal(auth={"enabled": True}), "at '/auth/existingSecret': minLength"),
         (with_minimal(resources={"gpu": -1}), "at '/resources/gpu': minimum"),
         (with_minimal(prepos={"env": {"GATE_THRESHOLD": "0.8"}}), "invalid propertyName 'GATE_THRESHOLD'"),
+        (with_minimal(prepos={"env": {"PREPOS_HEALTH_PORT": "9000"}}), "invalid propertyName 'PREPOS_HEALTH_PORT'"),
         # null removes a default in Helm's merge: the router container would have no memory request
         (with_minimal(router={"resources": {"requests": {"memory": None}}}),
          "at '/router/resources/requests': missing property 'memory'"),
     ],
     ids=["no-image-repository", "negative-replicas", "unknown-lb-policy", "tls-without-secret",
-         "auth-without-secret", "negative-gpus", "env-without-prefix", "no-memory-request"],
+         "auth-without-secret", "negative-gpus", "env-without-prefix", "env-health-port", "no-memory-request"],
 )
 def test_bad_values_fail_with_the_schema_message(chart, values, message):
     with pytest.raises(helm.HelmValuesError) as raised:
@@ -344,6 +345,44 @@ def test_prepos_env_and_engine_dir(chart):
     assert env["PREPOS_GATE_THRESHOLD"] == "0.8"
     assert env["PREPOS_ENGINE_DEVICE"] == "cuda:0"
     assert env["PREPOS_ENGINE_DIR"] == "/opt/prepos/engines/smollm2-135m-instruct"
+
+
+def test_prepos_env_values_reach_prepos_as_it_reads_them(chart):
+    """Helm reads a whole number in a values file as a float: quoted as it is, 8589934592 became
+    '8.589934592e+09', which prepos refused as an integer setting."""
+    from prepos.config import read_config
+    values = with_minimal(prepos={"env": {"PREPOS_MEMORY_KV_BUDGET_BYTES": 8589934592, "PREPOS_GATE_THRESHOLD": 0.95,
+                                          "PREPOS_SCHEDULER_MAX_PREFILL_BATCH_TOKENS": 1000000,
+                                          "PREPOS_JOURNAL_FSYNC": True, "PREPOS_ENGINE_DEVICE": "cpu"}})
+    env = {name: value for name, value in env_of(triton(render(chart, values))).items() if isinstance(value, str)}
+    assert env["PREPOS_MEMORY_KV_BUDGET_BYTES"] == "8589934592"
+    assert env["PREPOS_SCHEDULER_MAX_PREFILL_BATCH_TOKENS"] == "1000000"
+    assert (env["PREPOS_GATE_THRESHOLD"], env["PREPOS_JOURNAL_FSYNC"]) == ("0.95", "true")
+    config = read_config({}, env)
+    assert config.memory.kv_budget_bytes == 8589934592
+    assert config.scheduler.max_prefill_batch_tokens == 1000000
+    assert config.journal.fsync is True
+
+
+def test_prepos_env_overrides_the_charts_own_defaults_with_one_entry_each(chart):
+    """The drain file and the leaving file have chart defaults that prepos.env may replace: listed twice, a server-
+    side apply refuses the duplicate names, and a client-side one keeps whichever comes last."""
+    overrides = {"PREPOS_SCHEDULER_DRAIN_FILE": "", "PREPOS_LEAVING_FILE": "/run/prepos/leaving"}
+    for env in ({}, overrides):
+        c = triton(render(chart, with_minimal(prepos={"env": env})))
+        names = [e["name"] for e in c["env"]]
+        assert len(names) == len(set(names)), names
+        rendered = env_of(c)
+        assert rendered["PREPOS_SCHEDULER_DRAIN_FILE"] == env.get("PREPOS_SCHEDULER_DRAIN_FILE", "/tmp/prepos-drain")
+        assert rendered["PREPOS_LEAVING_FILE"] == env.get("PREPOS_LEAVING_FILE", "/tmp/prepos-leaving")
+
+
+def test_pods_get_no_service_link_variables(chart):
+    """Kubernetes gives a pod <SERVICE>_SERVICE_HOST and the like for each Service of its namespace unless told not
+    to: a release named prepos-engine gave PREPOS_ENGINE_SERVICE_HOST, which prepos refuses as an unknown engine
+    setting, so the model never loaded."""
+    for owner in pod_owners(render(chart, MINIMAL)):
+        assert owner["spec"]["template"]["spec"]["enableServiceLinks"] is False, owner["metadata"]["name"]
 
 
 def test_engine_build_init_container_writes_the_engine_triton_reads(chart):

@@ -64,6 +64,16 @@ app.kubernetes.io/component: router
 {{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/* A prepos.env value as the text prepos reads: Helm reads a whole number in a values file as a float, which
+would print as 8.589934592e+09 (refused where prepos expects an integer). */}}
+{{- define "prepos.envValue" -}}
+{{- if and (kindIs "float64" .) (eq (floor .) .) -}}
+{{- int64 . -}}
+{{- else -}}
+{{- toString . -}}
+{{- end -}}
+{{- end }}
+
 {{/* Environment variable that carries the access token into Triton's arguments. */}}
 {{- define "prepos.auth.envName" -}}
 TRITON_ACCESS_TOKEN
