@@ -377,6 +377,35 @@ def test_prepos_env_overrides_the_charts_own_defaults_with_one_entry_each(chart)
         assert rendered["PREPOS_LEAVING_FILE"] == env.get("PREPOS_LEAVING_FILE", "/tmp/prepos-leaving")
 
 
+def test_a_new_chart_version_alone_leaves_the_pod_templates_as_they_are(chart, tmp_path):
+    """With the chart's version among the pod labels, every chart release rolled every replica (a drain and a model
+    load each) and the router (every stream ended)."""
+    import shutil
+    bumped_dir = tmp_path / "prepos"
+    shutil.copytree(CHART_DIR, bumped_dir)
+    chart_yaml = yaml.safe_load((bumped_dir / "Chart.yaml").read_text())
+    chart_yaml["version"] = chart_yaml["version"] + "-bumped"
+    (bumped_dir / "Chart.yaml").write_text(yaml.safe_dump(chart_yaml))
+    with helm.Chart.load(bumped_dir) as bumped:
+        before, after = render(chart, MINIMAL), render(bumped, MINIMAL)
+    for kind in ("StatefulSet", "Deployment"):
+        old, new = one(before, kind), one(after, kind)
+        assert old["metadata"]["labels"]["helm.sh/chart"] != new["metadata"]["labels"]["helm.sh/chart"]
+        assert old["spec"]["template"] == new["spec"]["template"], kind
+        labels = new["spec"]["template"]["metadata"]["labels"]
+        assert new["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_router_rolls_when_its_configuration_changes_and_only_then(chart):
+    def checksum(values):
+        return one(render(chart, values), "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    base = checksum(MINIMAL)
+    assert checksum(with_minimal(replicaCount=3)) == base  # within the listed replica names
+    assert checksum(with_minimal(router={"connectTimeoutSeconds": 7})) != base
+    assert checksum(with_minimal(router={"replicaSlots": 17})) != base
+
+
 def test_pods_get_no_service_link_variables(chart):
     """Kubernetes gives a pod <SERVICE>_SERVICE_HOST and the like for each Service of its namespace unless told not
     to: a release named prepos-engine gave PREPOS_ENGINE_SERVICE_HOST, which prepos refuses as an unknown engine

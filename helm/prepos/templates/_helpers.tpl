@@ -44,6 +44,14 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* Labels of the pods a StatefulSet or Deployment makes, after the component: the chart's version and the app's
+are left out, so that a new chart version alone does not roll every replica (draining it) and the router. */}}
+{{- define "prepos.podLabels" -}}
+app.kubernetes.io/name: {{ include "prepos.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
 {{/* Selector labels of the Triton replicas. */}}
 {{- define "prepos.triton.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "prepos.name" . }}
