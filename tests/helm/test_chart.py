@@ -272,11 +272,21 @@ def test_bad_values_fail_with_the_schema_message(chart, values, message):
         (with_minimal(preStopSleepSeconds=5), "preStopSleepSeconds (5) must be at least"),
         (with_minimal(triton={"healthPort": 8002}), "triton.healthPort (8002) must differ"),
         (with_minimal(router={"healthCheck": {"intervalSeconds": 10}}), "preStopSleepSeconds (15) must be at least"),
+        (with_minimal(triton={"httpPort": 8001}), "triton.httpPort, triton.grpcPort and triton.metricsPort must differ"),
+        (with_minimal(router={"adminPort": 8001}), "router.port, router.adminPort and router.healthPort must differ"),
+        (with_minimal(router={"healthPort": 9901}), "router.port, router.adminPort and router.healthPort must differ"),
+        (with_minimal(router={"lbPolicy": "MAGLEV", "maglev": {"tableSize": 65536}}),
+         "router.maglev.tableSize (65536) must be a prime (it divides by 2)"),
+        (with_minimal(router={"lbPolicy": "MAGLEV", "maglev": {"tableSize": 4915073}}),  # 2213 * 2221
+         "router.maglev.tableSize (4915073) must be a prime (it divides by 2213)"),
+        (with_minimal(router={"terminationGracePeriodSeconds": 15}),
+         "router.terminationGracePeriodSeconds (15) must exceed preStopSleepSeconds (15)"),
     ],
     ids=["stream-idle-below-session-idle", "exit-timeout-above-grace", "exit-timeout-and-stop-grace-above-grace",
          "engine-outside-volume", "hpa-min-above-max", "ring-min-above-max", "prestop-shorter-than-leaving",
          "health-port-taken",
-         "health-interval-longer-than-prestop"],
+         "health-interval-longer-than-prestop", "triton-ports-clash", "router-admin-port-clash",
+         "router-health-port-clash", "maglev-even-table", "maglev-odd-composite-table", "router-grace-within-prestop"],
 )
 def test_inconsistent_values_fail_in_the_templates(chart, values, message):
     with pytest.raises(helm.HelmRenderError) as raised:
@@ -662,6 +672,19 @@ def test_the_ring_lists_every_replica_there_may_be(chart, values, num_names):
             for e in ring_endpoints(envoy_config(render(chart, with_minimal(**values))))]
     assert len(keys) == len(set(keys)) == num_names
     assert keys[-1].startswith(f"{RELEASE}-triton-{num_names - 1}.")
+
+
+def test_maglev_takes_a_prime_table_size(chart):
+    for size in (65537, 131071, 5000011):
+        values = with_minimal(router={"lbPolicy": "MAGLEV", "maglev": {"tableSize": size}})
+        assert triton_cluster(envoy_config(render(chart, values)))["maglev_lb_config"]["table_size"] == size
+
+
+def test_envoy_runs_as_many_workers_as_the_router_is_given_cpus(chart):
+    """Without --concurrency Envoy starts one worker per hardware thread of the node, whatever its CPU limit."""
+    for values, workers in ((MINIMAL, "2"), (with_minimal(router={"concurrency": 4}), "4")):
+        args = container(one(render(chart, values), "Deployment"), "envoy")["args"]
+        assert args[args.index("--concurrency") + 1] == workers
 
 
 def test_router_speaks_http2_both_ways(chart):
