@@ -246,12 +246,17 @@ def test_long_names_still_give_pods_and_distinct_objects(chart, release, values)
         (with_minimal(resources={"gpu": -1}), "at '/resources/gpu': minimum"),
         (with_minimal(prepos={"env": {"GATE_THRESHOLD": "0.8"}}), "invalid propertyName 'GATE_THRESHOLD'"),
         (with_minimal(prepos={"env": {"PREPOS_HEALTH_PORT": "9000"}}), "invalid propertyName 'PREPOS_HEALTH_PORT'"),
+        (with_minimal(image={"repository": "reg/prepos@sha256:" + "ab" * 32}), "at '/image/repository'"),
+        (with_minimal(image={"digest": "ab" * 32}), "at '/image/digest'"),
+        (with_minimal(fullnameOverride="MyPrepos"), "at '/fullnameOverride'"),
+        (with_minimal(nameOverride="pre.pos"), "at '/nameOverride'"),
         # null removes a default in Helm's merge: the router container would have no memory request
         (with_minimal(router={"resources": {"requests": {"memory": None}}}),
          "at '/router/resources/requests': missing property 'memory'"),
     ],
     ids=["no-image-repository", "negative-replicas", "unknown-lb-policy", "tls-without-secret",
-         "auth-without-secret", "negative-gpus", "env-without-prefix", "env-health-port", "no-memory-request"],
+         "auth-without-secret", "negative-gpus", "env-without-prefix", "env-health-port", "digest-in-repository",
+         "digest-without-algorithm", "uppercase-fullname", "dotted-name", "no-memory-request"],
 )
 def test_bad_values_fail_with_the_schema_message(chart, values, message):
     with pytest.raises(helm.HelmValuesError) as raised:
@@ -672,6 +677,32 @@ def test_the_ring_lists_every_replica_there_may_be(chart, values, num_names):
             for e in ring_endpoints(envoy_config(render(chart, with_minimal(**values))))]
     assert len(keys) == len(set(keys)) == num_names
     assert keys[-1].startswith(f"{RELEASE}-triton-{num_names - 1}.")
+
+
+def test_images_pinned_by_tag_or_digest(chart):
+    digest = "sha256:" + "ab" * 32
+    assert container(one(render(chart, MINIMAL), "StatefulSet"), "triton")["image"] == (
+        "registry.example.com/ml/prepos:0.1.0")
+    pinned = one(render(chart, with_minimal(image={"digest": digest, "tag": "0.2.0"})), "StatefulSet")
+    for name in ("triton", "engine-build"):
+        assert container(pinned, name)["image"] == f"registry.example.com/ml/prepos@{digest}"
+
+
+@pytest.mark.parametrize("release", ["prepos.v2", "Prepos", "1prepos"])
+def test_a_release_name_kubernetes_refuses_as_a_service_name_fails_the_render(chart, release):
+    """Helm takes release names with dots; the Services named after them would be refused at install."""
+    with pytest.raises(helm.HelmRenderError) as raised:
+        chart.render(values=MINIMAL, name=release, namespace=NAMESPACE, is_install=True)
+    assert "must be lowercase letters, digits and '-', starting with a letter" in str(raised.value)
+
+
+def test_storage_class_dash_means_no_dynamic_provisioning(chart):
+    values = with_minimal(storage={"volumeClaimTemplate": {"storageClass": "-"}}, journal={"storageClass": "fast"})
+    claims = {c["metadata"]["name"]: c["spec"] for c in one(render(chart, values), "StatefulSet")["spec"]["volumeClaimTemplates"]}
+    assert claims["engines"]["storageClassName"] == ""
+    assert claims["journal"]["storageClassName"] == "fast"
+    plain = one(render(chart, MINIMAL), "StatefulSet")["spec"]["volumeClaimTemplates"]
+    assert all("storageClassName" not in c["spec"] for c in plain)  # the cluster's default class
 
 
 def test_maglev_takes_a_prime_table_size(chart):

@@ -7,16 +7,22 @@
 45 characters, so that "<prefix>-triton" (52) leaves room for the StatefulSet's controller-revision-hash label
 (63 in all; a longer StatefulSet name gets no pods) and every suffixed name stays distinct. */}}
 {{- define "prepos.fullname" -}}
+{{- $fullname := "" }}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
+{{- $fullname = .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- $fullname = .Release.Name | trunc 45 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
+{{- $fullname = printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
+{{- /* Helm takes release names with dots, which Service names (DNS-1035 labels) refuse. */}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $fullname) }}
+{{- fail (printf "the object name prefix %q (from the release name %q, or fullnameOverride) must be lowercase letters, digits and '-', starting with a letter: Kubernetes refuses such Service names; pick another release name or set fullnameOverride" $fullname .Release.Name) }}
+{{- end }}
+{{- $fullname }}
 {{- end }}
 
 {{/* Names of the objects, shared by the templates that refer to each other. */}}
@@ -69,7 +75,11 @@ app.kubernetes.io/component: router
 {{/* Triton image reference; image.repository has no default. */}}
 {{- define "prepos.image" -}}
 {{- $repository := required "image.repository is required: the prepos Triton image built from docker/Dockerfile" .Values.image.repository }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" $repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
 {{- end }}
 
 {{/* A prepos.env value as the text prepos reads: Helm reads a whole number in a values file as a float, which
