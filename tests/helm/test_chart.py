@@ -249,6 +249,7 @@ def test_long_names_still_give_pods_and_distinct_objects(chart, release, values)
         (with_minimal(image={"repository": "reg/prepos@sha256:" + "ab" * 32}), "at '/image/repository'"),
         (with_minimal(image={"digest": "ab" * 32}), "at '/image/digest'"),
         (with_minimal(fullnameOverride="MyPrepos"), "at '/fullnameOverride'"),
+        (with_minimal(podDisruptionBudget={"maxUnavailable": "150%"}), "at '/podDisruptionBudget/maxUnavailable'"),
         (with_minimal(nameOverride="pre.pos"), "at '/nameOverride'"),
         # null removes a default in Helm's merge: the router container would have no memory request
         (with_minimal(router={"resources": {"requests": {"memory": None}}}),
@@ -256,7 +257,7 @@ def test_long_names_still_give_pods_and_distinct_objects(chart, release, values)
     ],
     ids=["no-image-repository", "negative-replicas", "unknown-lb-policy", "tls-without-secret",
          "auth-without-secret", "negative-gpus", "env-without-prefix", "env-health-port", "digest-in-repository",
-         "digest-without-algorithm", "uppercase-fullname", "dotted-name", "no-memory-request"],
+         "digest-without-algorithm", "uppercase-fullname", "dotted-name", "pdb-over-100-percent", "no-memory-request"],
 )
 def test_bad_values_fail_with_the_schema_message(chart, values, message):
     with pytest.raises(helm.HelmValuesError) as raised:
@@ -586,12 +587,56 @@ def test_autoscaler_bounds_and_metric_come_from_values(chart):
     assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "100"}
 
 
-def test_disruption_budget_covers_the_triton_replicas(chart):
+def test_disruption_budgets_cover_the_triton_replicas_and_the_router_each(chart):
     objects = render(chart, MINIMAL)
-    pdb = one(objects, "PodDisruptionBudget")
-    pod_labels = one(objects, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
-    assert pdb["spec"]["maxUnavailable"] == 1
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    for kind, name in (("StatefulSet", "prepos-triton"), ("Deployment", "prepos-router")):
+        pdb = one(objects, "PodDisruptionBudget", name)
+        pod_labels = one(objects, kind)["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        others = [o for o in pod_owners(objects) if o["kind"] != kind]
+        assert not any(pdb["spec"]["selector"]["matchLabels"].items() <= o["spec"]["template"]["metadata"]["labels"].items()
+                       for o in others)
+    assert not find(render(chart, with_minimal(router={"podDisruptionBudget": {"enabled": False}})),
+                    "PodDisruptionBudget", "prepos-router")
+
+
+@pytest.mark.parametrize("release", ["prepos", "llm-prod"])
+def test_anti_affinity_presets_select_this_releases_own_pods(chart, release):
+    """Written by hand in a values file, the selector named the release prepos: under any other release name the
+    one-replica-per-node rule matched no pod and did nothing."""
+    objects = [doc for path, text in sorted(chart.render(
+        values=with_minimal(podAntiAffinity="hard"), name=release, namespace=NAMESPACE, is_install=True).items())
+        if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
+    statefulset, deployment = one(objects, "StatefulSet"), one(objects, "Deployment")
+    (hard,) = statefulset["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]
+    assert hard["topologyKey"] == "kubernetes.io/hostname"
+    assert hard["labelSelector"]["matchLabels"] == statefulset["spec"]["selector"]["matchLabels"]
+    assert hard["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"] == release
+    (soft,) = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]  # the router's default
+    assert soft["podAffinityTerm"]["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    # affinity written out wins; no preset, no rule
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}}
+    assert one(render(chart, with_minimal(podAntiAffinity="hard", affinity=own)), "StatefulSet")["spec"]["template"][
+        "spec"]["affinity"] == own
+    assert "affinity" not in one(render(chart, MINIMAL), "StatefulSet")["spec"]["template"]["spec"]
+
+
+def test_production_values_spread_the_replicas_of_a_release_of_any_name(chart, production_values):
+    texts = chart.render(values=production_values, name="llm-prod", namespace=NAMESPACE, is_install=True)
+    objects = [doc for path, text in sorted(texts.items()) if path.endswith(".yaml")
+               for doc in yaml.safe_load_all(text) if doc]
+    statefulset = one(objects, "StatefulSet")
+    (rule,) = statefulset["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]
+    assert rule["labelSelector"]["matchLabels"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_a_replica_stays_ready_a_while_before_the_rolling_update_takes_the_next(chart):
+    assert one(render(chart, MINIMAL), "StatefulSet")["spec"]["minReadySeconds"] == 15
 
 
 # --- services and metrics -------------------------------------------------------------------

@@ -92,6 +92,30 @@ would print as 8.589934592e+09 (refused where prepos expects an integer). */}}
 {{- end -}}
 {{- end }}
 
+{{/* Pod anti-affinity by preset, over one host each: (list MODE SELECTOR-LABELS), MODE soft (preferred) or hard
+(required); empty for "". */}}
+{{- define "prepos.antiAffinity" -}}
+{{- $mode := index . 0 }}
+{{- $labels := index . 1 }}
+{{- if eq $mode "hard" }}
+podAntiAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    - topologyKey: kubernetes.io/hostname
+      labelSelector:
+        matchLabels:
+          {{- $labels | nindent 10 }}
+{{- else if eq $mode "soft" }}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- $labels | nindent 12 }}
+{{- end }}
+{{- end }}
+
 {{/* Environment variable that carries the access token into Triton's arguments. */}}
 {{- define "prepos.auth.envName" -}}
 TRITON_ACCESS_TOKEN
