@@ -8,6 +8,7 @@ are checked against the Kubernetes API schemas shipped by kubernetes-validate. N
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -350,7 +351,12 @@ def test_tritonserver_runs_under_the_supervisor_which_drains_on_sigterm(chart):
     from prepos.supervise import drain_file_from
 
     c = triton(render(chart, with_minimal(triton={"modelRepository": "/opt/prepos/engines/repo"})))
-    assert c["command"] == ["python3", "-m", "prepos.supervise", "--", "tritonserver"]
+    # the image's entrypoint, NVIDIA's setup script first, with the image's model repository left out
+    entrypoint = [line for line in (REPO_ROOT / "docker" / "Dockerfile").read_text().replace("\\\n", "").splitlines()
+                  if line.startswith("ENTRYPOINT ")]
+    (image_command,) = [json.loads(line.removeprefix("ENTRYPOINT ")) for line in entrypoint]
+    assert c["command"] == [arg for arg in image_command if not arg.startswith("--model-repository=")]
+    assert c["command"][0] == "/opt/nvidia/nvidia_entrypoint.sh"
     assert "--model-repository=/opt/prepos/engines/repo" in c["args"]
     assert drain_file_from(env_of(c)) is not None  # absolute: the supervisor can ask for the drain
 
