@@ -161,6 +161,18 @@ VALIDATED_VALUES = {
         resources={"gpu": 0}, engineBuild={"enabled": False}, prepos={"env": {"PREPOS_ENGINE_DEVICE": "cpu"}},
         storage={"volumeClaimTemplate": {"enabled": False}}, podDisruptionBudget={"maxUnavailable": "50%"},
     ),
+    "scheduling-and-exposure": with_minimal(
+        priorityClassName="gpu-serving", runtimeClassName="nvidia", podAntiAffinity="soft",
+        topologySpreadConstraints=[{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                    "whenUnsatisfiable": "ScheduleAnyway",
+                                    "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "triton"}}}],
+        resources={"requests": {"cpu": "4", "memory": "1e9", "ephemeral-storage": "10Gi"},
+                   "limits": {"memory": "16Gi", "ephemeral-storage": "20Gi"}},
+        storage={"volumeClaimTemplate": {"storageClass": "-"}}, image={"digest": "sha256:" + "0f" * 32},
+        router={"service": {"type": "LoadBalancer", "externalTrafficPolicy": "Local",
+                            "loadBalancerSourceRanges": ["10.0.0.0/8", "2001:db8::/32"]}},
+        metrics={"serviceMonitor": {"enabled": True, "interval": "1m30s"}},
+    ),
 }
 
 
@@ -178,6 +190,19 @@ def test_renders_objects_valid_for_kubernetes(chart, production_values, values_n
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
         except kubernetes_validate.ValidationError as error:
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {error.message} at {list(error.path)}")
+
+
+def test_scheduling_and_exposure_values_reach_the_objects(chart):
+    values = VALIDATED_VALUES["scheduling-and-exposure"]
+    objects = render(chart, values)
+    pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
+    assert (pod["priorityClassName"], pod["runtimeClassName"]) == ("gpu-serving", "nvidia")
+    assert pod["topologySpreadConstraints"] == values["topologySpreadConstraints"]
+    assert triton(objects)["resources"]["limits"]["ephemeral-storage"] == "20Gi"
+    service = one(objects, "Service", "prepos")["spec"]
+    assert service["externalTrafficPolicy"] == "Local"
+    assert service["loadBalancerSourceRanges"] == ["10.0.0.0/8", "2001:db8::/32"]
+    assert one(objects, "ServiceMonitor")["spec"]["endpoints"][0]["interval"] == "1m30s"
 
 
 def test_kubernetes_validation_catches_a_misspelt_field(chart):
@@ -251,6 +276,7 @@ def test_long_names_still_give_pods_and_distinct_objects(chart, release, values)
         (with_minimal(image={"digest": "ab" * 32}), "at '/image/digest'"),
         (with_minimal(fullnameOverride="MyPrepos"), "at '/fullnameOverride'"),
         (with_minimal(podDisruptionBudget={"maxUnavailable": "150%"}), "at '/podDisruptionBudget/maxUnavailable'"),
+        (with_minimal(replicaCount=1025), "at '/replicaCount': maximum"),
         (with_minimal(nameOverride="pre.pos"), "at '/nameOverride'"),
         # null removes a default in Helm's merge: the router container would have no memory request
         (with_minimal(router={"resources": {"requests": {"memory": None}}}),
@@ -258,7 +284,8 @@ def test_long_names_still_give_pods_and_distinct_objects(chart, release, values)
     ],
     ids=["no-image-repository", "negative-replicas", "unknown-lb-policy", "tls-without-secret",
          "auth-without-secret", "negative-gpus", "env-without-prefix", "env-health-port", "digest-in-repository",
-         "digest-without-algorithm", "uppercase-fullname", "dotted-name", "pdb-over-100-percent", "no-memory-request"],
+         "digest-without-algorithm", "uppercase-fullname", "dotted-name", "pdb-over-100-percent", "too-many-replicas",
+         "no-memory-request"],
 )
 def test_bad_values_fail_with_the_schema_message(chart, values, message):
     with pytest.raises(helm.HelmValuesError) as raised:
@@ -280,6 +307,9 @@ def test_bad_values_fail_with_the_schema_message(chart, values, message):
         (with_minimal(triton={"healthPort": 8002}), "triton.healthPort (8002) must differ"),
         (with_minimal(router={"healthCheck": {"intervalSeconds": 10}}), "preStopSleepSeconds (15) must be at least"),
         (with_minimal(triton={"httpPort": 8001}), "triton.httpPort, triton.grpcPort and triton.metricsPort must differ"),
+        (with_minimal(storage={"readOnly": True}), "storage.readOnly applies to storage.existingClaim only"),
+        (with_minimal(router={"service": {"loadBalancerSourceRanges": ["10.0.0.0/8"]}}),
+         "apply to a NodePort or LoadBalancer Service, not ClusterIP"),
         (with_minimal(router={"adminPort": 8001}), "router.port, router.adminPort and router.healthPort must differ"),
         (with_minimal(router={"healthPort": 9901}), "router.port, router.adminPort and router.healthPort must differ"),
         (with_minimal(router={"lbPolicy": "MAGLEV", "maglev": {"tableSize": 65536}}),
@@ -292,7 +322,8 @@ def test_bad_values_fail_with_the_schema_message(chart, values, message):
     ids=["stream-idle-below-session-idle", "exit-timeout-above-grace", "exit-timeout-and-stop-grace-above-grace",
          "engine-outside-volume", "hpa-min-above-max", "ring-min-above-max", "prestop-shorter-than-leaving",
          "health-port-taken",
-         "health-interval-longer-than-prestop", "triton-ports-clash", "router-admin-port-clash",
+         "health-interval-longer-than-prestop", "triton-ports-clash", "read-only-without-claim",
+         "source-ranges-on-cluster-ip", "router-admin-port-clash",
          "router-health-port-clash", "maglev-even-table", "maglev-odd-composite-table", "router-grace-within-prestop"],
 )
 def test_inconsistent_values_fail_in_the_templates(chart, values, message):
