@@ -187,6 +187,9 @@ class RequestServer:
     def _append(self, session: Session, request: Request, delta_ids: list[int], clock: RequestClock, sink: ResponseSink) -> None:
         path = ServedPath.CLOSE if request.end and not delta_ids else ServedPath.APPEND
         if delta_ids:  # an empty update changes nothing (a bare START or END)
+            # An update queued behind a generate on a stream the client then cancelled is cancelled too: accepted,
+            # its acknowledgement would go nowhere, and a client sending it again would put it in the log twice.
+            self._check_alive(request, sink)
             turn = self._turns.turn_ids(session, request.role, delta_ids, self._framing.close_ids)
             kept = self._turns.fit_turns(session, request, len(turn), 0)  # the opening turn stays as is
             if session.positioned_valid():

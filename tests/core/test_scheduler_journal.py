@@ -74,6 +74,34 @@ def test_rejected_and_cancelled_requests_leave_the_journal_unchanged(tmp_path):
     assert journal.recover("s1").token_log == before == h.log("s1")
 
 
+def test_an_update_whose_client_went_away_while_it_waited_is_not_accepted(tmp_path):
+    """An update (no engine step) queued behind a generate on a stream the client cancelled was accepted all the
+    same: into the log and the journal, its acknowledgement lost, so that a client sending it again had it twice."""
+    h = restarted(tmp_path, tmp_path / "journal")
+    journal = h.sched._residency._journal
+    open_session(h)
+    before = journal.recover("s1").token_log
+    generate = h.submit(h.request("s1", "a long answer please", max_tokens=40))
+    update = h.submit(h.request("s1", "the code word is KIWI", max_tokens=0))
+    while not generate.chunks:
+        h.sched.run_once()
+    generate.client_gone = update.client_gone = True  # the stream both were sent on is cancelled
+    while not (generate.done and update.done):
+        h.sched.run_once()
+    assert update.error.status is Status.CANCELLED and "not accepted" in str(update.error)
+    assert journal.recover("s1").token_log == before == h.log("s1")
+    assert h.metrics.sink.get("prepos_requests_abandoned_total", reason="cancelled") == 2
+    # an update whose client is still there is accepted as before, and so is an END without a delta
+    assert h.serve(h.request("s1", "the code word is KIWI", max_tokens=0)).error is None
+    assert len(h.log("s1")) > len(before)
+    gone = h.request("s1", None, end=True, max_tokens=0)
+    sink = h.submit(gone)
+    sink.client_gone = True
+    while not sink.done:
+        h.sched.run_once()
+    assert sink.error is None and h.sched.store.get("s1") is None and journal.session_ids() == []
+
+
 class BrokenJournal(SessionJournal):
     def append(self, session_id, entry):
         raise OSError(28, "No space left on device")

@@ -66,6 +66,39 @@ def test_a_cancelled_stream_stops_generation_and_leaves_the_log_unchanged(server
     assert again.token_ids == want.token_ids  # the cancelled turn never entered the log
 
 
+def test_an_update_queued_behind_a_cancelled_answer_is_cancelled_too(server):
+    """An update needs no engine step: queued on the stream behind a generate, it was accepted after the client
+    cancelled the stream, with its acknowledgement lost, so that a client sending it again had it twice."""
+    with Client(server.grpc_url) as client:
+        twin = client.session("queued-twin")
+        twin.append(SYSTEM, role="system")
+        want = twin.ask("Say hello.", max_tokens=6, speculate=False)
+        twin.close()
+        session = client.session("queued")
+        session.append(SYSTEM, role="system")
+        session.detach()
+
+    cancelled_before = server.metric("prepos_requests_abandoned_total", reason="cancelled")
+    appended_before = server.metric("prepos_requests_total", path="append")
+    results: queue.Queue = queue.Queue()
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    raw.start_stream(lambda result, error: results.put((result, error)))
+    raw.async_stream_infer("prepos", inputs("Tell me a very long story about a dragon.", 400), sequence_id="queued")
+    raw.async_stream_infer("prepos", inputs("The code word is KIWI.", 0), sequence_id="queued")
+    first, error = results.get(timeout=60)
+    assert error is None
+    raw.stop_stream(cancel_requests=True)
+    raw.close()
+    eventually(lambda: server.metric("prepos_requests_abandoned_total", reason="cancelled") >= cancelled_before + 2, 30)
+    assert server.metric("prepos_requests_total", path="append") == appended_before
+
+    with Client(server.grpc_url) as client:
+        session = client.session("queued", resume=True)
+        again = session.ask("Say hello.", max_tokens=6, speculate=False)
+        session.close()
+    assert again.token_ids == want.token_ids  # neither the answer nor the update entered the log
+
+
 def test_a_request_timeout_is_a_deadline(server):
     with Client(server.grpc_url) as client:
         session = client.session("deadline")
