@@ -71,11 +71,19 @@ def sent_status(message: str) -> Status | None:
     return next((status for status in Status if message.endswith(with_status("", status))), None)
 
 
+def closed_all_the_same(err: ProtocolError) -> ProtocolError:
+    """``err`` for a refused request that carried END (not START) on an open session: Triton ends the sequence at
+    END whatever the model answers, so the session is closed, its journal deleted, and the error says so (a client
+    reading only "max_tokens: ..." would take its session for open, refused "changes nothing")."""
+    return ProtocolError(err.field, f"{err.problem}; the request carried END, so the session is closed all the same",
+                         err.status)
+
+
 def naming_request(message: str, request_id: str) -> str:
     """An error's message naming the request it answers (``... (request "4")``), for one sent ahead of the
-    answers to the session's earlier requests: a gRPC stream's error carries no request id, so a client that
-    matches errors to requests in the order sent would take it for an earlier request's. The id is a JSON
-    string, just before the status."""
+    answers to the session's earlier requests: tritonclient hands a stream's error to its callback without the
+    request id, so a client that matches errors to requests in the order sent would take it for an earlier
+    request's. The id is a JSON string, just before the status."""
     return f"{message} (request {json.dumps(request_id)})"
 
 

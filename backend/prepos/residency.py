@@ -69,6 +69,7 @@ class Residency:
         session = self.store.open(session_id, self._clock())
         session.journaled = journaled
         if self._journal is not None and journaled:
+            replaced = self._journal.path(session_id).is_file()
             try:
                 self._journal.create(session_id)
             except OSError as err:
@@ -76,6 +77,9 @@ class Residency:
                 log.error("session %r: could not create its journal: %s", session_id, err)
                 raise ProtocolError("journal", f"could not create the session journal ({err.strerror or err})",
                                     Status.UNAVAILABLE) from None
+            if replaced:  # kept by a drain or left by a crash: a START with resume would have continued it
+                log.warning("session %r: START without resume replaced the journal of an earlier session under this "
+                            "id (its turns are gone)", session_id)
             self._undeleted.discard(session_id)
         self._metrics.session_opened()
         return session

@@ -39,7 +39,7 @@ from prepos.journal import DELETED
 from prepos.kv_writes import WriteReportingEngine
 from prepos.metrics import Metrics
 from prepos.protocol import (DRAIN_REASON, END_REASON, START_REJECTED_REASON, ProtocolError, Rejection, Request,
-                             ResponseSink, Status)
+                             ResponseSink, Status, closed_all_the_same)
 from prepos.queued_deadlines import QueuedDeadlines
 from prepos.residency import Residency
 from prepos.scan import ScanFn
@@ -465,7 +465,7 @@ class Scheduler:
     def _refuse(self, session: Session, rejection: Rejection, sink: ResponseSink) -> None:
         """Answer a request that failed validation, in its turn; its END still closes the session (Triton ends the
         sequence on END whatever the model answers)."""
-        self._reject(rejection, sink, rejection.error)
+        self._reject(rejection, sink, closed_all_the_same(rejection.error) if rejection.end else rejection.error)
         if rejection.end:
             self._close(session, END_REASON)
 

@@ -28,8 +28,8 @@ from prepos.engines.base import Engine, KVCapacityError
 from prepos.gate import Gate
 from prepos.gate_watch import Audit, GateWatch
 from prepos.metrics import Metrics
-from prepos.protocol import (START_REJECTED_REASON, ProtocolError, Request, ResponseSink, Status, end_reason,
-                             naming_request)
+from prepos.protocol import (START_REJECTED_REASON, ProtocolError, Request, ResponseSink, Status, closed_all_the_same,
+                             end_reason, naming_request)
 from prepos.residency import Residency
 from prepos.scan import ScanFn, ScanResult
 from prepos.session import Session
@@ -136,7 +136,7 @@ class RequestServer:
                 yield from self._generate(session, request, clock, sink)
             served = True
         except ProtocolError as err:
-            self._reject(request, sink, err)
+            self._reject(request, sink, closed_all_the_same(err) if request.end and not request.start else err)
         except _Abandoned as abandoned:
             self._abandon(session, request, sink, abandoned)
         except KVCapacityError as err:

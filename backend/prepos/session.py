@@ -139,7 +139,8 @@ class SessionStore:
         if session_id in self._sessions:
             raise ProtocolError("START", f"session {session_id!r} is already open", Status.ALREADY_EXISTS)
         if len(self._sessions) >= self._max_sessions:
-            raise ProtocolError("START", f"too many open sessions (limit {self._max_sessions})", Status.RESOURCE_EXHAUSTED)
+            raise ProtocolError("START", f"session {session_id!r} not opened: too many open sessions (limit "
+                                          f"{self._max_sessions})", Status.RESOURCE_EXHAUSTED)
         session = Session(session_id, last_active_s=now_s)
         self._sessions[session_id] = session
         return session

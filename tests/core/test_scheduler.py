@@ -486,6 +486,31 @@ def test_rejection_keeps_its_place_in_the_session_order(h):
     while not rejected.done:
         h.sched.run_once()
     assert first.done and first.error is None and h.sched.store.get("s1") is None
+    assert str(rejected.error) == "temperature: bad; the request carried END, so the session is closed all the same"
+
+
+def test_a_refused_end_says_that_it_closed_the_session_and_a_refused_one_turn_request_does_not(h):
+    """Triton ends the sequence at END whatever the model answers: an END refused for its input closes the session
+    (its journal deleted) all the same, which its error says, where "max_tokens: ..." alone read as "nothing
+    changed". A refused START + END opened nothing, and says nothing of the kind."""
+    from prepos.protocol import ProtocolError, Rejection
+    open_session(h)
+    refused = h.serve(h.request("s1", "hi", end=True, role="wizard"))  # refused in its turn, by the server
+    assert refused.error.field == "role" and refused.error.problem.endswith("so the session is closed all the same")
+    assert h.sched.store.get("s1") is None
+    one_turn = h.serve(h.request("s2", "hi", start=True, end=True, role="wizard"))
+    assert one_turn.error.field == "role" and "carried END" not in str(one_turn.error)
+    open_session(h, "s3")
+    idle = CollectSink()  # refused on arrival (validation), the session idle
+    h.sched.submit(Rejection("s3", start=False, end=True, error=ProtocolError("max_tokens", "bad")), idle)
+    h.sched.run_once()
+    assert str(idle.error) == "max_tokens: bad; the request carried END, so the session is closed all the same"
+    assert h.sched.store.get("s3") is None
+    plain = CollectSink()  # without END, nothing changes and nothing more is said
+    open_session(h, "s4")
+    h.sched.submit(Rejection("s4", start=False, end=False, error=ProtocolError("max_tokens", "bad")), plain)
+    h.sched.run_once()
+    assert str(plain.error) == "max_tokens: bad" and h.sched.store.get("s4") is not None
 
 
 @pytest.mark.parametrize("when", ["positioned", "mid-prepositioning", "evicted"])

@@ -37,7 +37,7 @@ def test_a_restarted_server_reopens_the_session_from_its_journal(tmp_path):
     assert h2.metrics.sink.get("prepos_sessions_recovered_total") == 1
 
 
-def test_end_deletes_the_journal_and_start_replaces_it(tmp_path):
+def test_end_deletes_the_journal_and_start_replaces_it(tmp_path, caplog):
     journal_dir = tmp_path / "journal"
     h = restarted(tmp_path, journal_dir)
     journal = h.sched._residency._journal
@@ -48,8 +48,12 @@ def test_end_deletes_the_journal_and_start_replaces_it(tmp_path):
     assert journal.session_ids() == []
     open_session(h, sid="s2", text="old")
     h2 = restarted(tmp_path, journal_dir)  # s2 was left behind by a crash; a START under its id begins anew
-    open_session(h2, sid="s2", text="new")
+    with caplog.at_level("WARNING", logger="prepos.residency"):
+        open_session(h2, sid="s2", text="new")
     assert journal.recover("s2").token_log == h2.log("s2")
+    assert [r.getMessage() for r in caplog.records] == [
+        "session 's2': START without resume replaced the journal of an earlier session under this id (its turns are "
+        "gone)"]  # and only there: s1's START found none
     missing = h2.serve(h2.request("s3", "hello", start=True, resume=True))
     assert missing.error.field == "resume" and missing.error.status is Status.NOT_FOUND
     assert h2.sched.store.get("s3") is None

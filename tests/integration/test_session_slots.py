@@ -42,7 +42,7 @@ def test_a_start_past_the_session_limit_is_rejected_at_once_and_its_end_frees_th
         for attempt in range(3):  # each rejected START's bare END gives Triton's slot back
             began = time.monotonic()
             _, error = send(url, 100 + attempt, dict(text_input=_b("hi"), max_tokens=_i32(0)), start=True)
-            assert error is not None and "too many open sessions" in error, error
+            assert error is not None and f"session {100 + attempt} not opened: too many open sessions" in error, error
             assert time.monotonic() - began < 30  # answered, not queued behind the idle timeout
             _, error = send(url, 100 + attempt, dict(max_tokens=_i32(0)), end=True)
         _, error = send(url, 1, dict(max_tokens=_i32(0)), end=True)  # a session ends: the next START fits
