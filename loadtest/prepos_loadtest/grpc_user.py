@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import os
 import random
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +49,7 @@ from prepos_client.cli import TOKEN_ENV
 
 from .options import OPTION_CLASSES, WorkloadOptions, add_arguments, from_namespace
 from .replay import Measurement, ReplayOptions, TraceReplayer, trace_pool
+from .run import RUN_END_SUFFIX
 from .workloads import SessionTrace, build_workload
 
 # gRPC must cooperate with gevent before any channel exists.
@@ -77,13 +80,25 @@ def _check_prepos_arguments(environment, **_kwargs) -> None:
         sys.exit(f"prepos: {error}")
 
 
+@events.test_stopping.add_listener
+def _hold_interrupts(**_kwargs) -> None:
+    # The users are stopping, at the end of the run time or for an interrupt: a SIGINT now (the load test passes
+    # one on) would cut short their ENDs, Locust's report and its last pass over the CSVs, and leave the run
+    # unmeasured. It has nothing left to stop; a second interrupt of the load test kills Locust instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @events.quitting.add_listener
 def _before_exit(environment, **_kwargs) -> None:
     # An interrupted run reaches here with its users still running: Locust stops them only after this event, so
     # the requests they finish while stopping (their sessions' ENDs) were left out of the CSVs and the HTML report
     # (which Locust saved already). Stop them first, and write the report again.
     runner = environment.runner
-    if runner is not None and runner.state in (STATE_SPAWNING, STATE_RUNNING):
+    interrupted = runner is not None and runner.state in (STATE_SPAWNING, STATE_RUNNING)
+    csv_prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    if csv_prefix:
+        Path(f"{csv_prefix}{RUN_END_SUFFIX}").write_text(json.dumps({"interrupted": interrupted}))
+    if interrupted:
         runner.stop()
         html_file = getattr(environment.parsed_options, "html_file", None)
         if html_file:
@@ -92,7 +107,7 @@ def _before_exit(environment, **_kwargs) -> None:
     # closes them at exit without a last pass, so requests that finished while
     # users stopped (their END included) would be missing from the CSVs; give
     # it one more pass.
-    if getattr(environment.parsed_options, "csv_prefix", None):
+    if csv_prefix:
         gevent.sleep(locust.stats.CSV_STATS_INTERVAL_SEC + 0.5)
     # A tritonclient client finalized during interpreter shutdown closes its
     # gRPC channel after gevent's hub is gone, and that close can hang the

@@ -49,6 +49,10 @@ TRACE_ENV = "PREPOS_TRACE"
 CSV_PREFIX = "loadtest"
 REPORT_NAME = "report.html"
 LOG_NAME = "locust.log"
+RUN_END_SUFFIX = "_run_end.json"
+"""Written by the prepos user's hooks beside the CSVs (``<csv prefix>_run_end.json``) as Locust quits:
+``{"interrupted": bool}``, whether its users were still running then (the run stopped before the end of its run
+time); an interrupt that came while they stopped at the end of it stopped nothing."""
 
 PATH_ORDER = ("exact", "gated", "prepaid", "prefix", "rebuild", "append", "close")
 KIND_ORDER = (TTFT, SERVER_TTFT, TOTAL, TPOT)
@@ -339,6 +343,20 @@ def run_locust(command: list[str], env: dict[str, str], log_path: Path, timeout_
             return LocustRun(process.wait(), interrupted=True)
 
 
+def stopped_early(run: LocustRun, run_end: Path) -> bool:
+    """Whether the run stopped before the end of its run time. An interrupt passed on to Locust while its users
+    stopped at the end of it stopped nothing (Locust records which, in ``run_end``); one that killed Locust, or
+    that left no record, counts as stopping it."""
+    if not run.interrupted:
+        return False
+    if run.returncode < 0:
+        return True
+    try:
+        return json.loads(run_end.read_text())["interrupted"] is not False
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+
+
 def _log_tail(path: Path, num_lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
@@ -375,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         parser.error(f"--out {out}: cannot make the output folder ({err.strerror or err})")
-    for stale in [*out.glob(f"{CSV_PREFIX}_*.csv"), out / REPORT_NAME, out / "summary.json"]:
+    for stale in [*out.glob(f"{CSV_PREFIX}_*.csv"), out / f"{CSV_PREFIX}{RUN_END_SUFFIX}", out / REPORT_NAME,
+                  out / "summary.json"]:
         stale.unlink(missing_ok=True)
     env = {**os.environ, **extra_env}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(LOADTEST_DIR), env.get("PYTHONPATH", "")) if p)
@@ -385,24 +404,33 @@ def main(argv: list[str] | None = None) -> int:
           f"against {args.host}", flush=True)
     run = run_locust(command, env, out / LOG_NAME, timeout_s, stop_s=args.stop_timeout + _SHUTDOWN_MARGIN_S)
     returncode = run.returncode
+    interrupted = stopped_early(run, out / f"{CSV_PREFIX}{RUN_END_SUFFIX}")
 
     try:
         result = read_results(out / CSV_PREFIX)
     except FileNotFoundError:
+        if run.interrupted:
+            print("interrupted before Locust wrote any statistics: nothing was measured", file=sys.stderr)
+            return EXIT_INTERRUPTED
         print(f"Locust wrote no statistics (exit status {returncode}); its log ({out / LOG_NAME}) ends:\n"
               f"{_log_tail(out / LOG_NAME)}", file=sys.stderr)
-        return EXIT_INTERRUPTED if run.interrupted else EXIT_USAGE
+        return EXIT_USAGE
     lines = summary_lines(result, args.max_error_rate)
-    if run.interrupted:
+    if interrupted:
         lines.append("interrupted before the end of --run-time: FAIL (the figures cover the part that ran)")
+    elif run.interrupted:
+        lines.append("(the interrupt came after the end of --run-time, while the users stopped: the run is complete)")
     print("\n".join(lines))
     summary = {"error_rate": None if result.num_requests == 0 else result.error_rate,
                "max_error_rate": args.max_error_rate,
-               "passed": passed(result, args.max_error_rate) and not run.interrupted and returncode == 0,
-               "interrupted": run.interrupted, "locust_exit_status": returncode, **asdict(result)}
+               "passed": passed(result, args.max_error_rate) and not interrupted and returncode == 0,
+               "interrupted": interrupted, "locust_exit_status": returncode, **asdict(result)}
     (out / "summary.json").write_text(json.dumps(_finite(summary), indent=1, default=str))
-    print(f"report: {out / REPORT_NAME}  csv: {out / CSV_PREFIX}_stats.csv  log: {out / LOG_NAME}")
-    if run.interrupted:
+    written = [f"{label}: {path}" for label, path in (("report", out / REPORT_NAME),
+                                                      ("csv", out / f"{CSV_PREFIX}_stats.csv"),
+                                                      ("log", out / LOG_NAME)) if path.exists()]
+    print("  ".join(written))
+    if interrupted:
         return EXIT_INTERRUPTED
     if returncode != 0:
         print(f"Locust exited with status {returncode}; its log ({out / LOG_NAME}) ends:\n{_log_tail(out / LOG_NAME)}",

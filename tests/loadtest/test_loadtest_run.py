@@ -164,6 +164,7 @@ class Steady(User):
 
     def on_stop(self):
         (MARKS / "stopped").touch()
+        gevent.sleep(float(os.environ.get("SLOW_STOP", "0")))  # an END that takes a while
         self.environment.events.request.fire(request_type="TOTAL", name="close", response_time=1.0,
                                              response_length=0, exception=None, context={})
 
@@ -222,6 +223,36 @@ def test_an_interrupt_sent_to_the_load_test_alone_stops_the_run_and_does_not_cal
     assert summary["interrupted"] is True and summary["passed"] is False
     assert summary["num_requests"] > 0 and summary["num_failed"] == 0
     # The users' ENDs, sent while they stop, are measured: in the CSV (and so the summary) and the HTML report.
+    rows = list(csv.DictReader((tmp_path / "out" / "loadtest_stats.csv").open()))
+    assert [int(row["Request Count"]) for row in rows if row["Name"] == "close"] == [2], output
+    assert '"close"' in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_an_interrupt_while_the_users_stop_at_the_end_of_the_run_time_stops_nothing(tmp_path):
+    """At the end of its run time Locust stops its users (their ENDs) and writes its statistics; an interrupt then
+    cut that short: the ENDs went unmeasured (in the CSVs, the report) and the complete run was called interrupted."""
+    locustfile = tmp_path / "users.py"
+    locustfile.write_text(INTERRUPTIBLE_USERS)
+    env = {**run.os.environ, "MARKS": str(tmp_path), "PYTHONPATH": str(run.LOADTEST_DIR), "SLOW_STOP": "2"}
+    command = [sys.executable, "-m", "prepos_loadtest.run", "--locustfile", str(locustfile), "--host", "127.0.0.1:9",
+               "--users", "2", "--spawn-rate", "10", "--run-time", "3s", "--stop-timeout", "30",
+               "--out", str(tmp_path / "out")]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "stopped").exists():  # the run time is over: the users are stopping
+            assert process.poll() is None, process.communicate()[0]
+            assert time.monotonic() < deadline, "the users never stopped"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == run.EXIT_OK, output
+    assert "the interrupt came after the end of --run-time" in output and "FAIL" not in output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["interrupted"] is False and summary["passed"] is True
     rows = list(csv.DictReader((tmp_path / "out" / "loadtest_stats.csv").open()))
     assert [int(row["Request Count"]) for row in rows if row["Name"] == "close"] == [2], output
     assert '"close"' in (tmp_path / "out" / "report.html").read_text()
