@@ -37,6 +37,7 @@ from prepos_client import DEFAULT_URL
 
 from .options import OPTION_CLASSES, WorkloadOptions, add_arguments, from_namespace, to_argv
 from .replay import SERVER_TTFT, TOTAL, TPOT, TTFT, ReplayOptions
+from .workloads import TraceFormatError, read_trace
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -271,6 +272,11 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(str(error))
     if args.trace is not None and not args.trace.is_file():
         parser.error(f"--trace: no such file: {args.trace}")
+    if args.trace is not None:
+        try:  # read here too, so that a malformed file is a usage error before Locust starts
+            read_trace(args.trace)
+        except (OSError, TraceFormatError) as error:
+            parser.error(f"--trace: {error}")
 
 
 class _Interrupted(Exception):

@@ -289,9 +289,10 @@ def read_trace(path: str | Path) -> list[SessionTrace]:
     server's to decide.
 
     Raises:
-        TraceFormatError: a line is not UTF-8 text or not a JSON object, or a
-            field is missing, unknown or of the wrong type (the message names
-            file, line, field).
+        TraceFormatError: a line is not UTF-8 text or not a JSON object, a
+            field is missing, unknown or of the wrong type, or an update
+            carries choices (the message names file, line, field); or the file
+            has no step at all.
     """
     path = Path(path)
     sessions: dict[str, list[Step]] = {}
@@ -305,6 +306,8 @@ def read_trace(path: str | Path) -> list[SessionTrace]:
             if line.strip():
                 session, step = _parse_step(line, f"{path}:{number}")
                 sessions.setdefault(session, []).append(step)
+    if not sessions:
+        raise TraceFormatError(f"{path}: no step: the file is empty or blank")
     return [SessionTrace(name, tuple(steps)) for name, steps in sessions.items()]
 
 
@@ -340,6 +343,7 @@ def _parse_step(line: str, where: str) -> tuple[str, Step]:
     if choices is not None:
         check("choices", isinstance(choices, list) and all(isinstance(c, str) for c in choices),
               "a list of strings or null")
+        check("choices", max_tokens != 0, "null on an update (max_tokens 0), which asks for no answer")
     if expected is not None:
         check("expected", isinstance(expected, str), "a string or null")
     step = Step(float(delay_s), role, delta, max_tokens, None if choices is None else tuple(choices), expected)

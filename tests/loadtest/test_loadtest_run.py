@@ -127,6 +127,26 @@ def test_usage_errors_exit_2_before_locust_starts(tmp_path, argv):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "no step: the file is empty or blank"),
+    ("\n   \n", "no step: the file is empty or blank"),
+    ('{"session": "s", "delta": "x", "max_tokens": 0, "choices": ["a"]}\n', ":1: choices: expected null on an update"),
+    ('{"session": "s", "delta": "x"}\n', ":1: max_tokens: missing"),
+])
+def test_a_trace_without_steps_or_with_a_bad_one_is_a_usage_error_before_locust_starts(tmp_path, capsys, content,
+                                                                                         message):
+    """An empty trace started Locust, whose spawner died at once, and the run lasted its whole run time with no
+    user before it failed."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--trace", str(trace), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--trace: {trace}" in err and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_only_the_user_module_imports_locust():
     # Importing Locust patches the whole process for gevent: tools and tests must stay free of it.
     code = ("import sys; import prepos_loadtest.run, prepos_loadtest.trace, prepos_loadtest.replay, "
