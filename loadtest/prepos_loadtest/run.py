@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prepos_client import DEFAULT_URL
+from prepos_client.channel import check_url
 
 from .options import OPTION_CLASSES, WorkloadOptions, add_arguments, from_namespace, to_argv
 from .replay import SERVER_TTFT, TOTAL, TPOT, TTFT, ReplayOptions
@@ -256,6 +257,10 @@ def _choose_locustfile(args: argparse.Namespace, parser: argparse.ArgumentParser
 
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        check_url(args.host)
+    except ValueError as error:
+        parser.error(f"--host: {error}")
     if args.users < 1:
         parser.error("--users: must be >= 1")
     if not (math.isfinite(args.spawn_rate) and args.spawn_rate > 0):

@@ -62,8 +62,11 @@ def _export(args: argparse.Namespace) -> int:
     if args.think_median is not None:
         think_time = ThinkTime(args.think_median, args.think_sigma)
     traces = build_workload(args.workload, args.sessions, seed=args.seed, think_time=think_time)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    num_lines = write_trace(args.out, traces)
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        num_lines = write_trace(args.out, traces)
+    except OSError as error:
+        raise ValueError(f"--out {args.out}: cannot write the trace ({error.strerror or error})") from None
     print(f"wrote {len(traces)} sessions, {num_lines} steps to {args.out}")
     return EXIT_OK
 

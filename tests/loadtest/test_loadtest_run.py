@@ -118,7 +118,7 @@ def test_every_workload_has_a_task_file():
     ["--users", "0"], ["--spawn-rate", "0"], ["--spawn-rate", "inf"], ["--max-error-rate", "2"],
     ["--run-time", "soon"], ["--run-time", "10S"], ["--tls-ca", "/nonexistent/ca.pem"],
     ["--think-scale", "-1"], ["--workload-sessions", "0"], ["--workload", "nope"],
-    ["--trace", "/nonexistent/trace.jsonl"],
+    ["--trace", "/nonexistent/trace.jsonl"], ["--host", ""], ["--host", "127.0.0.1:84237"],
 ])
 def test_usage_errors_exit_2_before_locust_starts(tmp_path, argv):
     with pytest.raises(SystemExit) as exit_info:

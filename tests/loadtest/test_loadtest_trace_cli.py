@@ -67,3 +67,13 @@ def test_summary_reports_an_invalid_trace(tmp_path, capsys):
     bad.write_text('{"session": "s", "delta": 3, "max_tokens": 1}\n')
     assert main(["summary", str(bad)]) == 1
     assert "bad.jsonl:1: delta: expected a string" in capsys.readouterr().err
+
+
+def test_export_to_a_path_it_cannot_write_is_a_usage_error(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in (tmp_path, blocker / "t.jsonl"):  # a folder; under a file
+        with pytest.raises(SystemExit) as exit_info:
+            main(["export", "--workload", "chat", "--sessions", "2", "--out", str(out)])
+        assert exit_info.value.code == 2
+        assert f"--out {out}: cannot write the trace" in capsys.readouterr().err
