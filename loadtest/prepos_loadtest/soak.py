@@ -74,8 +74,8 @@ class SoakOptions:
             raise ValueError(f"spawn_rate: must be a finite number > 0, got {self.spawn_rate}")
         if not self.think_scale >= 0:
             raise ValueError(f"think_scale: must be >= 0, got {self.think_scale}")
-        if not self.sample_interval_s > 0:
-            raise ValueError(f"sample_interval_s: must be > 0, got {self.sample_interval_s}")
+        if not (math.isfinite(self.sample_interval_s) and self.sample_interval_s > 0):
+            raise ValueError(f"sample_interval_s: must be a finite number > 0, got {self.sample_interval_s}")
         if not self.warmup_s >= 0:
             raise ValueError(f"warmup_s: must be >= 0, got {self.warmup_s}")
         if not self.request_timeout_s > 0:
@@ -257,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.server:
         host = args.server
         metrics_url = args.metrics_url or f"http://{host.rsplit(':', 1)[0]}:8002/metrics"
+        try:  # a metrics address that is wrong, or another server's, would leave the soak without samples
+            text = scrape(metrics_url)
+        except OSError as error:
+            parser.error(f"--metrics-url {metrics_url}: cannot read it ({error}); give the server's metrics "
+                         "endpoint (--metrics-port of the launcher)")
+        if "prepos_requests_total" not in text:
+            parser.error(f"--metrics-url {metrics_url}: no prepos metrics there; is it the metrics endpoint of the "
+                         f"server at {host}?")
         pid = args.server_pid or pid_listening_on(int(host.rsplit(":", 1)[1]))
         if pid is None:
             log.warning("no process found for %s: memory is not sampled (give --server-pid)", host)
@@ -268,8 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         server_options = ServerOptions(http_port=http, grpc_port=grpc, metrics_port=metrics,
                                        run_dir=(args.out / "run").resolve(), ready_timeout_s=300)
         print(f"soak: starting a server on 127.0.0.1:{grpc} ...", file=sys.stderr, flush=True)
-        with TritonServer(server_options) as server:
-            summary = run_soak(options, server.grpc_url, server.metrics_url, server.process.pid, args.out)
+        try:
+            with TritonServer(server_options) as server:
+                summary = run_soak(options, server.grpc_url, server.metrics_url, server.process.pid, args.out)
+        except KeyboardInterrupt:  # before the load began (its own interrupts end in a summary): nothing measured
+            print("soak: interrupted before the load began; the server it started is stopped, nothing was measured",
+                  file=sys.stderr, flush=True)
+            return loadtest_run.EXIT_INTERRUPTED
     print(summary.line(), flush=True)
     print(f"written: {args.out / CSV_NAME}, {args.out / 'soak.png'}, {args.out / 'soak.md'}", flush=True)
     if summary.interrupted:

@@ -16,7 +16,12 @@ class SoakSummary:
     RSS is the tritonserver process plus its descendants; `rss_start_mib` is
     the first sample after warm-up, `rss_end_mib` the last one, and
     `rss_slope_mib_per_h` the least-squares slope over the samples after
-    warm-up (None with fewer than 3 of them or no memory samples).
+    warm-up (None with fewer than 3 of them, spanning less than
+    `MIN_TREND_SPAN_S`, or no memory samples: a few seconds' slope, scaled to
+    an hour, reads as a leak). `sessions_at_start` were open at the first
+    sample (on a server given with --server, some may be other clients').
+    A soak with no sample (its metrics endpoint unreadable) measured nothing
+    of the server and does not pass.
     """
 
     users: int
@@ -37,6 +42,7 @@ class SoakSummary:
     kv_end_mib: float | None
     kv_peak_mib: float | None
     sessions_peak: int
+    sessions_at_start: int = 0
     interrupted: bool = False  # stopped by SIGINT or SIGTERM: duration_s is the time it ran (its last sample)
 
     @property
@@ -45,7 +51,7 @@ class SoakSummary:
 
     @property
     def passed(self) -> bool:
-        return self.locust_status == 0 and self.num_requests > 0 and self.num_errors == 0
+        return self.locust_status == 0 and self.num_requests > 0 and self.num_errors == 0 and self.num_samples > 0
 
     def line(self) -> str:
         def mib(value):
@@ -53,6 +59,8 @@ class SoakSummary:
 
         slope = "-" if self.rss_slope_mib_per_h is None else f"{self.rss_slope_mib_per_h:+.0f} MiB/h"
         stopped = " (interrupted)" if self.interrupted else ""
+        if self.num_samples == 0:
+            stopped += " (no sample: the metrics endpoint was never read)"
         return (f"soak {'ok' if self.passed else 'FAIL'}: {self.users} users ({self.workload}) for "
                 f"{self.duration_s / 60:.1f} min{stopped}: {self.num_requests} requests, {self.num_errors} errors "
                 f"(server-side rejections {self.server_errors}); server RSS after warm-up {mib(self.rss_start_mib)}"
@@ -78,7 +86,7 @@ class SoakSummary:
             ("server RSS trend after warm-up (MiB/h, least squares)", fmt(self.rss_slope_mib_per_h)),
             ("KV after warm-up / at end / peak (MiB)",
              f"{fmt(self.kv_start_mib)} / {fmt(self.kv_end_mib)} / {fmt(self.kv_peak_mib)}"),
-            ("open sessions, peak", self.sessions_peak),
+            ("open sessions, at the first sample / peak", f"{self.sessions_at_start} / {self.sessions_peak}"),
             ("samples", self.num_samples),
         ]
         return "\n".join(["| soak | value |", "|---|---|", *[f"| {name} | {value} |" for name, value in rows]])
@@ -91,8 +99,12 @@ def read_samples(path: Path) -> list[dict[str, float | None]]:
                 for row in csv.DictReader(handle)]
 
 
+MIN_TREND_SPAN_S = 120.0
+"""The least time after warm-up the RSS trend is drawn over."""
+
+
 def _slope_per_h(points: list[tuple[float, float]]) -> float | None:
-    if len(points) < 3:
+    if len(points) < 3 or points[-1][0] - points[0][0] < MIN_TREND_SPAN_S:
         return None
     n = len(points)
     mean_t = sum(t for t, _ in points) / n
@@ -130,6 +142,7 @@ def summarize(csv_path: Path, warmup_s: float, locust: dict[str, Any], locust_st
         kv_end_mib=kv[-1] if kv else None,
         kv_peak_mib=max(kv) if kv else None,
         sessions_peak=int(max((s["sessions_open"] or 0 for s in samples), default=0)),
+        sessions_at_start=int(samples[0]["sessions_open"] or 0) if samples else 0,
         interrupted=interrupted,
     )
 

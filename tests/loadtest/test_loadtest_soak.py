@@ -25,8 +25,8 @@ def write_samples(path: Path, rows: list[dict]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def samples(rss: list[float], errors: list[int]) -> list[dict]:
-    return [{"elapsed_s": 30.0 * i, "rss_mib": value, "num_processes": 2, "kv_mib": 10.0 + i, "kv_budget_mib": 6000,
+def samples(rss: list[float], errors: list[int], every_s: float = 30.0) -> list[dict]:
+    return [{"elapsed_s": every_s * i, "rss_mib": value, "num_processes": 2, "kv_mib": 10.0 + i, "kv_budget_mib": 6000,
              "sessions_open": 4 + i, "requests_total": 100 * i, "request_errors_total": error,
              "engine_foreground_s": 1.0, "engine_background_s": 0.5}
             for i, (value, error) in enumerate(zip(rss, errors))]
@@ -34,20 +34,21 @@ def samples(rss: list[float], errors: list[int]) -> list[dict]:
 
 def test_summary_takes_rss_after_warm_up_and_its_trend(tmp_path):
     path = tmp_path / "soak.csv"
-    write_samples(path, samples([900, 1500, 1600, 1610, 1620], [3, 3, 3, 4, 5]))
-    options = SoakOptions(users=4, duration="2m")
-    summary = summarize(path, 60.0, {"num_requests": 400, "num_failed": 0, "exceptions": []}, 0, options)
+    write_samples(path, samples([900, 1500, 1600, 1610, 1620], [3, 3, 3, 4, 5], every_s=60.0))
+    options = SoakOptions(users=4, duration="4m")
+    summary = summarize(path, 120.0, {"num_requests": 400, "num_failed": 0, "exceptions": []}, 0, options)
 
     assert (summary.rss_start_mib, summary.rss_end_mib, summary.rss_peak_mib) == (1600, 1620, 1620)
-    # Samples at 60, 90, 120 s: 1600, 1610, 1620 MiB, i.e. 10 MiB per 30 s.
-    assert summary.rss_slope_mib_per_h == pytest.approx(1200.0)
+    # Samples at 120, 180, 240 s: 1600, 1610, 1620 MiB, i.e. 10 MiB per minute.
+    assert summary.rss_slope_mib_per_h == pytest.approx(600.0)
     assert (summary.kv_start_mib, summary.kv_end_mib, summary.kv_peak_mib) == (12.0, 14.0, 14.0)
     assert summary.server_errors == 2 and summary.sessions_peak == 8 and summary.num_samples == 5
+    assert summary.sessions_at_start == 4 and "| open sessions, at the first sample / peak | 4 / 8 |" in summary.markdown()
     assert summary.passed
     assert "0 errors" in summary.line() and "1600 MiB -> end 1620 MiB" in summary.line()
     assert "| server RSS after warm-up / at end / peak (MiB) | 1600.0 / 1620.0 / 1620.0 |" in summary.markdown()
 
-    write_plot(path, tmp_path / "soak.png", 60.0, summary)
+    write_plot(path, tmp_path / "soak.png", 120.0, summary)
     assert (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -60,6 +61,51 @@ def test_a_failed_request_or_no_request_fails_the_soak(tmp_path):
     raised = summarize(path, 10.0, {"num_requests": 10, "num_failed": 0, "exceptions": [{"Count": "1"}]}, 0, options)
     assert not raised.passed
     assert not summarize(path, 10.0, {}, 0, options).passed  # Locust wrote no summary: nothing was measured
+
+
+def test_a_short_run_draws_no_trend_and_a_run_without_samples_does_not_pass(tmp_path):
+    """A 30-second soak reported "trend +2646 MiB/h" from a few seconds after warm-up; one whose metrics endpoint
+    was wrong passed with an empty CSV."""
+    path = tmp_path / "soak.csv"
+    write_samples(path, samples([1000, 1010, 1020, 1030], [0, 0, 0, 0], every_s=10.0))  # 30 s in all
+    options = SoakOptions(users=1, duration="30s")
+    short = summarize(path, 0.0, {"num_requests": 10, "num_failed": 0, "exceptions": []}, 0, options)
+    assert short.rss_slope_mib_per_h is None and "trend -" in short.line() and short.passed
+    write_samples(path, [])
+    empty = summarize(path, 0.0, {"num_requests": 10, "num_failed": 0, "exceptions": []}, 0, options)
+    assert not empty.passed and "no sample: the metrics endpoint was never read" in empty.line()
+
+
+def test_a_metrics_url_that_is_unreadable_or_no_prepos_servers_is_refused_before_any_load(capsys, tmp_path,
+                                                                                            monkeypatch):
+    import http.server
+    import threading
+
+    class NotPrepos(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"nv_inference_count 3\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.chdir(tmp_path)
+    other = http.server.HTTPServer(("127.0.0.1", 0), NotPrepos)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        for url, says in ((f"http://127.0.0.1:{other.server_port}/metrics", "no prepos metrics there"),
+                          ("http://127.0.0.1:9/metrics", "cannot read it")):
+            with pytest.raises(SystemExit) as exited:
+                soak_main(["--server", "127.0.0.1:9", "--metrics-url", url, "--out", str(tmp_path / "out")])
+            assert exited.value.code == 2
+            assert f"--metrics-url {url}: {says}" in capsys.readouterr().err
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_interrupted_soak_says_so_and_how_long_it_ran(tmp_path):
@@ -84,6 +130,8 @@ def test_options_name_the_field_they_reject():
         SoakOptions(workload="trace")  # the soak has no --trace to give it
     with pytest.raises(ValueError, match="sample_interval_s"):
         SoakOptions(sample_interval_s=0)
+    with pytest.raises(ValueError, match="sample_interval_s: must be a finite number"):
+        SoakOptions(sample_interval_s=float("inf"))
     assert SoakOptions(duration="10m", warmup_s=60).effective_warmup_s == 60
     assert SoakOptions(duration="1m", warmup_s=60).effective_warmup_s == 30
 
