@@ -48,7 +48,7 @@ from prepos_client import Client, Tls
 from prepos_client.cli import TOKEN_ENV
 
 from .options import OPTION_CLASSES, WorkloadOptions, add_arguments, from_namespace
-from .replay import Measurement, ReplayOptions, TraceReplayer, trace_pool
+from .replay import Measurement, ReplayOptions, TraceReplayer, failure_kind, trace_pool
 from .run import RUN_END_SUFFIX
 from .workloads import SessionTrace, build_workload
 
@@ -193,6 +193,6 @@ class PreposUser(User):
                 name=measurement.name,
                 response_time=measurement.elapsed_ms,
                 response_length=measurement.num_tokens,
-                exception=measurement.error,
+                exception=failure_kind(measurement.error, measurement.session_id) if measurement.error else None,
                 context={"session_id": measurement.session_id, "trace": measurement.trace},
             )

@@ -11,9 +11,11 @@ here knows about Locust, so the same replayer can drive any harness.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import random
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +41,11 @@ REJECTED_CLOSE = "close"
 
 # After the server could not be reached, wait at least this long before the next session.
 UNAVAILABLE_BACKOFF_S = 1.0
+END_SETTLE_S = 10.0
+"""Before a session's END, how long the outcome of its requests that timed out is waited for (at least; the request
+time limit where longer): the END waits for it first, and sends nothing if it does not come within its own limit,
+which left the session open on the server until its idle timeout."""
+_REQUEST_NUMBER = re.compile(r'\brequest (\d+|"(?:[^"\\]|\\.)*")')
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,21 @@ class ReplayOptions:
             raise ValueError(f"request_timeout_s: must be > 0, got {self.request_timeout_s}")
         if self.tls_ca and not is_readable_file(self.tls_ca):
             raise ValueError(f"tls_ca: no readable file at {self.tls_ca}")
+
+
+def failure_kind(error: BaseException, session_id: str) -> BaseException:
+    """``error`` as Locust's failure table should group it: with the session id and request numbers in its message
+    (``session 3f2a...: request 7 timed out``) every failure was a row of its own; they are left out here
+    (``<session>``, ``request <n>``), the log keeping them."""
+    if not isinstance(error, PreposError):
+        return error
+    text = error.message
+    if session_id:  # where a message names it ("session 3f2a", "session '3f2a'"), not inside other words
+        text = re.sub(rf"(\bsession ['\"]?){re.escape(session_id)}(?![\w-])", r"\1<session>", text)
+    text = _REQUEST_NUMBER.sub("request <n>", text)
+    grouped = copy.copy(error)
+    grouped.message, grouped.args = text, (text,)
+    return grouped
 
 
 def trace_pool(traces: Sequence[SessionTrace]) -> Iterator[SessionTrace]:
@@ -178,6 +200,8 @@ class TraceReplayer:
 
     def _end(self, session: Session) -> list[Measurement]:
         started = time.perf_counter()
+        with contextlib.suppress(PreposError):  # what goes wrong here, the END below reports
+            session.settle(timeout_s=max(END_SETTLE_S, self._options.request_timeout_s))
         try:
             update = session.close()
         except PreposError as error:

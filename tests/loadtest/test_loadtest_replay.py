@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from prepos_client import Answer, PreposError, PreposUnavailable, Update
+from prepos_client import Answer, PreposError, PreposTimeout, PreposUnavailable, Update
 from prepos_loadtest.replay import (
+    END_SETTLE_S,
     SERVER_TTFT,
     TOTAL,
     TPOT,
@@ -15,6 +16,7 @@ from prepos_loadtest.replay import (
     UNAVAILABLE_BACKOFF_S,
     ReplayOptions,
     TraceReplayer,
+    failure_kind,
     trace_pool,
 )
 from prepos_loadtest.workloads import SessionTrace, Step
@@ -43,6 +45,9 @@ class FakeSession:
         self._maybe_fail(text)
         return Answer(text="yes", token_ids=(1, 2)[:max_tokens], path="exact", confidence=0.9, finish_reason="stop",
                       queue_ms=0.1, compute_ms=0.5, first_token_ms=0.7, ttft_ms=1.5, total_ms=4.0, num_chunks=1)
+
+    def settle(self, *, timeout_s=None):
+        self._log.append((self.session_id, "settle", timeout_s))
 
     def close(self, *, timeout_s=None):
         self._log.append((self.session_id, "close"))
@@ -78,7 +83,7 @@ def test_sessions_open_at_the_first_step_and_close_after_the_last():
     user = replayer(client)
     for _ in range(4):
         user.run_step()
-    assert client.log == [
+    assert [entry for entry in client.log if entry[1] != "settle"] == [
         ("s0", "append", "sys", "system"),
         ("s0", "ask", "q1", "user", 2, ["yes", "no"]),
         ("s0", "close"),
@@ -152,7 +157,35 @@ def test_close_ends_the_open_session_once():
     assert [(m.kind, m.name) for m in user.close()] == [(TOTAL, "close")]
     assert user.close() == []
     assert user.trace.name == "b"  # the next session starts a new trace
-    assert [entry[:2] for entry in client.log] == [("s0", "append"), ("s0", "close")]
+    assert [entry[:2] for entry in client.log] == [("s0", "append"), ("s0", "settle"), ("s0", "close")]
+
+
+def test_the_end_first_waits_a_while_for_the_outcome_of_requests_that_timed_out():
+    """With a short request time limit, an END behind a request that timed out waited for its outcome within that
+    limit only, sent nothing when it did not come, and left the session open on the server until its idle timeout."""
+    for request_timeout_s, waited_s in ((0.3, END_SETTLE_S), (60.0, 60.0)):
+        client = FakeClient()
+        user = replayer(client, request_timeout_s=request_timeout_s)
+        user.run_step()
+        user.close()
+        assert client.log[-2:] == [("s0", "settle", waited_s), ("s0", "close")]
+
+
+def test_failures_are_grouped_without_their_session_and_request_numbers():
+    one = PreposTimeout("session 3f2a: request 7 timed out and the server has not reported its outcome within 0.3 s; "
+                        "nothing was sent", accepted=False)
+    other = PreposTimeout("session 9b1c: request 12 timed out and the server has not reported its outcome within "
+                          "0.3 s; nothing was sent", accepted=False)
+    queued = PreposError('timeout: the request\'s deadline passed (request "4") [DEADLINE_EXCEEDED]', field="timeout")
+    assert repr(failure_kind(one, "3f2a")) == repr(failure_kind(other, "9b1c")) == (
+        "PreposTimeout('session <session>: request <n> timed out and the server has not reported its outcome within "
+        "0.3 s; nothing was sent')")
+    assert str(failure_kind(queued, "s")) == "timeout: the request's deadline passed (request <n>) [DEADLINE_EXCEEDED]"
+    grouped = failure_kind(one, "3f2a")
+    assert isinstance(grouped, PreposTimeout) and grouped.accepted is False
+    assert str(one).startswith("session 3f2a: request 7")  # the error itself, for the log, is left as it was
+    plain = ValueError("x")
+    assert failure_kind(plain, "s") is plain
 
 
 def test_a_stopping_users_end_does_not_wait_for_a_server_that_is_down():

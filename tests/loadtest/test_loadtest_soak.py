@@ -43,7 +43,8 @@ def test_summary_takes_rss_after_warm_up_and_its_trend(tmp_path):
     assert summary.rss_slope_mib_per_h == pytest.approx(600.0)
     assert (summary.kv_start_mib, summary.kv_end_mib, summary.kv_peak_mib) == (12.0, 14.0, 14.0)
     assert summary.server_errors == 2 and summary.sessions_peak == 8 and summary.num_samples == 5
-    assert summary.sessions_at_start == 4 and "| open sessions, at the first sample / peak | 4 / 8 |" in summary.markdown()
+    assert summary.sessions_at_start == 4
+    assert "| open sessions, at the first sample / peak | 4 / 8 |" in summary.markdown()
     assert summary.passed
     assert "0 errors" in summary.line() and "1600 MiB -> end 1620 MiB" in summary.line()
     assert "| server RSS after warm-up / at end / peak (MiB) | 1600.0 / 1620.0 / 1620.0 |" in summary.markdown()
