@@ -144,7 +144,7 @@ trtllm-engine: $(ENGINE)
 	$(PY) -m prepos_build.trtllm_build --engine-dir $(ENGINE_DIR) $(TRTLLM_ARGS)
 
 # The paper's four figures on one server started for the run (prefix-cache, rebuild and floor models beside
-# prepos), as PNG + CSV + out/figures/summary.md; about 10 minutes on 2 CPU cores (FIGURES_ARGS=--quick: ~2-3).
+# prepos), as PNG + CSV + out/figures/summary.md; 6.5-14 minutes on 2 CPU cores (FIGURES_ARGS=--quick: ~2-3).
 FIGURES_ARGS ?=
 .PHONY: figures
 figures: $(ENGINE)
