@@ -174,7 +174,7 @@ class Session:
         )
         timeout_s, deadline = self._time_limit(timeout_s)
         inflight = self._requests.send(inputs, end=end, timeout_s=timeout_s, deadline=deadline)
-        return self._requests.receive(inflight, timeout_s)
+        return self._chunks(inflight, timeout_s)
 
     def ask(
         self,
@@ -293,6 +293,11 @@ class Session:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"Session({self.session_id!r}, url={self.url!r}, {state})"
+
+    def _chunks(self, inflight, timeout_s: float) -> Iterator[Chunk]:
+        """The answer's chunks, from a generator that holds the session: a session no one else holds
+        (``client.session().generate(...)``) stays alive, and its stream open, while its answer is read."""
+        yield from self._requests.receive(inflight, timeout_s)
 
     def _time_limit(self, timeout_s: float | None) -> tuple[float, float]:
         timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)

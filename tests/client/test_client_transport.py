@@ -86,6 +86,15 @@ def test_a_stream_error_names_the_field_and_the_stream_goes_on(server):
     assert len(server.servicer.stream_metadata) == 1
 
 
+def test_an_answer_streamed_from_a_session_no_one_else_holds_is_read_to_its_end(server):
+    """The iterator `generate` returns holds its session: without, a session only the iterator referred to was
+    collected as `generate` returned, and its finalizer cancelled the stream under the reader."""
+    import gc
+    chunks = Client(server.url, timeout_s=5).session("held").generate("SLOW", max_tokens=5)
+    gc.collect()
+    assert "".join(chunk.text for chunk in chunks) == "SLOW"
+
+
 def test_is_ready(server):
     assert Client(server.url).is_ready()
     assert not Client(server.url, model="nope").is_ready()
