@@ -416,6 +416,7 @@ class Scheduler:
         positioned, unless it is evicted, was no candidate (``candidate``) and its requests changed neither its log
         nor its KV (each refused): its KV is not rebuilt in the background, evicting another's, for nothing."""
         before = (len(session.token_log), session.has_kv)
+        queued = False  # the request waited behind an earlier one of its session
         while session.pending:
             request, sink = session.pending.popleft()
             if self.store.get(session.session_id) is not session:  # closed while this request waited
@@ -440,11 +441,12 @@ class Scheduler:
             session.note_arrival(request.arrival_s or self._clock())
             session.serving, session.ending = True, request.end
             try:
-                yield from self._server.serve(session, request, sink)
+                yield from self._server.serve(session, request, sink, queued=queued)
             finally:
                 session.serving = session.ending = False
                 session.last_active_s = self._clock()
                 self._residency.fit()
+            queued = True
         if self.store.get(session.session_id) is session and session.token_log and not session.positioned_valid() \
                 and (candidate or not session.evicted or before != (len(session.token_log), session.has_kv)):
             self._background.went_idle(session)

@@ -121,9 +121,10 @@ class RequestServer:
         self._watch = watch
         self._request_audit = request_audit
 
-    def serve(self, session: Session, request: Request, sink: ResponseSink) -> Iterator[None]:
+    def serve(self, session: Session, request: Request, sink: ResponseSink, *, queued: bool = False) -> Iterator[None]:
         """Serve one request: every request gets exactly one final response (or error) on ``sink``; an END
-        closes the session whatever happened, and a rejected START leaves no session behind."""
+        closes the session whatever happened, and a rejected START leaves no session behind. ``queued``: it
+        waited behind an earlier request of its session (its client may have gone meanwhile)."""
         clock = RequestClock(self._clock, request.arrival_s or self._clock())
         clock.start()
         served = False
@@ -131,21 +132,21 @@ class RequestServer:
             self._check_alive(request, sink, cancel_check=False)
             self._turns.check(request)
             if request.is_append:
-                self._append(session, request, self._turns.delta_ids(request), clock, sink)
+                self._append(session, request, self._turns.delta_ids(request), clock, sink, queued)
             else:
                 yield from self._generate(session, request, clock, sink)
             served = True
         except ProtocolError as err:
-            self._reject(request, sink, closed_all_the_same(err) if request.end and not request.start else err)
+            self._refuse(request, sink, err)
         except _Abandoned as abandoned:
             self._abandon(session, request, sink, abandoned)
         except KVCapacityError as err:
             log.error("session %r request %r: %s", session.session_id, request.request_id, err)
-            self._reject(request, sink, ProtocolError("model", f"no KV memory left for this session ({err})",
+            self._refuse(request, sink, ProtocolError("model", f"no KV memory left for this session ({err})",
                                                       Status.RESOURCE_EXHAUSTED))
         except Exception:
             log.exception("session %r request %r failed", session.session_id, request.request_id)
-            self._reject(request, sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
+            self._refuse(request, sink, ProtocolError("request", "internal error; see the server log", Status.INTERNAL))
         # Triton ends the sequence on END whatever happened; a rejected START leaves no session behind (counted as
         # such when it carried END too: a refused one-turn request).
         held = self._residency.store.get(session.session_id) is session
@@ -162,6 +163,10 @@ class RequestServer:
             "timeout", naming_request("the request's deadline passed while it waited behind its session's earlier "
                                       "requests; its turn was not accepted", request.request_id),
             Status.DEADLINE_EXCEEDED)))
+
+    def _refuse(self, request: Request, sink: ResponseSink, err: ProtocolError) -> None:
+        """Answer a request with ``err``; one carrying END (not START) closes its session all the same, and says so."""
+        self._reject(request, sink, closed_all_the_same(err) if request.end and not request.start else err)
 
     def _abandon(self, session: Session, request: Request, sink: ResponseSink, abandoned: _Abandoned) -> None:
         self._metrics.request_abandoned(abandoned.reason)
@@ -184,12 +189,14 @@ class RequestServer:
             return False
         return True
 
-    def _append(self, session: Session, request: Request, delta_ids: list[int], clock: RequestClock, sink: ResponseSink) -> None:
+    def _append(self, session: Session, request: Request, delta_ids: list[int], clock: RequestClock,
+                sink: ResponseSink, queued: bool) -> None:
         path = ServedPath.CLOSE if request.end and not delta_ids else ServedPath.APPEND
         if delta_ids:  # an empty update changes nothing (a bare START or END)
             # An update queued behind a generate on a stream the client then cancelled is cancelled too: accepted,
             # its acknowledgement would go nowhere, and a client sending it again would put it in the log twice.
-            self._check_alive(request, sink)
+            # (Asked only after such a wait: the question is a round trip to the server.)
+            self._check_alive(request, sink, cancel_check=queued)
             turn = self._turns.turn_ids(session, request.role, delta_ids, self._framing.close_ids)
             kept = self._turns.fit_turns(session, request, len(turn), 0)  # the opening turn stays as is
             if session.positioned_valid():

@@ -834,6 +834,11 @@ def test_a_full_kv_pool_answers_resource_exhausted_and_leaves_the_log_unchanged(
     want = expected(h, "s1", "what now", max_tokens=2)
     again = h.serve(h.request("s1", "what now", max_tokens=2))
     assert again.error is None and again.ids == want
+    pool.full = True  # refused so with END, it still closes the session, and says so
+    h.engine.release("s1")
+    ended = h.serve(h.request("s1", "bye", max_tokens=2, end=True))
+    assert ended.error.status is Status.RESOURCE_EXHAUSTED and h.sched.store.get("s1") is None
+    assert ended.error.problem.endswith("; the request carried END, so the session is closed all the same")
 
 
 def test_a_full_kv_pool_abandons_pre_positioning_and_the_loop_goes_on(tmp_path):

@@ -106,6 +106,20 @@ def test_an_update_whose_client_went_away_while_it_waited_is_not_accepted(tmp_pa
     assert sink.error is None and h.sched.store.get("s1") is None and journal.session_ids() == []
 
 
+def test_an_update_that_waited_for_nothing_is_not_asked_whether_its_client_went_away(tmp_path):
+    """The question is a round trip to the server: an update served as it comes (its session idle) does not ask it,
+    so a client that cancels it in flight may still see it accepted, as for any request answered at once."""
+    h = restarted(tmp_path, tmp_path / "journal")
+    open_session(h)
+    asked = []
+    update = h.request("s1", "the code word is KIWI", max_tokens=0)
+    sink = h.submit(update)
+    sink.cancelled = lambda: asked.append(True) or True
+    while not sink.done:
+        h.sched.run_once()
+    assert asked == [] and sink.error is None
+
+
 class BrokenJournal(SessionJournal):
     def append(self, session_id, entry):
         raise OSError(28, "No space left on device")
