@@ -277,6 +277,8 @@ def test_long_names_still_give_pods_and_distinct_objects(chart, release, values)
         (with_minimal(fullnameOverride="MyPrepos"), "at '/fullnameOverride'"),
         (with_minimal(podDisruptionBudget={"maxUnavailable": "150%"}), "at '/podDisruptionBudget/maxUnavailable'"),
         (with_minimal(replicaCount=1025), "at '/replicaCount': maximum"),
+        (with_minimal(metrics={"serviceMonitor": {"enabled": True, "interval": "30s1m"}}),
+         "at '/metrics/serviceMonitor/interval'"),
         (with_minimal(nameOverride="pre.pos"), "at '/nameOverride'"),
         # null removes a default in Helm's merge: the router container would have no memory request
         (with_minimal(router={"resources": {"requests": {"memory": None}}}),
@@ -284,7 +286,7 @@ def test_long_names_still_give_pods_and_distinct_objects(chart, release, values)
     ],
     ids=["no-image-repository", "negative-replicas", "unknown-lb-policy", "tls-without-secret",
          "auth-without-secret", "negative-gpus", "env-without-prefix", "env-health-port", "digest-in-repository",
-         "digest-without-algorithm", "uppercase-fullname", "dotted-name", "pdb-over-100-percent", "too-many-replicas",
+         "digest-without-algorithm", "uppercase-fullname", "dotted-name", "pdb-over-100-percent", "too-many-replicas", "duration-units-out-of-order",
          "no-memory-request"],
 )
 def test_bad_values_fail_with_the_schema_message(chart, values, message):
@@ -309,7 +311,11 @@ def test_bad_values_fail_with_the_schema_message(chart, values, message):
         (with_minimal(triton={"httpPort": 8001}), "triton.httpPort, triton.grpcPort and triton.metricsPort must differ"),
         (with_minimal(storage={"readOnly": True}), "storage.readOnly applies to storage.existingClaim only"),
         (with_minimal(router={"service": {"loadBalancerSourceRanges": ["10.0.0.0/8"]}}),
-         "apply to a NodePort or LoadBalancer Service, not ClusterIP"),
+         "loadBalancerSourceRanges applies to a LoadBalancer Service only, not ClusterIP"),
+        (with_minimal(router={"service": {"type": "NodePort", "loadBalancerSourceRanges": ["10.0.0.0/8"]}}),
+         "loadBalancerSourceRanges applies to a LoadBalancer Service only, not NodePort"),
+        (with_minimal(router={"service": {"externalTrafficPolicy": "Local"}}),
+         "externalTrafficPolicy applies to a NodePort or LoadBalancer Service, not ClusterIP"),
         (with_minimal(router={"adminPort": 8001}), "router.port, router.adminPort and router.healthPort must differ"),
         (with_minimal(router={"healthPort": 9901}), "router.port, router.adminPort and router.healthPort must differ"),
         (with_minimal(router={"lbPolicy": "MAGLEV", "maglev": {"tableSize": 65536}}),
@@ -323,7 +329,7 @@ def test_bad_values_fail_with_the_schema_message(chart, values, message):
          "engine-outside-volume", "hpa-min-above-max", "ring-min-above-max", "prestop-shorter-than-leaving",
          "health-port-taken",
          "health-interval-longer-than-prestop", "triton-ports-clash", "read-only-without-claim",
-         "source-ranges-on-cluster-ip", "router-admin-port-clash",
+         "source-ranges-on-cluster-ip", "source-ranges-on-node-port", "traffic-policy-on-cluster-ip", "router-admin-port-clash",
          "router-health-port-clash", "maglev-even-table", "maglev-odd-composite-table", "router-grace-within-prestop"],
 )
 def test_inconsistent_values_fail_in_the_templates(chart, values, message):
@@ -413,6 +419,9 @@ def test_prepos_env_values_reach_prepos_as_it_reads_them(chart):
     assert (env["PREPOS_GATE_THRESHOLD"], env["PREPOS_JOURNAL_FSYNC"]) == ("0.95", "true")
     config = read_config({}, env)
     assert config.memory.kv_budget_bytes == 8589934592
+    # past int64's exact range a float is left as Helm writes it, not wrapped to a negative integer
+    huge = env_of(triton(render(chart, with_minimal(prepos={"env": {"PREPOS_MEMORY_KV_BUDGET_BYTES": 1e20}}))))
+    assert huge["PREPOS_MEMORY_KV_BUDGET_BYTES"] == "1e+20"
     assert config.scheduler.max_prefill_batch_tokens == 1000000
     assert config.journal.fsync is True
 
@@ -654,11 +663,18 @@ def test_anti_affinity_presets_select_this_releases_own_pods(chart, release):
     (soft,) = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
         "preferredDuringSchedulingIgnoredDuringExecution"]  # the router's default
     assert soft["podAffinityTerm"]["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
-    # affinity written out wins; no preset, no rule
+    # affinity written out keeps the preset beside it (layered over the production values, a nodeAffinity of one's
+    # own dropped their one-replica-per-node rule), unless it has a podAntiAffinity of its own; no preset, no rule
     own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}}
-    assert one(render(chart, with_minimal(podAntiAffinity="hard", affinity=own)), "StatefulSet")["spec"]["template"][
-        "spec"]["affinity"] == own
+    both = one(render(chart, with_minimal(podAntiAffinity="hard", affinity=own)), "StatefulSet")["spec"]["template"][
+        "spec"]["affinity"]
+    preset = one(render(chart, with_minimal(podAntiAffinity="hard")), "StatefulSet")["spec"]["template"]["spec"][
+        "affinity"]["podAntiAffinity"]
+    assert both == {"nodeAffinity": own["nodeAffinity"], "podAntiAffinity": preset}
+    mine = {**own, "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    assert one(render(chart, with_minimal(podAntiAffinity="hard", affinity=mine)), "StatefulSet")["spec"]["template"][
+        "spec"]["affinity"] == mine
     assert "affinity" not in one(render(chart, MINIMAL), "StatefulSet")["spec"]["template"]["spec"]
 
 

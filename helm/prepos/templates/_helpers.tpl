@@ -85,7 +85,7 @@ app.kubernetes.io/component: router
 {{/* A prepos.env value as the text prepos reads: Helm reads a whole number in a values file as a float, which
 would print as 8.589934592e+09 (refused where prepos expects an integer). */}}
 {{- define "prepos.envValue" -}}
-{{- if and (kindIs "float64" .) (eq (floor .) .) -}}
+{{- if and (kindIs "float64" .) (eq (floor .) .) (lt . 1e15) (gt . -1e15) -}}
 {{- int64 . -}}
 {{- else -}}
 {{- toString . -}}
@@ -113,6 +113,19 @@ podAntiAffinity:
         labelSelector:
           matchLabels:
             {{- $labels | nindent 12 }}
+{{- end }}
+{{- end }}
+
+{{/* A pod's affinity: (list AFFINITY PRESET SELECTOR-LABELS), the affinity written out with the anti-affinity preset
+added unless it has a podAntiAffinity of its own (a nodeAffinity written out keeps the preset's spread); empty
+when there is neither. */}}
+{{- define "prepos.affinity" -}}
+{{- $affinity := deepCopy (index . 0 | default dict) }}
+{{- if and (index . 1) (not (hasKey $affinity "podAntiAffinity")) }}
+{{- $_ := set $affinity "podAntiAffinity" (include "prepos.antiAffinity" (list (index . 1) (index . 2)) | fromYaml).podAntiAffinity }}
+{{- end }}
+{{- with $affinity }}
+{{- toYaml . }}
 {{- end }}
 {{- end }}
 
