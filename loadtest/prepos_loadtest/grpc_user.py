@@ -42,7 +42,7 @@ import locust.stats
 from locust import User, events, task
 from locust.exception import LocustError
 from locust.html import get_html_report
-from locust.runners import STATE_RUNNING, STATE_SPAWNING
+from locust.runners import STATE_INIT, STATE_RUNNING, STATE_SPAWNING
 
 from prepos_client import Client, Tls
 from prepos_client.cli import TOKEN_ENV
@@ -96,8 +96,11 @@ def _before_exit(environment, **_kwargs) -> None:
     runner = environment.runner
     interrupted = runner is not None and runner.state in (STATE_SPAWNING, STATE_RUNNING)
     csv_prefix = getattr(environment.parsed_options, "csv_prefix", None)
-    if csv_prefix:
-        Path(f"{csv_prefix}{RUN_END_SUFFIX}").write_text(json.dumps({"interrupted": interrupted}))
+    marker = Path(f"{csv_prefix}{RUN_END_SUFFIX}") if csv_prefix else None
+    if marker is not None and not marker.exists():  # the first quitting tells: a SIGTERM's second one comes stopped
+        # before its users ran (still INIT), or with them still running: stopped before the end of the run time
+        early = runner is None or runner.state in (STATE_INIT, STATE_SPAWNING, STATE_RUNNING)
+        marker.write_text(json.dumps({"interrupted": early}))
     if interrupted:
         runner.stop()
         html_file = getattr(environment.parsed_options, "html_file", None)
@@ -107,7 +110,7 @@ def _before_exit(environment, **_kwargs) -> None:
     # closes them at exit without a last pass, so requests that finished while
     # users stopped (their END included) would be missing from the CSVs; give
     # it one more pass.
-    if csv_prefix:
+    if marker is not None:
         gevent.sleep(locust.stats.CSV_STATS_INTERVAL_SEC + 0.5)
     # A tritonclient client finalized during interpreter shutdown closes its
     # gRPC channel after gevent's hub is gone, and that close can hang the

@@ -110,8 +110,8 @@ def failure_kind(error: BaseException, session_id: str) -> BaseException:
     if not isinstance(error, PreposError):
         return error
     text = error.message
-    if session_id:  # where a message names it ("session 3f2a", "session '3f2a'"), not inside other words
-        text = re.sub(rf"(\bsession ['\"]?){re.escape(session_id)}(?![\w-])", r"\1<session>", text)
+    if session_id:  # where a message names it ("session 3f2a", Triton's "sequence 3f2a"), not inside other words
+        text = re.sub(rf"(\b(?:session|sequence) ['\"]?){re.escape(session_id)}(?![\w-])", r"\1<session>", text)
     text = _REQUEST_NUMBER.sub("request <n>", text)
     grouped = copy.copy(error)
     grouped.message, grouped.args = text, (text,)

@@ -5,6 +5,7 @@ Used by the soak (metric values are read with ``prepos.metrics.metric_sum``). No
 
 from __future__ import annotations
 
+import http.client
 import logging
 import urllib.request
 from dataclasses import dataclass
@@ -13,9 +14,16 @@ log = logging.getLogger("prepos.loadtest")
 
 
 def scrape(metrics_url: str, timeout_s: float = 5.0) -> str:
-    """The text of Triton's Prometheus endpoint."""
-    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
-        return response.read().decode()
+    """The text of Triton's Prometheus endpoint.
+
+    Raises:
+        OSError: it cannot be read: unreachable, not HTTP (a gRPC port, say), a malformed address, not text.
+    """
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+            return response.read().decode()
+    except (http.client.HTTPException, ValueError) as error:  # InvalidURL, BadStatusLine, UnicodeDecodeError
+        raise OSError(f"{type(error).__name__}: {error}") from None
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,9 @@ def test_failures_are_grouped_without_their_session_and_request_numbers():
     grouped = failure_kind(one, "3f2a")
     assert isinstance(grouped, PreposTimeout) and grouped.accepted is False
     assert str(one).startswith("session 3f2a: request 7")  # the error itself, for the log, is left as it was
+    not_open = PreposError("inference request for sequence 3f2a to model 'prepos' must specify the START flag on "
+                           "the first request of the sequence [NOT_FOUND]")
+    assert str(failure_kind(not_open, "3f2a")).startswith("inference request for sequence <session> to model")
     plain = ValueError("x")
     assert failure_kind(plain, "s") is plain
 

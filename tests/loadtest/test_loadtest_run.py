@@ -8,6 +8,7 @@ import math
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import psutil
@@ -276,6 +277,34 @@ def test_an_interrupt_while_the_users_stop_at_the_end_of_the_run_time_stops_noth
     rows = list(csv.DictReader((tmp_path / "out" / "loadtest_stats.csv").open()))
     assert [int(row["Request Count"]) for row in rows if row["Name"] == "close"] == [2], output
     assert '"close"' in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_the_run_end_record_is_the_first_quittings_and_a_run_stopped_before_its_users_ran_was_stopped_early(
+        tmp_path):
+    """Locust fires `quitting` twice when a SIGTERM follows an interrupt (the load test's stop of a slow Locust): the
+    second, its users stopped by then, overwrote the record with "not interrupted" and the run was called complete.
+    One stopped before any user started (its runner still in INIT) was called complete too."""
+    script = textwrap.dedent(f"""
+        import json, types
+        from locust.runners import STATE_INIT, STATE_RUNNING, STATE_STOPPED
+        from prepos_loadtest import grpc_user
+
+        def environment(state, prefix):
+            runner = types.SimpleNamespace(state=state, stop=lambda: None)
+            return types.SimpleNamespace(runner=runner, parsed_options=types.SimpleNamespace(
+                csv_prefix=prefix, html_file=None))
+
+        for name, states in (("sigterm", [STATE_RUNNING, STATE_STOPPED]), ("init", [STATE_INIT]),
+                             ("complete", [STATE_STOPPED])):
+            prefix = {str(tmp_path)!r} + "/" + name
+            for state in states:
+                grpc_user._before_exit(environment(state, prefix))
+            print(name, json.loads(open(prefix + "_run_end.json").read())["interrupted"])
+        """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=run.LOADTEST_DIR, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["sigterm True", "init True", "complete False"], done.stdout
 
 
 def test_a_second_interrupt_stops_a_run_whose_users_do_not_finish(tmp_path, loadtests):

@@ -98,7 +98,8 @@ def test_a_metrics_url_that_is_unreadable_or_no_prepos_servers_is_refused_before
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
         for url, says in ((f"http://127.0.0.1:{other.server_port}/metrics", "no prepos metrics there"),
-                          ("http://127.0.0.1:9/metrics", "cannot read it")):
+                          ("http://127.0.0.1:9/metrics", "cannot read it"),
+                          ("http://127.0.0.1:80x/metrics", "cannot read it (InvalidURL")):
             with pytest.raises(SystemExit) as exited:
                 soak_main(["--server", "127.0.0.1:9", "--metrics-url", url, "--out", str(tmp_path / "out")])
             assert exited.value.code == 2
