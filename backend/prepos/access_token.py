@@ -9,6 +9,7 @@ takes the token as a command-line argument, so whatever prints a command or a lo
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -20,6 +21,9 @@ RESTRICTED_PROTOCOLS = ("inference", "model-repository", "model-config", "shared
 """Triton protocol groups (gRPC) / APIs (HTTP) that need the access token; ``health`` and ``metadata`` stay open."""
 MIN_TOKEN_LENGTH = 16
 _TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
+
+
+log = logging.getLogger("prepos.launcher")
 
 
 def resolve_access_token(options, environ: dict[str, str] | None = None) -> str | None:
@@ -35,9 +39,11 @@ def resolve_access_token(options, environ: dict[str, str] | None = None) -> str 
             raise ValueError(f"access token file: {err.strerror or err} ({options.access_token_file})") from None
         if not token:
             raise ValueError(f"access token file {options.access_token_file} is empty")
-    elif environ.get(ACCESS_TOKEN_ENV):
+    elif environ.get(ACCESS_TOKEN_ENV, "").strip():
         token, source = environ[ACCESS_TOKEN_ENV].strip(), ACCESS_TOKEN_ENV
     else:
+        if ACCESS_TOKEN_ENV in environ:  # set, but to nothing: most likely a secret that did not arrive
+            log.warning("%s is set but empty: no access token, the endpoints are open", ACCESS_TOKEN_ENV)
         return None
     if len(token) < MIN_TOKEN_LENGTH:
         raise ValueError(f"access token from {source}: {len(token)} characters; use at least {MIN_TOKEN_LENGTH}")

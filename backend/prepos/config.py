@@ -10,6 +10,7 @@ override a value without editing the model repository.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -154,7 +155,8 @@ class SchedulerConfig:
         check_setting(self.context_overflow in ("reject", "drop_oldest"), "scheduler.context_overflow",
                       f"unknown policy {self.context_overflow!r}; use reject or drop_oldest")
         check_setting(0 <= self.background_delay_ms <= 10_000, "scheduler.background_delay_ms", "must be in [0, 10000]")
-        check_setting(self.session_idle_timeout_s > 0, "scheduler.session_idle_timeout_s", "must be > 0")
+        check_setting(math.isfinite(self.session_idle_timeout_s) and self.session_idle_timeout_s > 0,
+                      "scheduler.session_idle_timeout_s", "must be a finite number of seconds > 0")
         check_setting(self.default_max_tokens >= 0, "scheduler.default_max_tokens", "must be >= 0")
         check_setting(1 <= self.max_decode_batch <= 1024, "scheduler.max_decode_batch", "must be in [1, 1024]")
         check_setting(1 <= self.max_prefill_batch <= 1024, "scheduler.max_prefill_batch", "must be in [1, 1024]")
@@ -241,7 +243,7 @@ class LimitsConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            check_setting(getattr(self, f.name) >= 1, f"limits.{f.name}", "must be >= 1")
+            check_setting(1 <= getattr(self, f.name) <= INT32_MAX, f"limits.{f.name}", f"must be in [1, {INT32_MAX}]")
 
 
 @dataclass(frozen=True)
@@ -332,6 +334,40 @@ def environment_variable(key: str) -> str:
     """The environment variable that overrides the setting ``key`` (``memory.max_sessions``:
     ``PREPOS_MEMORY_MAX_SESSIONS``)."""
     return "PREPOS_" + key.replace(".", "_").upper()
+
+
+INT32_MAX = 2**31 - 1  # the request inputs' counts (max_tokens, top_k) are INT32
+
+TRITON_DEFAULT_IDLE_US = 1_000_000
+"""Triton's ``max_sequence_idle_microseconds`` where config.pbtxt leaves it out."""
+
+
+def setting_error(key: str, problem: str, environ: Mapping[str, str] | None = None) -> ConfigError:
+    """:class:`ConfigError` ``<key>: <problem>``, naming the environment variable that set the value where one did."""
+    environ = os.environ if environ is None else environ
+    error = ConfigError(f"{key}: {problem}")
+    variable = environment_variable(key)
+    return _set_by(error, variable) if variable in environ else error
+
+
+def check_model_config(model_config: Mapping[str, Any], parameters: Mapping[str, str],
+                       environ: Mapping[str, str] | None = None) -> None:
+    """What of the model's Triton configuration (config.pbtxt, as Triton hands it over) prepos cannot run with:
+    more than one instance (each would load its own engine and write the same journals), or the sequence idle
+    timeout Triton uses where config.pbtxt leaves it out (1 s: every session idle a second would end), unless
+    the session idle timeout is set to it as well. Raises :class:`ConfigError` naming the setting."""
+    environ = os.environ if environ is None else environ
+    num_instances = sum(int(group.get("count", 1)) for group in model_config.get("instance_group", []))
+    if num_instances > 1:
+        raise ConfigError(f"instance_group: {num_instances} instances; prepos runs one (it owns the engine and the "
+                          "session journals): set count: 1")
+    idle_us = model_config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
+    meant = "scheduler.session_idle_timeout_s" in parameters or \
+        environment_variable("scheduler.session_idle_timeout_s") in environ
+    if idle_us is not None and int(idle_us) == TRITON_DEFAULT_IDLE_US and not meant:
+        raise ConfigError("sequence_batching.max_sequence_idle_microseconds: 1 s, Triton's default where config.pbtxt "
+                          "leaves it out: every session idle for a second would be ended; set it (600000000 for 10 "
+                          "minutes), or set scheduler.session_idle_timeout_s to 1 as well to mean it")
 
 
 def _set_by(error: ConfigError, variable: str) -> ConfigError:

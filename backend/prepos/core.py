@@ -14,7 +14,7 @@ from typing import Mapping
 import numpy as np
 
 from prepos.config import (ConfigError, EngineConfig, MemoryConfig, PreposConfig, check_sequence_slots,
-                           idle_timeout_mismatch, read_config)
+                           idle_timeout_mismatch, read_config, setting_error)
 from prepos.engines.base import Engine
 from prepos.engines.openmp import cpu_quota, default_num_threads, release_calling_thread, usable_cpus
 from prepos.heap import CollectorPauses
@@ -88,7 +88,7 @@ def check_device(device: str) -> None:
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
         found = f"{torch.cuda.device_count()} CUDA devices" if torch.cuda.is_available() else \
             f"no CUDA (torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'})"
-        raise ConfigError(f"engine.device: {device!r}, but torch sees {found}; use cpu here")
+        raise setting_error("engine.device", f"{device!r}, but torch sees {found}; use cpu here")
 
 
 def kv_budget_bytes(memory: MemoryConfig, engine: Engine) -> int:
@@ -118,7 +118,10 @@ class Core:
         if engine is None:
             check_device(config.engine.device)
         engine_dir = config.engine_dir(model_dir)
-        manifest = EngineManifest.load(engine_dir)
+        try:
+            manifest = EngineManifest.load(engine_dir)
+        except FileNotFoundError as err:
+            raise setting_error("engine.dir", str(err)) from None
         self.tokenizer = Tokenizer(engine_dir / "tokenizer.json")
         self.engine = engine if engine is not None else create_engine(
             config.engine, engine_dir, config.memory.kv_budget_bytes, config.scheduler.session_idle_timeout_s,
@@ -133,7 +136,10 @@ class Core:
         if journal_dir is not None:
             from prepos.journal import SessionJournal
 
-            journal = SessionJournal(journal_dir, fsync=config.journal.fsync)
+            try:
+                journal = SessionJournal(journal_dir, fsync=config.journal.fsync)
+            except OSError as err:
+                raise setting_error("journal.dir", f"cannot use {journal_dir} ({err.strerror or err})") from None
             log.info("session journals in %s (%d sessions to reopen on their next request)",
                      journal_dir, len(journal.session_ids()))
         self.scheduler = Scheduler(

@@ -37,15 +37,17 @@ from pathlib import Path
 
 from prepos.access_token import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER,
                                  RESTRICTED_PROTOCOLS, masked, resolve_access_token, restriction_arguments)
+from prepos.launch_checks import (check_host, check_tls_pair, journal_environment, model_names, stop_with_parent,
+                                  usable_dir)
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
 from prepos.supervise import (DRAIN_ENV, STUB_CHECK_S, StubWatch, bls_threads_argument, describe_lost,
                               drain_file_from, keepalive_ping_arguments, server_stack_limit, stop_server)
+from prepos.triton_install import prepare_backend_dir, pytriton_dir
 
 log = logging.getLogger("prepos.launcher")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 
@@ -106,34 +108,9 @@ class ServerOptions:
         for flag, path in (("--tls-cert-file", self.tls_cert_file), ("--tls-key-file", self.tls_key_file)):
             if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
                 raise ValueError(f"{flag}: no readable file at {path}")
-
-
-def _pytriton_dir() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or spec.origin is None:
-        raise SystemExit("nvidia-pytriton is not installed: run `make serve` (it installs everything into .venv)")
-    return Path(spec.origin).parent
-
-
-def prepare_backend_dir(run_dir: Path) -> Path:
-    """Lay out ``run_dir/backends/python`` with the Python backend and the stub for this interpreter."""
-    triton = _pytriton_dir() / "tritonserver"
-    stub = triton / "python_backend_stubs" / PY_VERSION / "triton_python_backend_stub"
-    if not stub.is_file():
-        raise SystemExit(f"no Triton Python backend stub for Python {PY_VERSION} in {stub.parent.parent}")
-    python_dir = run_dir / "backends" / "python"
-    python_dir.mkdir(parents=True, exist_ok=True)
-    for source in [*(triton / "backends" / "python").glob("*.*"), stub]:
-        target = python_dir / source.name
-        # Symlinks keep the stub's $ORIGIN-relative library path pointing into the wheel.
-        if target.is_symlink() or target.exists():
-            if target.is_symlink() and target.resolve() == source.resolve():
-                continue
-            target.unlink()
-        target.symlink_to(source)
-    return run_dir / "backends"
+        if self.tls_cert_file:
+            check_tls_pair(self.tls_cert_file, self.tls_key_file)
+        check_host(self.host)
 
 
 def server_environment() -> dict[str, str]:
@@ -144,7 +121,7 @@ def server_environment() -> dict[str, str]:
     packages, which it does when the environment's bin/ comes first on PATH.
     """
     env = dict(os.environ)
-    libs = [sysconfig.get_config_var("LIBDIR"), str(_pytriton_dir().parent / "nvidia_pytriton.libs")]
+    libs = [sysconfig.get_config_var("LIBDIR"), str(pytriton_dir().parent / "nvidia_pytriton.libs")]
     env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     paths = [str(REPO_ROOT / "backend"), env.get("PYTHONPATH", "")]
@@ -153,7 +130,7 @@ def server_environment() -> dict[str, str]:
 
 
 def server_command(options: ServerOptions, backend_dir: Path, access_token: str | None = None) -> list[str]:
-    command = [str(_pytriton_dir() / "tritonserver" / "bin" / "tritonserver")]
+    command = [str(pytriton_dir() / "tritonserver" / "bin" / "tritonserver")]
     command += [f"--model-repository={repo}" for repo in options.model_repositories]
     command += [
         f"--backend-directory={backend_dir}",
@@ -198,6 +175,8 @@ class TritonServer:
         for repository in options.model_repositories:
             if not Path(repository).is_dir():
                 raise ValueError(f"--model-repository: {repository} is not a folder")
+        self.models = model_names(options.model_repositories)
+        usable_dir(options.run_dir, "--run-dir")
         try:
             socket.getaddrinfo(options.host, None)
         except OSError as err:
@@ -249,7 +228,7 @@ class TritonServer:
         # its clients send from then on).
         with server_stack_limit():
             self.process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=stop_with_parent())
         handle.close()
         return self
 
@@ -448,9 +427,8 @@ def interrupt_on_sigterm() -> None:
 def serve(options: ServerOptions) -> int:
     """Start the server, print its addresses, and run until Ctrl-C/SIGTERM."""
     env = {}
-    if "PREPOS_JOURNAL_DIR" not in os.environ and options.journal_dir != "off":
-        env["PREPOS_JOURNAL_DIR"] = str(Path(options.journal_dir or options.run_dir / "journal").resolve())
     try:
+        env.update(journal_environment(options.journal_dir, options.run_dir, os.environ))
         server = TritonServer(options, env=env)
     except ValueError as err:
         print(f"prepos failed to start: {err}", file=sys.stderr)
@@ -467,7 +445,7 @@ def serve(options: ServerOptions) -> int:
                   f"  HTTP     {server.http_url}"
                   + (" (POST /v2/models/prepos_http/generate or generate_stream)" if bridge else "") + "\n"
                   f"  metrics  {server.metrics_url}\n  log      {server.log_file}\n"
-                  f"  journal  {env.get('PREPOS_JOURNAL_DIR') or os.environ.get('PREPOS_JOURNAL_DIR') or 'off'}\n"
+                  f"  journal  {env.get('PREPOS_JOURNAL_DIR') or 'off'}\n"
                   + (f"  access   token required: gRPC header {GRPC_ACCESS_TOKEN_HEADER}, HTTP header {ACCESS_TOKEN_HEADER}\n"
                      if server.access_token else "")
                   + "Press Ctrl-C to stop.", flush=True)

@@ -35,6 +35,9 @@ def test_parameters_and_environment_override_defaults():
     # a default every request without max_tokens would be refused for
     ({"scheduler.default_max_tokens": "5000"}, "scheduler.default_max_tokens"),
     ({"scheduler.default_max_tokens": "65", "limits.max_tokens": "64"}, "scheduler.default_max_tokens"),
+    # inf would pass the journal's check against it and name journal.expire_s instead
+    ({"scheduler.session_idle_timeout_s": "inf"}, "scheduler.session_idle_timeout_s"),
+    ({"limits.max_tokens": str(2**31)}, "limits.max_tokens"),  # the max_tokens input is INT32
 ])
 def test_bad_values_name_the_key(params, key):
     with pytest.raises(ConfigError, match=f"^{key}: "):
@@ -116,6 +119,35 @@ def test_every_eviction_policy_the_config_accepts_exists():
     from prepos.memory import EVICTION_POLICIES
 
     assert set(EVICTION_POLICY_NAMES) == set(EVICTION_POLICIES)
+
+
+@pytest.mark.parametrize(("model_config", "parameters", "environ", "says"), [
+    ({"instance_group": [{"count": 2, "kind": "KIND_CPU"}]}, {}, {}, "^instance_group: 2 instances; prepos runs one"),
+    ({"sequence_batching": {"max_sequence_idle_microseconds": "1000000"}}, {}, {},
+     "^sequence_batching.max_sequence_idle_microseconds: 1 s, Triton's default"),
+])
+def test_a_triton_model_configuration_prepos_cannot_run_with_is_refused(model_config, parameters, environ, says):
+    from prepos.config import check_model_config
+    with pytest.raises(ConfigError, match=says):
+        check_model_config(model_config, parameters, environ)
+
+
+def test_a_one_second_idle_timeout_is_taken_where_the_session_timeout_says_so_too():
+    from prepos.config import check_model_config
+    one_second = {"sequence_batching": {"max_sequence_idle_microseconds": "1000000"},
+                  "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
+    check_model_config(one_second, {"scheduler.session_idle_timeout_s": "1"}, {})
+    check_model_config(one_second, {}, {"PREPOS_SCHEDULER_SESSION_IDLE_TIMEOUT_S": "1"})
+    check_model_config({"sequence_batching": {"max_sequence_idle_microseconds": "600000000"}}, {}, {})
+
+
+def test_an_engine_or_journal_directory_that_cannot_be_used_names_its_key_and_variable(tmp_path, monkeypatch):
+    from prepos.core import Core
+
+    monkeypatch.setenv("PREPOS_ENGINE_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match=r"^engine.dir: .*nowhere/prepos_engine.json not found.*"
+                                          r"\(set by the environment variable PREPOS_ENGINE_DIR\)$"):
+        Core.from_parameters({}, tmp_path)
 
 
 def test_a_cuda_device_torch_does_not_see_is_a_config_error_naming_the_key(tmp_path):

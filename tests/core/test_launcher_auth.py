@@ -55,6 +55,19 @@ def test_unusable_tokens_are_refused_without_showing_them(options, env, problem)
         assert token not in str(err.value)
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_token_variable_leaves_the_endpoints_open_and_says_so(value, caplog):
+    """Set to nothing (a Kubernetes secret that did not arrive, say): no token, as before, but no longer silently."""
+    with caplog.at_level("WARNING", logger="prepos.launcher"):
+        assert resolve_access_token(ServerOptions(), environ={ACCESS_TOKEN_ENV: value}) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{ACCESS_TOKEN_ENV} is set but empty: no access token, the endpoints are open"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="prepos.launcher"):
+        assert resolve_access_token(ServerOptions(), environ={}) is None
+    assert caplog.records == []
+
+
 def test_empty_token_file_is_refused(tmp_path):
     (tmp_path / "token").write_text("\n")
     with pytest.raises(ValueError, match="empty"):

@@ -3,6 +3,7 @@ server counts as ready."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -265,13 +266,64 @@ def test_the_drain_file_set_in_the_environment_is_kept_and_an_empty_one_turns_th
         assert server.drain_file == (None if expected is None else launcher.Path(expected))
 
 
+def _self_signed(folder, name):
+    """A self-signed certificate and its unencrypted key, as PEM files."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now)
+                   .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    cert, key_file = folder / f"{name}.pem", folder / f"{name}.key"
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert, key_file
+
+
 def test_tls_files_go_together_and_must_be_readable(tmp_path):
-    cert = tmp_path / "server.pem"
-    cert.write_text("certificate")
+    cert, key = _self_signed(tmp_path, "server")
     with pytest.raises(ValueError, match="--tls-cert-file and --tls-key-file go together"):
         ServerOptions(tls_cert_file=str(cert))
     with pytest.raises(ValueError, match="--tls-key-file: no readable file at"):
         ServerOptions(tls_cert_file=str(cert), tls_key_file=str(tmp_path / "missing.key"))
-    command = server_command(ServerOptions(tls_cert_file=str(cert), tls_key_file=str(cert)), tmp_path)
+    command = server_command(ServerOptions(tls_cert_file=str(cert), tls_key_file=str(key)), tmp_path)
     assert "--grpc-use-ssl=true" in command and f"--grpc-server-cert={cert}" in command
     assert not any("ssl" in argument for argument in server_command(ServerOptions(), tmp_path))
+
+
+def test_a_tls_pair_tritonserver_could_not_use_is_refused_naming_both_flags(tmp_path):
+    """Triton took such files and then failed with "Socket ... already in use" for a free port."""
+    cert, key = _self_signed(tmp_path, "server")
+    other_cert, other_key = _self_signed(tmp_path, "other")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    for cert_file, key_file in ((garbage, garbage), (cert, other_key), (key, cert)):  # junk, mismatched, swapped
+        with pytest.raises(ValueError, match=rf"^--tls-cert-file {cert_file} and --tls-key-file {key_file}: not a "
+                                             "PEM certificate chain and its unencrypted private key"):
+            ServerOptions(tls_cert_file=str(cert_file), tls_key_file=str(key_file))
+    ServerOptions(tls_cert_file=str(other_cert), tls_key_file=str(other_key))
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]", "::"])
+def test_an_ipv6_host_is_refused_naming_the_flag(host):
+    with pytest.raises(ValueError, match=rf"^--host: {re.escape(host)} is an IPv6 address"):
+        ServerOptions(host=host)
+
+
+def test_a_repository_with_no_model_or_an_unusable_run_dir_is_refused_naming_the_flag(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^--model-repository: no model in .*empty"):
+        TritonServer(ServerOptions(model_repositories=(tmp_path / "empty",), run_dir=tmp_path / "run"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for run_dir in (blocker, blocker / "run"):
+        with pytest.raises(ValueError, match=rf"^--run-dir: cannot use {re.escape(str(run_dir))} \("):
+            TritonServer(ServerOptions(run_dir=run_dir))

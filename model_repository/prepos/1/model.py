@@ -17,7 +17,7 @@ try:
 except ImportError:  # running from a source checkout: model_repository/prepos/1/model.py -> backend/
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "backend"))
 
-from prepos.config import sequence_slots
+from prepos.config import check_model_config, sequence_slots
 from prepos.core import Core
 from prepos.drain import Drainer
 from prepos.heap import settle_heap
@@ -86,6 +86,7 @@ class TritonPythonModel:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         model_config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        check_model_config(model_config, parameters)
         idle_us = model_config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
         idle_s = int(idle_us) / 1e6 if idle_us else None
         if idle_s and "scheduler.session_idle_timeout_s" not in parameters:

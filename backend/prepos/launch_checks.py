@@ -1,0 +1,103 @@
+"""What the launcher checks before it starts tritonserver, so that a bad folder, TLS pair, address or model
+repository is refused at once naming its flag, rather than seconds later by Triton or the model's load with a
+message that names neither (a TLS key that does not match its certificate showed as a port "already in use")."""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+import os
+import signal
+import ssl
+import sys
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+log = logging.getLogger("prepos.launcher")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def usable_dir(path: str | Path, flag: str) -> Path:
+    """``path``, made if missing, when this process can write in it. Raises ValueError naming ``flag``: a file in
+    the way, no permission, a read-only or missing parent."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{flag}: cannot use {path} ({err.strerror or err})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: cannot write in {path}")
+    return path
+
+
+def check_tls_pair(cert_file: str, key_file: str) -> None:
+    """Raise ValueError naming both flags unless ``cert_file`` holds a PEM certificate chain and ``key_file`` its
+    unencrypted private key (Triton reads no encrypted key)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert_file, key_file, password=lambda: b"")
+    except (ssl.SSLError, OSError) as err:
+        raise ValueError(f"--tls-cert-file {cert_file} and --tls-key-file {key_file}: not a PEM certificate chain "
+                         f"and its unencrypted private key ({err.reason or err})") from None
+
+
+def check_host(host: str) -> None:
+    """Raise ValueError for an IPv6 address: Triton 2.51 puts it unbracketed before the gRPC port (``::1:8001``),
+    which its gRPC server cannot bind, and reports the port as in use."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return  # a name: resolved later
+    if address.version == 6:
+        raise ValueError(f"--host: {host} is an IPv6 address, which Triton 2.51's gRPC endpoint cannot bind here; use "
+                         "an IPv4 address (127.0.0.1, or 0.0.0.0 for every interface)")
+
+
+def model_names(repositories: Sequence[str | Path]) -> list[str]:
+    """The models the repositories hold (folders with a config.pbtxt). Raises ValueError naming
+    ``--model-repository`` when they hold none: Triton would start with nothing to serve and report ready."""
+    names = sorted(entry.name for repository in repositories for entry in Path(repository).iterdir()
+                   if (entry / "config.pbtxt").is_file())
+    if not names:
+        raise ValueError(f"--model-repository: no model in {', '.join(str(r) for r in repositories)} (a model is a "
+                         "folder with a config.pbtxt)")
+    return names
+
+
+def journal_environment(journal_dir: str, run_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """``PREPOS_JOURNAL_DIR`` for the server: ``--journal-dir`` where given (``off``: none, whatever the
+    environment says), else the environment's, else ``<run-dir>/journal``; its folder made and checked. Raises
+    ValueError naming the flag or the variable that gave an unusable folder."""
+    if journal_dir == "off":
+        return {"PREPOS_JOURNAL_DIR": ""}  # the environment's, if any, would win otherwise
+    if journal_dir:
+        chosen, source = journal_dir, "--journal-dir"
+        if environ.get("PREPOS_JOURNAL_DIR") not in (None, "", journal_dir):
+            log.info("--journal-dir %s wins over PREPOS_JOURNAL_DIR=%s", journal_dir, environ["PREPOS_JOURNAL_DIR"])
+    elif "PREPOS_JOURNAL_DIR" in environ:
+        if not environ["PREPOS_JOURNAL_DIR"]:
+            return {}  # set empty: no journals, as documented
+        chosen, source = environ["PREPOS_JOURNAL_DIR"], "PREPOS_JOURNAL_DIR"
+    else:
+        chosen, source = str(run_dir / "journal"), "--run-dir"
+    return {"PREPOS_JOURNAL_DIR": str(usable_dir(chosen, source).resolve())}
+
+
+def stop_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child sent SIGTERM when this process dies (Linux's parent-death signal):
+    a launcher killed with SIGKILL, or by the OOM killer, left tritonserver serving on its ports with no one to
+    stop it. None elsewhere, and off the main thread (the signal follows the thread that started the child)."""
+    import threading
+
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the signal was set
+            os._exit(1)
+
+    return preexec
