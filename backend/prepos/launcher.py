@@ -283,7 +283,17 @@ class TritonServer:
             lines = self.log_file.read_text(errors="replace").splitlines()
         except OSError:
             return []
-        return [masked(line, self.access_token) for line in lines if "failed to load '" in line]
+        return [masked(line, self.access_token) for line in lines if "failed to load '" in line
+                or "failed to poll model" in line]
+
+    def prepos_warnings(self) -> list[str]:
+        """The models' own warnings in the log so far (an idle timeout that is not Triton's, a setting the machine
+        cannot honour): the launcher shows them, which Triton's log alone would leave unseen."""
+        try:
+            lines = self.log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [masked(line, self.access_token) for line in lines if " WARNING prepos" in line]
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -449,6 +459,8 @@ def serve(options: ServerOptions) -> int:
                   + (f"  access   token required: gRPC header {GRPC_ACCESS_TOKEN_HEADER}, HTTP header {ACCESS_TOKEN_HEADER}\n"
                      if server.access_token else "")
                   + "Press Ctrl-C to stop.", flush=True)
+            for warning in server.prepos_warnings():
+                print(f"  warning  {warning}", flush=True)
             stubs = StubWatch(server.process.pid)
             try:
                 while server.process.poll() is None:

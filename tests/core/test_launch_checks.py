@@ -58,3 +58,15 @@ def test_a_child_started_so_is_stopped_when_its_launcher_is_killed_outright():
     finally:
         if child.is_running():
             child.kill()
+
+
+def test_the_models_warnings_in_the_server_log_are_picked_out_for_the_console(tmp_path):
+    from prepos.launcher import ServerOptions, TritonServer
+
+    server = TritonServer(ServerOptions(run_dir=tmp_path / "run"), log_file=tmp_path / "server.log")
+    server.log_file.write_text(
+        "I1127 12:00:00.000 model_lifecycle.cc:849] successfully loaded 'prepos'\n"
+        "2026-11-27 12:00:01,000 INFO prepos.core: session journals in /j (0 sessions to reopen on their next request)\n"
+        "2026-11-27 12:00:01,001 WARNING prepos.core: scheduler.session_idle_timeout_s (5 s) is shorter than ...\n")
+    assert server.prepos_warnings() == [
+        "2026-11-27 12:00:01,001 WARNING prepos.core: scheduler.session_idle_timeout_s (5 s) is shorter than ..."]
