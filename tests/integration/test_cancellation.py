@@ -37,16 +37,22 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def test_a_cancelled_stream_stops_generation_and_leaves_the_log_unchanged(server):
+def open_with_twin(server, session_id: str):
+    """Open ``session_id`` with the system turn and leave it open; return what a twin session with the same
+    system turn answers to "Say hello." (what the session answers as long as nothing else entered its log)."""
     with Client(server.grpc_url) as client:
-        twin = client.session("twin")
+        twin = client.session(f"{session_id}-twin")
         twin.append(SYSTEM, role="system")
         want = twin.ask("Say hello.", max_tokens=6, speculate=False)
         twin.close()
-
-        session = client.session("victim")
+        session = client.session(session_id)
         session.append(SYSTEM, role="system")
         session.detach()
+    return want
+
+
+def test_a_cancelled_stream_stops_generation_and_leaves_the_log_unchanged(server):
+    want = open_with_twin(server, "victim")
 
     cancelled_before = server.metric("prepos_requests_abandoned_total", reason="cancelled")
     results: queue.Queue = queue.Queue()
@@ -69,14 +75,7 @@ def test_a_cancelled_stream_stops_generation_and_leaves_the_log_unchanged(server
 def test_an_update_queued_behind_a_cancelled_answer_is_cancelled_too(server):
     """An update needs no engine step: queued on the stream behind a generate, it was accepted after the client
     cancelled the stream, with its acknowledgement lost, so that a client sending it again had it twice."""
-    with Client(server.grpc_url) as client:
-        twin = client.session("queued-twin")
-        twin.append(SYSTEM, role="system")
-        want = twin.ask("Say hello.", max_tokens=6, speculate=False)
-        twin.close()
-        session = client.session("queued")
-        session.append(SYSTEM, role="system")
-        session.detach()
+    want = open_with_twin(server, "queued")
 
     cancelled_before = server.metric("prepos_requests_abandoned_total", reason="cancelled")
     appended_before = server.metric("prepos_requests_total", path="append")
