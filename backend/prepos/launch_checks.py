@@ -8,6 +8,7 @@ import ctypes
 import ipaddress
 import logging
 import os
+import re
 import signal
 import ssl
 import sys
@@ -83,6 +84,32 @@ def journal_environment(journal_dir: str, run_dir: Path, environ: Mapping[str, s
     else:
         chosen, source = str(run_dir / "journal"), "--run-dir"
     return {"PREPOS_JOURNAL_DIR": str(usable_dir(chosen, source).resolve())}
+
+
+_PARAMETER = re.compile(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}')
+_SEQUENCE_IDLE_US = re.compile(r"^\s*max_sequence_idle_microseconds:\s*(\d+)", re.MULTILINE)
+
+
+def check_model_settings(repositories: Sequence[str | Path], environ: Mapping[str, str]) -> None:
+    """Read the prepos settings of each prepos model in the repositories (config.pbtxt's parameters, the
+    ``PREPOS_*`` variables of ``environ``) as the model will when it loads, so that a bad one is refused before
+    Triton starts (the load took 7-11 s to say the same). Raises ValueError naming the model and the setting."""
+    from prepos.config import ConfigError, read_config
+
+    for repository in repositories:
+        for entry in sorted(Path(repository).iterdir()):
+            config = entry / "config.pbtxt"
+            if not entry.name.startswith("prepos") or entry.name == "prepos_http" or not config.is_file():
+                continue
+            text = config.read_text(errors="replace")
+            parameters = dict(_PARAMETER.findall(text))
+            idle_us = _SEQUENCE_IDLE_US.search(text)
+            if idle_us and int(idle_us.group(1)):  # as the model sets it from Triton's own (see its model.py)
+                parameters.setdefault("scheduler.session_idle_timeout_s", str(int(idle_us.group(1)) / 1e6))
+            try:
+                read_config(parameters, environ)
+            except ConfigError as err:
+                raise ValueError(f"model {entry.name} ({config}): {err}") from None
 
 
 def stop_with_parent() -> Callable[[], None] | None:

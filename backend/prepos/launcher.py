@@ -37,8 +37,8 @@ from pathlib import Path
 
 from prepos.access_token import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER,
                                  RESTRICTED_PROTOCOLS, masked, resolve_access_token, restriction_arguments)
-from prepos.launch_checks import (check_host, check_tls_pair, journal_environment, model_names, stop_with_parent,
-                                  usable_dir)
+from prepos.launch_checks import (check_host, check_model_settings, check_tls_pair, journal_environment, model_names,
+                                  stop_with_parent, usable_dir)
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
 from prepos.supervise import (DRAIN_ENV, STUB_CHECK_S, StubWatch, bls_threads_argument, describe_lost,
@@ -176,6 +176,7 @@ class TritonServer:
             if not Path(repository).is_dir():
                 raise ValueError(f"--model-repository: {repository} is not a folder")
         self.models = model_names(options.model_repositories)
+        check_model_settings(options.model_repositories, {**os.environ, **self.env})
         usable_dir(options.run_dir, "--run-dir")
         try:
             socket.getaddrinfo(options.host, None)

@@ -70,3 +70,41 @@ def test_the_models_warnings_in_the_server_log_are_picked_out_for_the_console(tm
         "2026-11-27 12:00:01,001 WARNING prepos.core: scheduler.session_idle_timeout_s (5 s) is shorter than ...\n")
     assert server.prepos_warnings() == [
         "2026-11-27 12:00:01,001 WARNING prepos.core: scheduler.session_idle_timeout_s (5 s) is shorter than ..."]
+
+
+def _repository(tmp_path, parameters: str, idle_us: int = 600000000):
+    model = tmp_path / "repo" / "prepos"
+    model.mkdir(parents=True)
+    (model / "config.pbtxt").write_text(
+        f'name: "prepos"\nsequence_batching {{\n  max_sequence_idle_microseconds: {idle_us}\n}}\n'
+        f'parameters [\n{parameters}\n]\n')
+    (tmp_path / "repo" / "prepos_http").mkdir()  # the bridge's settings are its own: not read here
+    (tmp_path / "repo" / "prepos_http" / "config.pbtxt").write_text('parameters [ { key: "bridge.x" value: '
+                                                                     '{ string_value: "y" } } ]\n')
+    return tmp_path / "repo"
+
+
+def test_a_prepos_setting_the_model_would_refuse_is_refused_before_triton_starts(tmp_path):
+    """The model's load took 7-11 s to refuse them, with exit status 1; now the launcher does, naming the model."""
+    from prepos.launch_checks import check_model_settings
+
+    good = _repository(tmp_path / "good", '  { key: "gate.threshold" value: { string_value: "0.8" } }')
+    check_model_settings([good], {})
+    with pytest.raises(ValueError, match=r"^model prepos \(.*config.pbtxt\): gate.threshold: cannot read 'abc' as "
+                                         r"float \(set by the environment variable PREPOS_GATE_THRESHOLD\)$"):
+        check_model_settings([good], {"PREPOS_GATE_THRESHOLD": "abc"})
+    bad = _repository(tmp_path / "bad", '  { key: "gate.nosuch" value: { string_value: "1" } }')
+    with pytest.raises(ValueError, match=r"^model prepos .*gate.nosuch"):
+        check_model_settings([bad], {})
+    # the idle timeout comes from Triton's own, as in the model: a journal expiry below it is refused
+    long_idle = _repository(tmp_path / "idle", '  { key: "journal.expire_s" value: { string_value: "3600" } }',
+                            idle_us=7200 * 10**6)
+    with pytest.raises(ValueError, match=r"journal.expire_s: must exceed the session idle timeout \(7200 s"):
+        check_model_settings([long_idle], {})
+
+
+def test_the_shipped_repository_passes_the_settings_check():
+    from prepos.launch_checks import check_model_settings
+    from prepos.launcher import REPO_ROOT
+
+    check_model_settings([REPO_ROOT / "model_repository"], {})
