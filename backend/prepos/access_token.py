@@ -39,7 +39,7 @@ def resolve_access_token(options, environ: dict[str, str] | None = None) -> str 
             raise ValueError(f"access token file: {err.strerror or err} ({options.access_token_file})") from None
         if not token:
             raise ValueError(f"access token file {options.access_token_file} is empty")
-    elif environ.get(ACCESS_TOKEN_ENV, "").strip():
+    elif environ.get(ACCESS_TOKEN_ENV):  # blanks only: refused below, as a token of 0 characters
         token, source = environ[ACCESS_TOKEN_ENV].strip(), ACCESS_TOKEN_ENV
     else:
         if ACCESS_TOKEN_ENV in environ:  # set, but to nothing: most likely a secret that did not arrive

@@ -357,13 +357,18 @@ def check_model_config(model_config: Mapping[str, Any], parameters: Mapping[str,
     timeout Triton uses where config.pbtxt leaves it out (1 s: every session idle a second would end), unless
     the session idle timeout is set to it as well. Raises :class:`ConfigError` naming the setting."""
     environ = os.environ if environ is None else environ
-    num_instances = sum(int(group.get("count", 1)) for group in model_config.get("instance_group", []))
+    num_instances = sum(int(group.get("count", 1)) * max(1, len(group.get("gpus", [])))  # count is per GPU listed
+                        for group in model_config.get("instance_group", []))
     if num_instances > 1:
         raise ConfigError(f"instance_group: {num_instances} instances; prepos runs one (it owns the engine and the "
                           "session journals): set count: 1")
     idle_us = model_config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
-    meant = "scheduler.session_idle_timeout_s" in parameters or \
-        environment_variable("scheduler.session_idle_timeout_s") in environ
+    said = environ.get(environment_variable("scheduler.session_idle_timeout_s"),
+                       parameters.get("scheduler.session_idle_timeout_s"))
+    try:
+        meant = said is not None and float(said) == TRITON_DEFAULT_IDLE_US / 1e6
+    except ValueError:
+        meant = False  # read_config names the bad value
     if idle_us is not None and int(idle_us) == TRITON_DEFAULT_IDLE_US and not meant:
         raise ConfigError("sequence_batching.max_sequence_idle_microseconds: 1 s, Triton's default where config.pbtxt "
                           "leaves it out: every session idle for a second would be ended; set it (600000000 for 10 "

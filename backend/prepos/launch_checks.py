@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import ssl
 import sys
 from pathlib import Path
@@ -37,6 +38,7 @@ def check_tls_pair(cert_file: str, key_file: str) -> None:
     """Raise ValueError naming both flags unless ``cert_file`` holds a PEM certificate chain and ``key_file`` its
     unencrypted private key (Triton reads no encrypted key)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.set_ciphers("DEFAULT:@SECLEVEL=0")  # the pair's form, not this OpenSSL's policy on key sizes or digests
     try:
         context.load_cert_chain(cert_file, key_file, password=lambda: b"")
     except (ssl.SSLError, OSError) as err:
@@ -50,17 +52,40 @@ def check_host(host: str) -> None:
     try:
         address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        return  # a name: resolved later
+        return  # a name: see bind_address
     if address.version == 6:
         raise ValueError(f"--host: {host} is an IPv6 address, which Triton 2.51's gRPC endpoint cannot bind here; use "
                          "an IPv4 address (127.0.0.1, or 0.0.0.0 for every interface)")
+
+
+def bind_address(host: str) -> str:
+    """The IPv4 address tritonserver binds for ``host``: itself if it is one, else the first IPv4 address of the
+    name (given ``localhost``, Triton's HTTP endpoint bound 255.255.255.255 and the launcher waited its whole
+    ready timeout). Raises ValueError naming ``--host`` for a name with no IPv4 address."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+    except OSError as err:
+        raise ValueError(f"--host: {host!r} has no IPv4 address ({err.strerror or err}); give an IPv4 address") \
+            from None
+
+
+def _readable_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a folder this process may not look into (lost+found on a volume, say): no model there
+        return False
 
 
 def model_names(repositories: Sequence[str | Path]) -> list[str]:
     """The models the repositories hold (folders with a config.pbtxt). Raises ValueError naming
     ``--model-repository`` when they hold none: Triton would start with nothing to serve and report ready."""
     names = sorted(entry.name for repository in repositories for entry in Path(repository).iterdir()
-                   if (entry / "config.pbtxt").is_file())
+                   if _readable_file(entry / "config.pbtxt"))
     if not names:
         raise ValueError(f"--model-repository: no model in {', '.join(str(r) for r in repositories)} (a model is a "
                          "folder with a config.pbtxt)")
@@ -80,6 +105,8 @@ def journal_environment(journal_dir: str, run_dir: Path, environ: Mapping[str, s
     elif "PREPOS_JOURNAL_DIR" in environ:
         if not environ["PREPOS_JOURNAL_DIR"]:
             return {}  # set empty: no journals, as documented
+        if not Path(environ["PREPOS_JOURNAL_DIR"]).is_absolute():
+            return {}  # relative to the model's folder, as journal.dir is: the model makes it
         chosen, source = environ["PREPOS_JOURNAL_DIR"], "PREPOS_JOURNAL_DIR"
     else:
         chosen, source = str(run_dir / "journal"), "--run-dir"
@@ -99,7 +126,7 @@ def check_model_settings(repositories: Sequence[str | Path], environ: Mapping[st
     for repository in repositories:
         for entry in sorted(Path(repository).iterdir()):
             config = entry / "config.pbtxt"
-            if not entry.name.startswith("prepos") or entry.name == "prepos_http" or not config.is_file():
+            if not entry.name.startswith("prepos") or entry.name == "prepos_http" or not _readable_file(config):
                 continue
             text = config.read_text(errors="replace")
             parameters = dict(_PARAMETER.findall(text))
@@ -121,9 +148,10 @@ def stop_with_parent() -> Callable[[], None] | None:
     if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
         return None
     parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child between fork and exec loads nothing
 
     def preexec() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:  # the parent died before the signal was set
             os._exit(1)
 

@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -37,8 +36,8 @@ from pathlib import Path
 
 from prepos.access_token import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER,
                                  RESTRICTED_PROTOCOLS, masked, resolve_access_token, restriction_arguments)
-from prepos.launch_checks import (check_host, check_model_settings, check_tls_pair, journal_environment, model_names,
-                                  stop_with_parent, usable_dir)
+from prepos.launch_checks import (bind_address, check_host, check_model_settings, check_tls_pair, journal_environment,
+                                  model_names, stop_with_parent, usable_dir)
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
 from prepos.supervise import (DRAIN_ENV, STUB_CHECK_S, StubWatch, bls_threads_argument, describe_lost,
@@ -69,10 +68,10 @@ class ServerOptions:
     """On stop, how long the drain may take (answers under way finish first; see :mod:`prepos.drain`), and
     Triton's own ``--exit-timeout-secs``: without a drain it waits this long for open sessions."""
     journal_dir: str = dataclasses.field(default="", metadata={
-        "help": "session journal directory; off: none (default: <run-dir>/journal, unless PREPOS_JOURNAL_DIR "
-                "is set)"})
-    """Session journal directory for ``prepos serve`` (empty: ``<run_dir>/journal``; ``off``: none), unless
-    PREPOS_JOURNAL_DIR is set."""
+        "help": "session journal directory, over PREPOS_JOURNAL_DIR; off: none (default: PREPOS_JOURNAL_DIR, else "
+                "<run-dir>/journal)"})
+    """Session journal directory for ``prepos serve`` (``off``: none), which wins over PREPOS_JOURNAL_DIR; empty:
+    PREPOS_JOURNAL_DIR where set, else ``<run_dir>/journal``."""
     access_token_file: str = dataclasses.field(default="", metadata={
         "help": "file holding the access token (default: none; then PREPOS_ACCESS_TOKEN, or open endpoints)"})
     """File holding the access token (surrounding whitespace ignored); empty: env PREPOS_ACCESS_TOKEN, and
@@ -137,8 +136,8 @@ def server_command(options: ServerOptions, backend_dir: Path, access_token: str 
         f"--http-port={options.http_port}",
         f"--grpc-port={options.grpc_port}",
         f"--metrics-port={options.metrics_port}",
-        f"--http-address={options.host}",
-        f"--grpc-address={options.host}",
+        f"--http-address={bind_address(options.host)}",
+        f"--grpc-address={bind_address(options.host)}",
         "--allow-metrics=true",
         "--exit-on-error=true",
         f"--log-verbose={options.log_verbose}",
@@ -175,13 +174,10 @@ class TritonServer:
         for repository in options.model_repositories:
             if not Path(repository).is_dir():
                 raise ValueError(f"--model-repository: {repository} is not a folder")
-        self.models = model_names(options.model_repositories)
+        model_names(options.model_repositories)
         check_model_settings(options.model_repositories, {**os.environ, **self.env})
         usable_dir(options.run_dir, "--run-dir")
-        try:
-            socket.getaddrinfo(options.host, None)
-        except OSError as err:
-            raise ValueError(f"--host: cannot use {options.host!r} ({err.strerror or err})") from None
+        bind_address(options.host)
 
     @property
     def grpc_url(self) -> str:
@@ -420,6 +416,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
               if f.name not in ("model_repositories", "access_token")}
     if args.model_repositories:
         values["model_repositories"] = tuple(p.resolve() for p in args.model_repositories)
+    values["run_dir"] = Path(values["run_dir"]).resolve()  # tritonserver runs from the repository root
     return ServerOptions(**values)
 
 

@@ -411,12 +411,13 @@ class Scheduler:
 
     # --- foreground ----------------------------------------------------
 
-    def _serve_session(self, session: Session, candidate: bool = True) -> Iterator[None]:
+    def _serve_session(self, session: Session, candidate: bool = True, queued: bool = False) -> Iterator[None]:
         """Serve the session's requests in order; then it is a pre-positioning candidate again if it is not
         positioned, unless it is evicted, was no candidate (``candidate``) and its requests changed neither its log
         nor its KV (each refused): its KV is not rebuilt in the background, evicting another's, for nothing."""
         before = (len(session.token_log), session.has_kv)
-        queued = False  # the request waited behind an earlier one of its session
+        # ``queued``: the request waited behind an earlier one of its session (a successor's first, behind the END
+        # of the session it replaces)
         while session.pending:
             request, sink = session.pending.popleft()
             if self.store.get(session.session_id) is not session:  # closed while this request waited
@@ -428,7 +429,7 @@ class Scheduler:
                         continue
                     successor.pending = deque([(request, sink), *session.pending])
                     session.pending.clear()
-                    successor.task = self._serve_session(successor)
+                    successor.task = self._serve_session(successor, queued=True)
                     self._ready.append(successor)
                     return
                 self._reject(request, sink, ProtocolError(

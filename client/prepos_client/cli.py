@@ -161,7 +161,7 @@ def _comma_list(value: str) -> list[str]:
 # Flag -> argparse options; each becomes a keyword of Session.generate when set.
 # Defaults stay None so that the library's and the server's defaults apply.
 _GENERATION_FLAGS: dict[str, dict] = {
-    "--max-tokens": dict(type=int, help="tokens to generate (default: the server's scheduler.default_max_tokens, 64)"),
+    "--max-tokens": dict(type=int, help="tokens to generate (default: the server's scheduler.default_max_tokens)"),
     "--choices": dict(type=_comma_list, help="closed answer set, comma-separated: yes,no"),
     "--temperature": dict(type=float, help="sampling temperature (greedy when unset)"),
     "--top-p": dict(type=float, help="nucleus sampling mass"),

@@ -14,6 +14,9 @@ from .session_ids import check_session_id
 from .session_requests import SessionRequests
 
 SESSION_HEADER = "prepos-session-id"
+NO_DELTA_MAX_TOKENS = 64
+"""``max_tokens`` of an answer with an empty delta and no choices when none is given: the server takes a request
+without a delta, choices or ``max_tokens`` for an update, so its own default cannot apply there."""
 
 
 class Session:
@@ -154,10 +157,16 @@ class Session:
         The request is sent before this returns; the iterator yields each
         `Chunk` as it arrives, the last one with `final=True`. With no
         `text` and no `ids` the delta is empty. Arguments left None are not
-        sent, so the server's defaults apply (`max_tokens=None` included).
+        sent, so the server's defaults apply: `max_tokens` is then the
+        server's `scheduler.default_max_tokens` (64 unless configured), except
+        for an answer with an empty delta and no `choices` (the answer from
+        the positioned state, path `exact`), which the server would take for
+        an update: that one asks for `NO_DELTA_MAX_TOKENS` (64).
         Iteration raises `PreposError` when the server rejects the request and
         `PreposTimeout` when the whole answer takes longer than the timeout.
         """
+        if max_tokens is None and text is None and ids is None and not choices:
+            max_tokens = NO_DELTA_MAX_TOKENS
         inputs = build_inputs(
             text,
             ids=ids,

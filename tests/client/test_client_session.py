@@ -10,7 +10,7 @@ import pytest
 from client_fakes import (DRAINING, NO_JOURNAL, SentRequest, SessionRules, echo_responder, make_result,
                           unavailable)
 from prepos_client import Client, PreposError, PreposTimeout, PreposUnavailable, Session
-from prepos_client.session import SESSION_HEADER
+from prepos_client.session import NO_DELTA_MAX_TOKENS, SESSION_HEADER
 from prepos_client.session_ids import check_session_id
 from tritonclient.utils import InferenceServerException
 
@@ -73,6 +73,19 @@ def test_generate_sends_only_what_was_set(fake_triton):
     open_session().ask("q", choices=["yes", "no"], seed=3)
     (request,) = fake_triton[0].requests
     assert sorted(request.inputs) == ["choices", "seed", "text_input"]
+
+
+def test_an_answer_with_no_delta_and_no_choices_still_asks_for_tokens(fake_triton):
+    """The server takes a request without a delta, choices or max_tokens for an update: ask() after an append (the
+    answer from the positioned state, path exact) came back an empty `append` when max_tokens was left out."""
+    session = open_session()
+    session.ask()
+    session.ask(max_tokens=None)
+    session.ask(max_tokens=5)
+    session.ask(choices=["yes", "no"])  # choices make it a question for the server's own default
+    requests = fake_triton[0].requests
+    assert [r.inputs.get("max_tokens") is not None and r.inputs["max_tokens"].tolist() for r in requests] == [
+        [NO_DELTA_MAX_TOKENS], [NO_DELTA_MAX_TOKENS], [5], False]
 
 
 def test_max_tokens_none_leaves_it_to_the_server(fake_triton):

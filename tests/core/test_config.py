@@ -125,6 +125,10 @@ def test_every_eviction_policy_the_config_accepts_exists():
     ({"instance_group": [{"count": 2, "kind": "KIND_CPU"}]}, {}, {}, "^instance_group: 2 instances; prepos runs one"),
     ({"sequence_batching": {"max_sequence_idle_microseconds": "1000000"}}, {}, {},
      "^sequence_batching.max_sequence_idle_microseconds: 1 s, Triton's default"),
+    # a session timeout of its own does not make Triton's 1 s any less: Triton still ends the sequences
+    ({"sequence_batching": {"max_sequence_idle_microseconds": "1000000"}}, {},
+     {"PREPOS_SCHEDULER_SESSION_IDLE_TIMEOUT_S": "600"}, "^sequence_batching.max_sequence_idle_microseconds: 1 s"),
+    ({"instance_group": [{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}]}, {}, {}, "^instance_group: 2 instances"),
 ])
 def test_a_triton_model_configuration_prepos_cannot_run_with_is_refused(model_config, parameters, environ, says):
     from prepos.config import check_model_config

@@ -28,6 +28,36 @@ def test_journal_dir_flag_wins_over_the_environment_and_off_means_none(tmp_path)
     assert journal_environment("", run_dir, {}) == {"PREPOS_JOURNAL_DIR": str(run_dir / "journal")}
 
 
+def test_a_relative_journal_variable_is_left_to_the_model_whose_folder_it_is_relative_to(tmp_path):
+    assert journal_environment("", tmp_path, {"PREPOS_JOURNAL_DIR": "journals"}) == {}
+    assert not (tmp_path / "journals").exists()
+
+
+def test_a_host_name_binds_its_ipv4_address():
+    """Given a name, Triton's HTTP endpoint bound 255.255.255.255 and the launcher waited its whole ready timeout."""
+    from prepos.launch_checks import bind_address
+
+    assert bind_address("127.0.0.1") == "127.0.0.1" and bind_address("0.0.0.0") == "0.0.0.0"
+    assert bind_address("localhost") == "127.0.0.1"
+    from prepos.launcher import ServerOptions, server_command
+    command = server_command(ServerOptions(host="localhost"), "backends")
+    assert "--http-address=127.0.0.1" in command and "--grpc-address=127.0.0.1" in command
+    with pytest.raises(ValueError, match=r"^--host: 'no-such-host.invalid' has no IPv4 address"):
+        bind_address("no-such-host.invalid")
+
+
+def test_a_relative_run_dir_is_made_absolute(tmp_path, monkeypatch):
+    """tritonserver runs from the repository root: a relative --run-dir gave it a backend folder it could not find."""
+    import argparse
+
+    from prepos.launcher import add_arguments, options_from_args
+
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert options_from_args(parser.parse_args(["--run-dir", "run"])).run_dir == tmp_path / "run"
+
+
 def test_an_unusable_journal_folder_names_where_it_came_from(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

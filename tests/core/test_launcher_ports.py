@@ -241,7 +241,7 @@ def test_serve_refuses_bad_options_naming_the_flag(argv, named, no_triton, capsy
 
 @pytest.mark.parametrize(("argv", "named"), [
     (["--model-repository", "/nonexistent-repository"], "--model-repository: /nonexistent-repository"),
-    (["--host", "nonsense.invalid"], "--host: cannot use 'nonsense.invalid'"),
+    (["--host", "nonsense.invalid"], "--host: 'nonsense.invalid' has no IPv4 address"),
 ])
 def test_serve_refuses_a_missing_repository_or_host_before_triton_starts(argv, named, no_triton, tmp_path, capsys):
     assert launcher.main([*argv, "--run-dir", str(tmp_path)]) == 2
@@ -266,16 +266,16 @@ def test_the_drain_file_set_in_the_environment_is_kept_and_an_empty_one_turns_th
         assert server.drain_file == (None if expected is None else launcher.Path(expected))
 
 
-def _self_signed(folder, name):
-    """A self-signed certificate and its unencrypted key, as PEM files."""
+def _self_signed(folder, name, rsa_bits=0):
+    """A self-signed certificate and its unencrypted key (EC, or RSA of ``rsa_bits``), as PEM files."""
     import datetime
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
     from cryptography.x509.oid import NameOID
 
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = rsa.generate_private_key(65537, rsa_bits) if rsa_bits else ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.timezone.utc)
     certificate = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
@@ -310,6 +310,9 @@ def test_a_tls_pair_tritonserver_could_not_use_is_refused_naming_both_flags(tmp_
                                              "PEM certificate chain and its unencrypted private key"):
             ServerOptions(tls_cert_file=str(cert_file), tls_key_file=str(key_file))
     ServerOptions(tls_cert_file=str(other_cert), tls_key_file=str(other_key))
+    # a small RSA key is the pair's owner's choice, not a malformed pair (this OpenSSL's policy refused it)
+    small_cert, small_key = _self_signed(tmp_path, "small", rsa_bits=1024)
+    ServerOptions(tls_cert_file=str(small_cert), tls_key_file=str(small_key))
 
 
 @pytest.mark.parametrize("host", ["::1", "[::1]", "::"])
