@@ -45,6 +45,7 @@ prepos never sees; prepos counts its own refusals of relayed requests.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,12 @@ ERROR_FIELDS = (*CHECKED_INPUTS, *NARROWED_INPUTS, *PARAMETERS, "parameters", "S
 # The bridge's settings: model parameters in its config.pbtxt, each overridable by PREPOS_BRIDGE_<FIELD>.
 DEFAULT_TARGET_MODEL = "prepos"
 DEFAULT_MAX_STREAMS = 256
+
+
+def target_in_repository(model_dir: str, target_model: str) -> bool:
+    """Whether the bridge's repository (the folder above ``model_dir``, its own model folder) holds
+    ``target_model``; models load side by side, so whether it is ready cannot be asked at the bridge's load."""
+    return os.path.isfile(os.path.join(os.path.dirname(model_dir.rstrip("/")), target_model, "config.pbtxt"))
 
 
 @dataclass(frozen=True)

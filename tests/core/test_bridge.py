@@ -189,3 +189,14 @@ def test_an_error_prepos_sent_is_told_from_tritons_own_refusal_of_a_relayed_requ
     assert triton_refusal(f"{not_open} [SOMETHING]") == ("START", Status.NOT_FOUND)  # no status of ours
     for message in (not_open, "anything else"):
         assert triton_refusal(message)[0] in ERROR_FIELDS  # published at 0 from the start
+
+
+def test_the_bridge_tells_whether_its_repository_holds_its_target(tmp_path):
+    from prepos.bridge import target_in_repository
+
+    for name in ("prepos", "prepos_http"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text("")
+    assert target_in_repository(str(tmp_path / "prepos_http"), "prepos")
+    assert target_in_repository(str(tmp_path / "prepos_http") + "/", "prepos")
+    assert not target_in_repository(str(tmp_path / "prepos_http"), "nosuch")

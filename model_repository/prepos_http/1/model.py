@@ -22,7 +22,7 @@ except ImportError:  # running from a source checkout: model_repository/prepos_h
 
 from prepos.bridge import (BRIDGE_PARAMETER, CHECKED_INPUTS, ERROR_FIELDS, NARROWED_INPUTS, absent_outputs,
                            bridge_target, forwarded_inputs, merge_responses, narrowed_inputs, read_bridge_config,
-                           relayed_error, triton_refusal)
+                           relayed_error, target_in_repository, triton_refusal)
 from prepos.heap import settle_heap
 from prepos.metrics import RefusalCounter, RelayGauge
 from prepos.protocol import ProtocolError, Status, triton_error
@@ -43,6 +43,7 @@ log = logging.getLogger("prepos.bridge")
 
 class TritonPythonModel:
     def initialize(self, args):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         settings = read_bridge_config(parameters, os.environ)  # a bad value stops the model from loading
@@ -51,6 +52,10 @@ class TritonPythonModel:
                         "above it (the launcher sets %d), requests queued on one session hold up other sessions'",
                         settings.max_streams, BLS_THREADS)
         self.target_model = settings.target_model
+        if not target_in_repository(args["model_repository"], self.target_model):
+            log.warning("bridge.target_model %r is not a model of this repository (%s): unless another repository "
+                        "holds it, every request will be refused as not ready", self.target_model,
+                        os.path.dirname(args["model_repository"]))
         self.outputs = [output["name"] for output in config["output"]]
         # The bridge's own refusals, and Triton's of the requests it relays: prepos counts its own.
         metrics = TritonMetricsSink(args["model_name"], pb_utils.MetricFamily, lock=IPC)
