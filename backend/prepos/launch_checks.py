@@ -43,7 +43,7 @@ def check_tls_pair(cert_file: str, key_file: str) -> None:
         context.load_cert_chain(cert_file, key_file, password=lambda: b"")
     except (ssl.SSLError, OSError) as err:
         raise ValueError(f"--tls-cert-file {cert_file} and --tls-key-file {key_file}: not a PEM certificate chain "
-                         f"and its unencrypted private key ({err.reason or err})") from None
+                         f"and its unencrypted private key ({getattr(err, 'reason', None) or err})") from None
 
 
 def check_host(host: str) -> None:
