@@ -115,6 +115,7 @@ def journal_environment(journal_dir: str, run_dir: Path, environ: Mapping[str, s
 
 _PARAMETER = re.compile(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}')
 _SEQUENCE_IDLE_US = re.compile(r"^\s*max_sequence_idle_microseconds:\s*(\d+)", re.MULTILINE)
+_COMMENT_LINE = re.compile(r"^\s*#.*$", re.MULTILINE)
 
 
 def check_model_settings(repositories: Sequence[str | Path], environ: Mapping[str, str]) -> None:
@@ -128,7 +129,7 @@ def check_model_settings(repositories: Sequence[str | Path], environ: Mapping[st
             config = entry / "config.pbtxt"
             if not entry.name.startswith("prepos") or entry.name == "prepos_http" or not _readable_file(config):
                 continue
-            text = config.read_text(errors="replace")
+            text = _COMMENT_LINE.sub("", config.read_text(errors="replace"))  # a setting commented out is none
             parameters = dict(_PARAMETER.findall(text))
             idle_us = _SEQUENCE_IDLE_US.search(text)
             if idle_us and int(idle_us.group(1)):  # as the model sets it from Triton's own (see its model.py)

@@ -118,8 +118,9 @@ def test_a_prepos_setting_the_model_would_refuse_is_refused_before_triton_starts
     """The model's load took 7-11 s to refuse them, with exit status 1; now the launcher does, naming the model."""
     from prepos.launch_checks import check_model_settings
 
-    good = _repository(tmp_path / "good", '  { key: "gate.threshold" value: { string_value: "0.8" } }')
-    check_model_settings([good], {})
+    good = _repository(tmp_path / "good", '  { key: "gate.threshold" value: { string_value: "0.8" } }\n'
+                       '  # { key: "gate.threshold" value: { string_value: "<from prepos calibrate>" } }')
+    check_model_settings([good], {})  # the line commented out is no setting
     with pytest.raises(ValueError, match=r"^model prepos \(.*config.pbtxt\): gate.threshold: cannot read 'abc' as "
                                          r"float \(set by the environment variable PREPOS_GATE_THRESHOLD\)$"):
         check_model_settings([good], {"PREPOS_GATE_THRESHOLD": "abc"})
