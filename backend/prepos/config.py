@@ -430,14 +430,11 @@ def check_sequence_slots(memory: MemoryConfig, slots: int | None, environ: Mappi
     """Triton holds a START past its sequence slots in a backlog until a slot frees, where prepos could not
     answer it, so ``memory.max_sessions`` must stay below them: the START past it is then rejected at once
     (RESOURCE_EXHAUSTED), and the slots left over hold rejected STARTs until their END or idle timeout."""
-    environ = os.environ if environ is None else environ
     if slots is not None and memory.max_sessions >= slots:
-        error = ConfigError(
-            f"memory.max_sessions: {memory.max_sessions} must be below Triton's sequence slots "
+        raise setting_error(
+            "memory.max_sessions", f"{memory.max_sessions} must be below Triton's sequence slots "
             f"(sequence_batching.oldest.max_candidate_sequences = {slots}); past them Triton queues a new START "
-            "instead of passing it on, so it would wait rather than be rejected")
-        variable = environment_variable("memory.max_sessions")
-        raise _set_by(error, variable) if variable in environ else error
+            "instead of passing it on, so it would wait rather than be rejected", environ)
 
 
 def idle_timeout_mismatch(scheduler: SchedulerConfig, sequence_idle_s: float | None) -> str | None:

@@ -225,16 +225,6 @@ class SessionJournal:
         except OSError:
             return None
 
-    def changed_elsewhere(self, session_id: str | int) -> bool:
-        """Whether another server has reopened, written, replaced or deleted the session's journal since this one
-        last wrote or read it (:meth:`change_elsewhere`): this server's copy of the session is then stale."""
-        return self.change_elsewhere(session_id) is not None
-
-    def ended_elsewhere(self, session_id: str | int) -> bool:
-        """Whether another server has deleted the session's journal since this one last wrote or read it
-        (:meth:`change_elsewhere`): the session is over, and this server's copy of it stale."""
-        return self.change_elsewhere(session_id) == DELETED
-
     # --- reading -------------------------------------------------------
 
     def recover(self, session_id: str | int) -> RecoveredSession | None:

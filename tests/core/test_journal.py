@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prepos import journal as journal_module
-from prepos.journal import MAGIC, JournalEntry, SessionJournal, UnusableJournal
+from prepos.journal import CHANGED, DELETED, MAGIC, JournalEntry, SessionJournal, UnusableJournal
 
 ENTRIES = [
     JournalEntry((1, 2, 3), "system", None),
@@ -304,14 +304,14 @@ def test_a_journal_another_server_reopened_or_wrote_since_is_not_deleted_if_unch
     for sid in ("reopened", "written", "replaced", "untouched"):
         mine.create(sid)
         mine.append(sid, ENTRIES[0])
-    assert not any(mine.changed_elsewhere(sid) for sid in ("reopened", "written", "replaced", "untouched"))
+    assert [mine.change_elsewhere(sid) for sid in ("reopened", "written", "replaced", "untouched")] == [None] * 4
     assert other.recover("reopened") is not None  # read back to reopen: touched
     other.recover("written")
     other.append("written", ENTRIES[1])
     other.replace("replaced", ENTRIES[:1])
-    assert [mine.changed_elsewhere(sid) for sid in ("reopened", "written", "replaced", "untouched")] == \
-        [True, True, True, False]
-    assert not other.changed_elsewhere("untouched")  # no note of it there: nothing to tell
+    assert [mine.change_elsewhere(sid) for sid in ("reopened", "written", "replaced", "untouched")] == \
+        [CHANGED, CHANGED, CHANGED, None]
+    assert other.change_elsewhere("untouched") is None  # no note of it there: nothing to tell
     for sid in ("reopened", "written", "replaced"):
         assert not mine.delete(sid, only_if_unchanged=True) and mine.path(sid).exists()
     assert mine.delete("untouched", only_if_unchanged=True) and not mine.path("untouched").exists()
@@ -325,14 +325,14 @@ def test_a_journal_another_server_deleted_tells_that_the_session_ended_there(tmp
     for sid in ("ended", "kept"):
         mine.create(sid)
         mine.append(sid, ENTRIES[0])
-    assert not mine.ended_elsewhere("ended")
+    assert mine.change_elsewhere("ended") is None
     other.recover("ended")
     assert other.delete("ended")
-    assert mine.ended_elsewhere("ended") and mine.changed_elsewhere("ended")
-    assert not mine.ended_elsewhere("kept") and not other.ended_elsewhere("never-seen")
-    assert mine.delete("ended") and not mine.ended_elsewhere("ended")  # closed here too: no note left
+    assert mine.change_elsewhere("ended") == DELETED
+    assert mine.change_elsewhere("kept") is None and other.change_elsewhere("never-seen") is None
+    assert mine.delete("ended") and mine.change_elsewhere("ended") is None  # closed here too: no note left
     shutil.rmtree(tmp_path / "j")  # the whole directory gone (a volume that went away): tells nothing
-    assert not mine.ended_elsewhere("kept") and not mine.changed_elsewhere("kept")
+    assert mine.change_elsewhere("kept") is None
 
 
 @pytest.mark.parametrize("written_before_failing", [0, 1, 2])  # nothing, half the record, all but its fsync
@@ -365,8 +365,8 @@ def test_a_failed_append_is_not_taken_for_another_servers_write(tmp_path, monkey
         assert mine.path(sid).stat().st_size == size
     monkeypatch.setattr(journal_module.os, "write", real_write)
     monkeypatch.setattr(journal_module.os, "fsync", real_fsync)
-    assert not mine.changed_elsewhere("mine")
-    assert mine.changed_elsewhere("taken")
+    assert mine.change_elsewhere("mine") is None
+    assert mine.change_elsewhere("taken") == CHANGED
     assert mine.delete("mine", only_if_unchanged=True)  # an idle timeout deletes it, as after no failure
 
 
@@ -391,4 +391,4 @@ def test_a_journal_that_cannot_be_looked_at_is_not_taken_for_another_servers_wri
 
     failing = Failing(journal.path("s"))
     monkeypatch.setattr(journal, "path", lambda session_id: failing)
-    assert journal.changed_elsewhere("s") is False
+    assert journal.change_elsewhere("s") is None
