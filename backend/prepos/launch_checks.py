@@ -81,17 +81,6 @@ def _readable_file(path: Path) -> bool:
         return False
 
 
-def model_names(repositories: Sequence[str | Path]) -> list[str]:
-    """The models the repositories hold (folders with a config.pbtxt). Raises ValueError naming
-    ``--model-repository`` when they hold none: Triton would start with nothing to serve and report ready."""
-    names = sorted(entry.name for repository in repositories for entry in Path(repository).iterdir()
-                   if _readable_file(entry / "config.pbtxt"))
-    if not names:
-        raise ValueError(f"--model-repository: no model in {', '.join(str(r) for r in repositories)} (a model is a "
-                         "folder with a config.pbtxt)")
-    return names
-
-
 def journal_environment(journal_dir: str, run_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
     """``PREPOS_JOURNAL_DIR`` for the server: ``--journal-dir`` where given (``off``: none, whatever the
     environment says), else the environment's, else ``<run-dir>/journal``; its folder made and checked. Raises
@@ -118,17 +107,22 @@ _SEQUENCE_IDLE_US = re.compile(r"^\s*max_sequence_idle_microseconds:\s*(\d+)", r
 _COMMENT_LINE = re.compile(r"^\s*#.*$", re.MULTILINE)
 
 
-def check_model_settings(repositories: Sequence[str | Path], environ: Mapping[str, str]) -> None:
-    """Read the prepos settings of each prepos model in the repositories (config.pbtxt's parameters, the
-    ``PREPOS_*`` variables of ``environ``) as the model will when it loads, so that a bad one is refused before
-    Triton starts (the load took 7-11 s to say the same). Raises ValueError naming the model and the setting."""
+def check_repositories(repositories: Sequence[str | Path], environ: Mapping[str, str]) -> None:
+    """Raise ValueError naming ``--model-repository`` when the repositories hold no model (folders with a
+    config.pbtxt): Triton would start with nothing to serve and report ready. And read the prepos settings of
+    each prepos model (config.pbtxt's parameters, the ``PREPOS_*`` variables of ``environ``) as the model will
+    when it loads, so that a bad one is refused before Triton starts (the load took 7-11 s to say the same),
+    raising ValueError naming the model and the setting."""
     from prepos.config import ConfigError, read_config
 
-    for repository in repositories:
-        for entry in sorted(Path(repository).iterdir()):
-            config = entry / "config.pbtxt"
-            if not entry.name.startswith("prepos") or entry.name == "prepos_http" or not _readable_file(config):
-                continue
+    configs = sorted((entry / "config.pbtxt" for repository in repositories for entry in Path(repository).iterdir()
+                      if _readable_file(entry / "config.pbtxt")), key=lambda config: config.parent.name)
+    if not configs:
+        raise ValueError(f"--model-repository: no model in {', '.join(str(r) for r in repositories)} (a model is a "
+                         "folder with a config.pbtxt)")
+    for config in configs:
+        name = config.parent.name
+        if name.startswith("prepos") and name != "prepos_http":
             text = _COMMENT_LINE.sub("", config.read_text(errors="replace"))  # a setting commented out is none
             parameters = dict(_PARAMETER.findall(text))
             idle_us = _SEQUENCE_IDLE_US.search(text)
@@ -137,7 +131,7 @@ def check_model_settings(repositories: Sequence[str | Path], environ: Mapping[st
             try:
                 read_config(parameters, environ)
             except ConfigError as err:
-                raise ValueError(f"model {entry.name} ({config}): {err}") from None
+                raise ValueError(f"model {name} ({config}): {err}") from None
 
 
 def stop_with_parent() -> Callable[[], None] | None:

@@ -36,8 +36,8 @@ from pathlib import Path
 
 from prepos.access_token import (ACCESS_TOKEN_ENV, ACCESS_TOKEN_HEADER, GRPC_ACCESS_TOKEN_HEADER,
                                  RESTRICTED_PROTOCOLS, masked, resolve_access_token, restriction_arguments)
-from prepos.launch_checks import (bind_address, check_host, check_model_settings, check_tls_pair, journal_environment,
-                                  model_names, stop_with_parent, usable_dir)
+from prepos.launch_checks import (bind_address, check_host, check_repositories, check_tls_pair, journal_environment,
+                                  stop_with_parent, usable_dir)
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
 from prepos.supervise import (DRAIN_ENV, STUB_CHECK_S, StubWatch, bls_threads_argument, describe_lost,
@@ -129,6 +129,7 @@ def server_environment() -> dict[str, str]:
 
 
 def server_command(options: ServerOptions, backend_dir: Path, access_token: str | None = None) -> list[str]:
+    address = bind_address(options.host)
     command = [str(pytriton_dir() / "tritonserver" / "bin" / "tritonserver")]
     command += [f"--model-repository={repo}" for repo in options.model_repositories]
     command += [
@@ -136,8 +137,8 @@ def server_command(options: ServerOptions, backend_dir: Path, access_token: str 
         f"--http-port={options.http_port}",
         f"--grpc-port={options.grpc_port}",
         f"--metrics-port={options.metrics_port}",
-        f"--http-address={bind_address(options.host)}",
-        f"--grpc-address={bind_address(options.host)}",
+        f"--http-address={address}",
+        f"--grpc-address={address}",
         "--allow-metrics=true",
         "--exit-on-error=true",
         f"--log-verbose={options.log_verbose}",
@@ -174,8 +175,7 @@ class TritonServer:
         for repository in options.model_repositories:
             if not Path(repository).is_dir():
                 raise ValueError(f"--model-repository: {repository} is not a folder")
-        model_names(options.model_repositories)
-        check_model_settings(options.model_repositories, {**os.environ, **self.env})
+        check_repositories(options.model_repositories, {**os.environ, **self.env})
         usable_dir(options.run_dir, "--run-dir")
         bind_address(options.host)
 
@@ -276,21 +276,20 @@ class TritonServer:
     def load_failures(self) -> list[str]:
         """The log's "failed to load" lines, each naming a model and why (a ConfigError naming its key, say):
         they come early in the log, before the tail of a server that then exits."""
-        try:
-            lines = self.log_file.read_text(errors="replace").splitlines()
-        except OSError:
-            return []
-        return [masked(line, self.access_token) for line in lines if "failed to load '" in line
-                or "failed to poll model" in line]
+        return self._log_lines("failed to load '", "failed to poll model")
 
     def prepos_warnings(self) -> list[str]:
         """The models' own warnings in the log so far (an idle timeout that is not Triton's, a setting the machine
         cannot honour): the launcher shows them, which Triton's log alone would leave unseen."""
+        return self._log_lines(" WARNING prepos")
+
+    def _log_lines(self, *markers: str) -> list[str]:
+        """The log's lines holding any of ``markers``, the access token masked."""
         try:
             lines = self.log_file.read_text(errors="replace").splitlines()
         except OSError:
             return []
-        return [masked(line, self.access_token) for line in lines if " WARNING prepos" in line]
+        return [masked(line, self.access_token) for line in lines if any(marker in line for marker in markers)]
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -116,26 +116,26 @@ def _repository(tmp_path, parameters: str, idle_us: int = 600000000):
 
 def test_a_prepos_setting_the_model_would_refuse_is_refused_before_triton_starts(tmp_path):
     """The model's load took 7-11 s to refuse them, with exit status 1; now the launcher does, naming the model."""
-    from prepos.launch_checks import check_model_settings
+    from prepos.launch_checks import check_repositories
 
     good = _repository(tmp_path / "good", '  { key: "gate.threshold" value: { string_value: "0.8" } }\n'
                        '  # { key: "gate.threshold" value: { string_value: "<from prepos calibrate>" } }')
-    check_model_settings([good], {})  # the line commented out is no setting
+    check_repositories([good], {})  # the line commented out is no setting
     with pytest.raises(ValueError, match=r"^model prepos \(.*config.pbtxt\): gate.threshold: cannot read 'abc' as "
                                          r"float \(set by the environment variable PREPOS_GATE_THRESHOLD\)$"):
-        check_model_settings([good], {"PREPOS_GATE_THRESHOLD": "abc"})
+        check_repositories([good], {"PREPOS_GATE_THRESHOLD": "abc"})
     bad = _repository(tmp_path / "bad", '  { key: "gate.nosuch" value: { string_value: "1" } }')
     with pytest.raises(ValueError, match=r"^model prepos .*gate.nosuch"):
-        check_model_settings([bad], {})
+        check_repositories([bad], {})
     # the idle timeout comes from Triton's own, as in the model: a journal expiry below it is refused
     long_idle = _repository(tmp_path / "idle", '  { key: "journal.expire_s" value: { string_value: "3600" } }',
                             idle_us=7200 * 10**6)
     with pytest.raises(ValueError, match=r"journal.expire_s: must exceed the session idle timeout \(7200 s"):
-        check_model_settings([long_idle], {})
+        check_repositories([long_idle], {})
 
 
 def test_the_shipped_repository_passes_the_settings_check():
-    from prepos.launch_checks import check_model_settings
+    from prepos.launch_checks import check_repositories
     from prepos.launcher import REPO_ROOT
 
-    check_model_settings([REPO_ROOT / "model_repository"], {})
+    check_repositories([REPO_ROOT / "model_repository"], {})
