@@ -404,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         parser.error(f"--out {out}: cannot make the output folder ({err.strerror or err})")
-    for stale in [*out.glob(f"{CSV_PREFIX}_*.csv"), out / f"{CSV_PREFIX}{RUN_END_SUFFIX}", out / REPORT_NAME,
-                  out / "summary.json"]:
+    run_end = out / f"{CSV_PREFIX}{RUN_END_SUFFIX}"
+    for stale in [*out.glob(f"{CSV_PREFIX}_*.csv"), run_end, out / REPORT_NAME, out / "summary.json"]:
         stale.unlink(missing_ok=True)
     env = {**os.environ, **extra_env}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(LOADTEST_DIR), env.get("PYTHONPATH", "")) if p)
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
           f"against {args.host}", flush=True)
     run = run_locust(command, env, out / LOG_NAME, timeout_s, stop_s=args.stop_timeout + _SHUTDOWN_MARGIN_S)
     returncode = run.returncode
-    interrupted = stopped_early(run, out / f"{CSV_PREFIX}{RUN_END_SUFFIX}")
+    interrupted = stopped_early(run, run_end)
 
     try:
         result = read_results(out / CSV_PREFIX)
