@@ -44,14 +44,13 @@
 {{/* Labels on every object. */}}
 {{- define "prepos.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
-app.kubernetes.io/name: {{ include "prepos.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{ include "prepos.podLabels" . }}
 {{- end }}
 
-{{/* Labels of the pods a StatefulSet or Deployment makes, after the component: the chart's version and the app's
-are left out, so that a new chart version alone does not roll every replica (draining it) and the router. */}}
+{{/* Labels of the pods a StatefulSet or Deployment makes, after the component, and of every object with
+prepos.labels: the chart's version and the app's are left out of the pods', so that a new chart version alone does
+not roll every replica (draining it) and the router. */}}
 {{- define "prepos.podLabels" -}}
 app.kubernetes.io/name: {{ include "prepos.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
