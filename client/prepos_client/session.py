@@ -89,7 +89,8 @@ class Session:
 
     @property
     def wait_for_ready(self) -> bool:
-        """Whether a call that finds the server stopping, restarting or unreachable waits for it (see the class docstring)."""
+        """Whether a call that finds the server stopping, restarting or unreachable waits for it (see the class
+        docstring)."""
         return self._requests.wait_for_ready
 
     @wait_for_ready.setter
