@@ -723,6 +723,23 @@ def test_service_monitor_scrapes_the_metrics_service(chart, production_values):
     assert metrics_port["targetPort"] == "metrics" and "--allow-metrics=true" in triton(objects)["args"]
 
 
+@pytest.mark.parametrize(("interval", "timeout", "refused"), [
+    ("15s", "10s", False), ("15s", "15s", False), ("1m", "59s999ms", False), ("1m", "1m1ms", True),
+    ("30s", "1m", True), ("1h", "59m", False), ("1d", "1h30m", False), ("1w", "8d", True), ("10s", "10001ms", True),
+    ("1y", "52w", False), ("0", "1s", True),
+], ids=lambda v: str(v))
+def test_a_scrape_timeout_past_its_interval_is_refused(chart, interval, timeout, refused):
+    """Prometheus refuses a scrape timeout greater than the scrape interval; the chart says so at render."""
+    values = with_minimal(metrics={"serviceMonitor": {"enabled": True, "interval": interval, "scrapeTimeout": timeout}})
+    if not refused:
+        (monitor,) = find(render(chart, values), "ServiceMonitor")
+        assert monitor["spec"]["endpoints"][0]["scrapeTimeout"] == timeout
+        return
+    with pytest.raises(helm.HelmRenderError) as raised:
+        render(chart, values)
+    assert f"metrics.serviceMonitor.scrapeTimeout ({timeout}) must not exceed metrics.serviceMonitor.interval ({interval})" in str(raised.value)
+
+
 def test_service_monitor_off_by_default(chart):
     assert find(render(chart, MINIMAL), "ServiceMonitor") == []
 

@@ -132,3 +132,21 @@ when there is neither. */}}
 {{- define "prepos.auth.envName" -}}
 TRITON_ACCESS_TOKEN
 {{- end }}
+
+{{/* A Prometheus duration (the schema's pattern: units in order, e.g. 1m30s) in milliseconds. */}}
+{{- define "prepos.durationMs" -}}
+{{- $rest := . -}}
+{{- $total := 0 -}}
+{{- $ms := regexFind "[0-9]+ms$" $rest -}}
+{{- if $ms -}}
+{{- $total = add $total (trimSuffix "ms" $ms) -}}
+{{- $rest = trimSuffix $ms $rest -}}
+{{- end -}}
+{{- range $unit, $factor := dict "y" 31536000000 "w" 604800000 "d" 86400000 "h" 3600000 "m" 60000 "s" 1000 -}}
+{{- $part := regexFind (printf "[0-9]+%s" $unit) $rest -}}
+{{- if $part -}}
+{{- $total = add $total (mul (trimSuffix $unit $part) $factor) -}}
+{{- end -}}
+{{- end -}}
+{{- $total -}}
+{{- end -}}
