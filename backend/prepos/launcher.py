@@ -40,7 +40,7 @@ from prepos.launch_checks import (bind_address, check_host, check_repositories, 
                                   stop_with_parent, usable_dir)
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
-from prepos.supervise import (DRAIN_ENV, STUB_CHECK_S, StubWatch, bls_threads_argument, describe_lost,
+from prepos.supervise import (DRAIN_ENV, STUB_CHECK_S, StubWatch, bls_threads_argument, describe_exit, describe_lost,
                               drain_file_from, keepalive_ping_arguments, server_stack_limit, stop_server)
 from prepos.triton_install import prepare_backend_dir, pytriton_dir
 
@@ -238,7 +238,7 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 failures = self.load_failures()
-                exited = f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}" + (
+                exited = f"tritonserver {describe_exit(self.process.returncode)}; its log ends:\n{self.log_tail()}" + (
                     "\nmodels that failed to load:\n" + "\n".join(failures) if failures else "")
                 taken = taken_endpoints(self.options)  # ours is gone: whoever listens there now is another process
                 if taken:
@@ -471,7 +471,8 @@ def serve(options: ServerOptions) -> int:
                 print(f"stopping prepos: draining (requests in flight are served, up to {options.exit_timeout_s} s, "
                       "--exit-timeout-s; then every session is ended, its journal kept) ...", flush=True)
                 raise
-            print(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
+            print(f"tritonserver {describe_exit(server.process.returncode)}; its log ends ({server.log_file}):\n"
+                  f"{server.log_tail()}", file=sys.stderr)
             return 1
     except KeyboardInterrupt:
         print("prepos stopped", flush=True)

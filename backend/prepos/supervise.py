@@ -36,14 +36,17 @@ from prepos.shm_regions import PREFIX_OPTION, backend_config_argument, region_pr
 
 log = logging.getLogger("prepos.supervise")
 
-SERVER_STACK_BYTES = 64 << 20
-"""The stack limit tritonserver starts with, which sizes its threads' stacks. Triton 2.51's HTTP front end copies a
-body sent as form data (``Content-Type: application/x-www-form-urlencoded``, urllib's default for a POST) onto the
-stack of the thread serving it, about twice its size, before any check: with the usual 8 MiB, one such POST of 4 MB
-crashed the server (SIGSEGV), an access token notwithstanding. At 64 MiB a body up to about 32 MB is answered, ten
-times the largest a request within prepos's limits takes. It reserves address space only (85 GB of virtual size for
-tritonserver and its stubs, some 600 threads, against 14 GB; resident memory unchanged): a stack's memory is used as it
-is touched."""
+SERVER_STACK_BYTES = 1 << 30
+"""The stack limit tritonserver starts with, which sizes its threads' stacks. Triton 2.51's HTTP front end works on
+a request's body on the stack of the thread serving it, before any check of its size or content: it copies a body
+sent as form data (``Content-Type: application/x-www-form-urlencoded``, urllib's default for a POST) there, about
+twice its size, and parses JSON recursively, a few hundred bytes of stack per level of nesting. With the usual 8 MiB,
+one form POST of 4 MB crashed the server (SIGSEGV), an access token notwithstanding; at 64 MiB, a 500 KB body of
+nested brackets did. At 1 GiB a 6 MB body nested 3 million levels deep is answered (an error naming the input), as
+is any body of that size, some four times the largest a request within prepos's default limits takes (a 262,144-token
+``input_ids``, about 1.6 MB). It reserves address space only (about 640 GB of virtual size for tritonserver, some 600
+threads): a stack's memory is used as it is touched, and stays with its thread once touched (1 GB resident after the
+6 MB nested body)."""
 
 STOP_GRACE_S = 5.0
 """How long past its exit timeout a tritonserver that was not drained is given before it is killed."""
@@ -146,6 +149,23 @@ def describe_lost(lost: list[LostStub]) -> str:
                      for stub in lost) + (
         " exited while tritonserver runs: that model refuses every request from now on, though the server still "
         "reports itself ready")
+
+
+def describe_exit(code: int) -> str:
+    """How a process ended, from its Popen return code: ``status 1``, or ``killed by SIGSEGV (signal 11)`` with
+    what such an end usually means."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        said = f"was killed by {signal.Signals(-code).name} (signal {-code})"
+    except ValueError:
+        said = f"was killed by signal {-code}"
+    if -code in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL):
+        said += (": it crashed (one known cause: an HTTP body past what its stack holds, see the README's "
+                 "\"HTTP\" limits)")
+    elif -code == signal.SIGKILL:
+        said += " (the kernel's out-of-memory killer, or someone, killed it)"
+    return said
 
 
 @contextlib.contextmanager
@@ -437,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     if init:
         _reap_orphans(child.pid)
     code = child.returncode
+    if not (lost or stopping.is_set()):
+        log.error("tritonserver %s", describe_exit(code))
     if lost:
         return 1  # not asked to stop: restart it
     if drained:

@@ -180,7 +180,7 @@ def test_a_server_that_exits_on_a_taken_port_names_it(tmp_path, hold_port):
     with pytest.raises(PortInUseError) as refused:
         server.wait_ready()
     assert f"port {options.grpc_port} (gRPC, --grpc-port)" in str(refused.value)
-    assert "tritonserver exited with 1" in str(refused.value)
+    assert "tritonserver exited with status 1; its log ends" in str(refused.value)
     assert_gone(ours)
 
 

@@ -162,9 +162,15 @@ def test_a_drain_that_left_sessions_open_stops_as_without_one(tmp_path):
 
 def test_a_server_that_exits_by_itself_has_its_status_passed_on(tmp_path):
     result = subprocess.run([sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", "exit(3)",
-                             f"--grpc-port={unused_port()}"],
+                             f"--grpc-port={unused_port()}"], capture_output=True, text=True,
                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}, timeout=30)
-    assert result.returncode == 3
+    assert result.returncode == 3 and "tritonserver exited with status 3" in result.stderr, result.stderr
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    crashed = subprocess.run([sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", crash,
+                              f"--grpc-port={unused_port()}"], capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}, timeout=30)
+    assert crashed.returncode == 128 + signal.SIGSEGV, crashed.stderr
+    assert "tritonserver was killed by SIGSEGV (signal 11): it crashed" in crashed.stderr, crashed.stderr
     nothing = subprocess.run([sys.executable, "-m", "prepos.supervise"], capture_output=True, text=True, timeout=30,
                              env={"PYTHONPATH": ":".join(sys.path)})
     assert nothing.returncode == 2 and "usage" in nothing.stderr
@@ -266,13 +272,13 @@ def test_the_grpc_port_is_read_from_the_servers_arguments():
 
 
 @pytest.mark.parametrize("soft_kib, child_kib", [
-    ("8192", "65536"),  # the usual 8 MiB: raised
-    ("unlimited", "65536"),  # unlimited gives threads 2 MiB: limited
-    ("131072", "131072"),  # already more: kept
+    ("8192", "1048576"),  # the usual 8 MiB: raised
+    ("unlimited", "1048576"),  # unlimited gives threads 2 MiB: limited
+    ("2097152", "2097152"),  # already more: kept
 ])
 def test_tritonserver_starts_with_a_stack_limit_its_http_threads_survive_a_large_form_body_with(soft_kib, child_kib):
-    """Triton 2.51's HTTP front end copies a form-data body onto its thread's stack; the threads' stacks are as
-    large as the stack limit the server started with."""
+    """Triton 2.51's HTTP front end copies a form-data body onto its thread's stack and parses JSON recursively
+    there; the threads' stacks are as large as the stack limit the server started with."""
     script = textwrap.dedent("""
         import resource, subprocess, sys
         from prepos.supervise import server_stack_limit
@@ -304,3 +310,19 @@ def test_tritonserver_starts_with_a_stack_limit_its_http_threads_survive_a_large
 def test_the_server_accepts_keepalive_pings_unless_the_arguments_say_otherwise(args, expected):
     assert with_keepalive_pings(args) == expected
     assert set(keepalive_ping_arguments()) <= set(server_command(ServerOptions(), Path("/b")))
+
+
+@pytest.mark.parametrize(("code", "said"), [
+    (0, "exited with status 0"),
+    (3, "exited with status 3"),
+    (-signal.SIGSEGV, "was killed by SIGSEGV (signal 11): it crashed (one known cause: an HTTP body"),
+    (-signal.SIGABRT, "was killed by SIGABRT (signal 6): it crashed"),
+    (-signal.SIGKILL, "was killed by SIGKILL (signal 9) (the kernel's out-of-memory killer, or someone, killed it)"),
+    (-signal.SIGTERM, "was killed by SIGTERM (signal 15)"),
+    (-200, "was killed by signal 200"),
+])
+def test_an_exit_is_described_by_its_status_or_its_signal(code, said):
+    from prepos.supervise import describe_exit
+
+    assert describe_exit(code).startswith(said)
+    assert ("crashed" in describe_exit(code)) == (code in (-signal.SIGSEGV, -signal.SIGABRT))

@@ -548,6 +548,20 @@ def test_a_large_body_sent_as_form_data_is_answered_and_the_server_lives_on(serv
         assert response.status == 200
 
 
+def test_a_deeply_nested_json_body_is_answered_and_the_server_lives_on(server):
+    """Triton 2.51 parses a request's JSON recursively on its HTTP thread's stack: with a 64 MiB stack limit a
+    500 KB body of nested brackets crashed the whole server (SIGSEGV)."""
+    depth = 1_000_000  # a 2 MB body
+    body = ('{"text_input": ' + "[" * depth + "]" * depth + ', "max_tokens": 1}').encode()
+    request = urllib.request.Request(f"{server.http_url}/v2/models/prepos_http/generate", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=120)
+    assert refused.value.code == 400 and "text_input" in refused.value.read().decode()
+    with urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=10) as response:
+        assert response.status == 200
+
+
 def test_a_queued_requests_deadline_error_reaches_that_request_not_the_one_still_answering(server):
     """The deadline error of a request queued behind a long answer goes out while that answer streams; a gRPC
     stream's error carries no request id, so it names its request, and the client gives it to that one."""
