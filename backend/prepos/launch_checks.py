@@ -135,9 +135,12 @@ def check_repositories(repositories: Sequence[str | Path], environ: Mapping[str,
 
 
 def stop_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the child sent SIGTERM when this process dies (Linux's parent-death signal):
+    """A ``preexec_fn`` that has the child killed (SIGKILL) when this process dies (Linux's parent-death signal):
     a launcher killed with SIGKILL, or by the OOM killer, left tritonserver serving on its ports with no one to
-    stop it. None elsewhere, and off the main thread (the signal follows the thread that started the child)."""
+    stop it. Not SIGTERM: with no launcher to drain it, tritonserver went on serving the requests in flight to its
+    exit timeout, then crashed on its way out and hung there, its streams still open, so that clients waited out
+    their time limits; killed, its streams break at once and its backend stubs exit by themselves. None elsewhere,
+    and off the main thread (the signal follows the thread that started the child)."""
     import threading
 
     if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
@@ -146,7 +149,7 @@ def stop_with_parent() -> Callable[[], None] | None:
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child between fork and exec loads nothing
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the parent died before the signal was set
             os._exit(1)
 

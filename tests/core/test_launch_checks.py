@@ -70,13 +70,16 @@ def test_an_unusable_journal_folder_names_where_it_came_from(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_a_child_started_so_is_stopped_when_its_launcher_is_killed_outright():
     """A launcher killed with SIGKILL (or by the OOM killer) left tritonserver serving on its ports, in a session
-    of its own, with no one to stop it."""
+    of its own, with no one to stop it. SIGTERM would not do: undrained, tritonserver serves on to its exit timeout
+    (the child here ignores it), then crashed on its way out and hung with its streams open."""
     launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import subprocess, sys, time
         sys.path.insert(0, {BACKEND_DIR!r})
         from prepos.launch_checks import stop_with_parent
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
-                                 preexec_fn=stop_with_parent())
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                  "signal.SIG_IGN); print(flush=True); time.sleep(60)"], start_new_session=True,
+                                 preexec_fn=stop_with_parent(), stdout=subprocess.PIPE)
+        child.stdout.readline()  # SIGTERM is ignored from now on
         print(child.pid, flush=True)
         time.sleep(60)
         """)], stdout=subprocess.PIPE, text=True)
