@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 from .errors import PreposError, PreposTimeout, PreposUnavailable
@@ -153,8 +154,10 @@ class RoutedSession:
         while True:
             session = self._session
             # Waiting for a replica that is down is for when there is no other to move to (one that left the ring
-            # and is ready again counts: it is asked first).
+            # and is ready again counts: it is asked first, and again while the call waits, which ends once there
+            # is one, for the session to move there).
             session.wait_for_ready = self.wait_for_ready and self._client.is_alone(session.url, readmit=True)
+            session.keep_waiting = partial(self._client.is_alone, session.url, readmit=True)
             try:
                 result = send(session)
             except PreposError as error:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from .channel import Tls
 from .deadlines import check_timeout
@@ -96,6 +96,17 @@ class Session:
     @wait_for_ready.setter
     def wait_for_ready(self, value: bool) -> None:
         self._requests.wait_for_ready = bool(value)
+
+    @property
+    def keep_waiting(self) -> Callable[[], bool] | None:
+        """Asked, while a call waits for its server (`wait_for_ready`), after each look; False ends the wait, and
+        the call raises as it would without `wait_for_ready` (a `RoutedSession` whose client has another replica
+        ready, for the session to move there). None: wait the call's whole time limit."""
+        return self._requests.keep_waiting
+
+    @keep_waiting.setter
+    def keep_waiting(self, value: Callable[[], bool] | None) -> None:
+        self._requests.keep_waiting = value
 
     @property
     def closed(self) -> bool:

@@ -8,7 +8,7 @@ import logging
 import queue
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
@@ -57,6 +57,7 @@ class SessionRequests:
         self.model = model
         self.url = url
         self.wait_for_ready = wait_for_ready
+        self.keep_waiting: Callable[[], bool] | None = None  # asked while a call waits (see wait_until_ready)
         self._headers = dict(headers)
         self.opening = Opening(resume=resume)
         self.unsettled: list[Inflight] = []
@@ -232,7 +233,7 @@ class SessionRequests:
         if waits == 0:
             logger.warning("session %s: the server at %s is %s; waiting for it to be ready (at most %.3g s)",
                            self.session_id, self.url, why, max(0.0, deadline - time.perf_counter()))
-        return wait_until_ready(self._triton, self.model, self._headers, deadline, waits)
+        return wait_until_ready(self._triton, self.model, self._headers, deadline, waits, self.keep_waiting)
 
     def _settle(self, inflight: Inflight, error: PreposError | None) -> PreposError | None:
         """Update the session's state for the outcome of a request: its final response (``error`` None) or error.

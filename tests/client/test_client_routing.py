@@ -411,6 +411,23 @@ def test_with_wait_for_ready_a_replica_back_since_is_asked_before_the_session_wa
     assert replicas.num_ready_checks(REPLICAS[0]) == 0  # not waited for
 
 
+def test_with_wait_for_ready_a_session_waiting_for_its_replica_moves_to_another_once_that_one_is_back(replicas):
+    """After an outage of every replica, a session waited its whole time limit for its own replica, which did not
+    come back, while another was ready again within seconds."""
+    client = RoutedClient(REPLICAS[:2], timeout_s=30, wait_for_ready=True, readmit_interval_s=0.01)
+    (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    session = client.session(session_id)
+    session.append("system", role="system")
+    client.lose_replica(REPLICAS[1])
+    back_after(replicas, REPLICAS[1], 3)  # back while the session waits
+    replicas.dead.add(REPLICAS[0])  # never back
+    started = time.monotonic()
+    assert session.ask("hello").text == "hello"
+    assert session.replica == REPLICAS[1] and time.monotonic() - started < 10
+    assert [f.from_replica for f in session.failovers] == [REPLICAS[0]]
+    assert replicas.num_ready_checks(REPLICAS[0]) >= 1  # it did wait for its own first
+
+
 def test_with_wait_for_ready_a_session_placed_while_every_replica_is_away_waits_for_its_owner(replicas):
     client = RoutedClient(REPLICAS[:1], timeout_s=10, wait_for_ready=True, readmit_interval_s=0.01)
     client.lose_replica(REPLICAS[0])  # its stream broke, say
