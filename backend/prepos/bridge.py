@@ -204,8 +204,10 @@ def bridge_target(inputs: Mapping[str, np.ndarray], parameters: str = "{}", requ
     if session_id is None:
         if start is not None or end is not None:
             given = "start" if start is not None else "end"
-            raise ProtocolError(given, "needs session_id (without it the request is a one-turn session, "
-                                       "opened and closed by itself)")
+            value = start if start is not None else end
+            # false too: a one-turn session is opened and closed by its request whatever the flags say
+            raise ProtocolError(given, f"{str(value).lower()} needs session_id (without it the request is a "
+                                       "one-turn session, opened and closed by itself: leave start and end out)")
         if inputs.get("resume") is not None:
             raise ProtocolError("resume", "needs session_id: the session to resume (without it the request is a "
                                           "new one-turn session, which has nothing to resume)")

@@ -33,8 +33,8 @@ def test_a_named_session_gets_only_the_flags_the_request_sets():
 
 
 @pytest.mark.parametrize("inputs, field, problem", [
-    ({"start": _bool(True)}, "start", "needs session_id"),
-    ({"end": _bool(False)}, "end", "needs session_id"),
+    ({"start": _bool(True)}, "start", "true needs session_id"),
+    ({"end": _bool(False)}, "end", "false needs session_id .*: leave start and end out"),
     ({"resume": _bool(True), "text_input": _b("x")}, "resume", "needs session_id: the session to resume"),
     ({"session_id": _b("")}, "session_id", "empty"),
     ({"session_id": _b("a", "b")}, "session_id", "expected one value"),
