@@ -187,7 +187,9 @@ def _timeout_us(found: dict, request_timeout_us: int) -> int:
     if value is None:
         return request_timeout_us
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError("timeout", f"expected whole microseconds (a JSON integer), got {json.dumps(value)}")
+        # Triton hands on an integer past int64 as a float: 99999999999999999999 arrives as 1e+20
+        raise ProtocolError("timeout", f"expected whole microseconds (a JSON integer, at most 2**63 - 1), got "
+                                       f"{json.dumps(value)}")
     if value < 0:
         raise ProtocolError("timeout", f"must be >= 0 microseconds (0: none), got {value}")
     return min((t for t in (value, request_timeout_us) if t), default=0)

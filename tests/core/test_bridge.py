@@ -94,7 +94,8 @@ def test_the_time_limit_is_the_smaller_of_the_timeout_parameter_and_the_request_
     assert bridge_target(sid, '{"timeout": 5000}', request_timeout_us=3000).timeout_us == 3000
     assert bridge_target(sid, '{"timeout": 0}', request_timeout_us=3000).timeout_us == 3000  # 0: none
     for raw, problem in (('{"timeout": "5"}', "a JSON integer"), ('{"timeout": 1.5}', "a JSON integer"),
-                         ('{"timeout": true}', "a JSON integer"), ('{"timeout": -1}', "must be >= 0")):
+                         ('{"timeout": true}', "a JSON integer"), ('{"timeout": -1}', "must be >= 0"),
+                         ('{"timeout": 1e+20}', r"at most 2\*\*63 - 1\), got 1e\+20")):
         with pytest.raises(ProtocolError, match=problem) as err:
             bridge_target(sid, raw)
         assert err.value.field == "timeout"
