@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -63,16 +64,26 @@ def steps_digest(steps: Sequence[StepLike], index: int) -> str:
     return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
+def is_decision_point(step: StepLike) -> bool:
+    """Whether the gate decides this step: it asks for an answer (``max_tokens`` not 0) and brings a delta (an
+    empty-delta request is answered from the cached distribution exactly, without the gate)."""
+    return step.max_tokens != 0 and bool(step.delta)
+
+
 def check_replayable(sessions: Iterable[SessionLike], framing: Framing) -> None:
     """Raise ValueError naming the session, step and field of the first step the server would refuse (a role the
     model has no framing for, a negative ``max_tokens`` (the upper limit is the server's setting; the replay caps
     answers at its own), ``choices`` empty, with an empty or a
     repeated entry, or with ``max_tokens`` 0), or when there is no step at all: a replay records decision points
-    only of requests the server would answer (a repeated choice, always agreed on, would flatter the gate)."""
-    num_steps = 0
+    only of requests the server would answer (a repeated choice, always agreed on, would flatter the gate).
+    Raise ValueError too when no step is a decision point (:func:`is_decision_point`), saying why: more sessions
+    like these would add none."""
+    num_steps = num_questions = num_points = 0
     for session in sessions:
         for index, step in enumerate(session.steps):
             num_steps += 1
+            num_questions += step.max_tokens != 0
+            num_points += is_decision_point(step)
             where = f"session {session.name!r} step {index}"
             if step.role not in framing.entry_ids:
                 raise ValueError(f"{where}: role: unknown role {step.role!r}; the model frames "
@@ -88,6 +99,11 @@ def check_replayable(sessions: Iterable[SessionLike], framing: Framing) -> None:
                 raise ValueError(f"{where}: choices: {problem}")
     if not num_steps:
         raise ValueError("no steps to replay")
+    if not num_points:
+        raise ValueError("no decision points: " + (
+            f"each of the {num_questions} steps that ask for an answer has an empty delta, answered exactly "
+            "without the gate" if num_questions else "no step asks for an answer (max_tokens is 0 on every one)")
+            + "; a decision point is a step with max_tokens other than 0 and a non-empty delta")
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,14 @@ class ReplaySummary:
     elapsed_s: float
 
 
+class ReplayInterrupted(KeyboardInterrupt):
+    """A replay stopped by Ctrl-C; ``summary`` says what it recorded before (every record written is whole)."""
+
+    def __init__(self, summary: ReplaySummary):
+        super().__init__(f"interrupted after {summary.num_recorded} decision points recorded")
+        self.summary = summary
+
+
 def read_records(path: str | Path) -> tuple[dict, list[DecisionRecord]]:
     """The header and the records of a records file (empty when the file does not exist).
 
@@ -162,6 +186,24 @@ def read_records(path: str | Path) -> tuple[dict, list[DecisionRecord]]:
                 continue
             raise ValueError(f"{path}:{number + 1}: not a calibration record") from None
     return header, records
+
+
+def _cut_truncated_tail(path: Path) -> None:
+    """Remove a last line cut short (a write interrupted by a kill) from ``path``, which :func:`read_records`
+    passes over: appended to, it would run into the next record and make the file unreadable."""
+    try:
+        with path.open("rb+") as file:
+            size = file.seek(0, os.SEEK_END)
+            if not size:
+                return
+            file.seek(size - 1)
+            if file.read(1) == b"\n":
+                return
+            file.seek(0)
+            data = file.read()
+            file.truncate(data.rfind(b"\n") + 1)
+    except FileNotFoundError:
+        return
 
 
 def _check_recorded_from_the_same_steps(sessions: Sequence[SessionLike], done: dict, records_path: Path) -> None:
@@ -239,7 +281,8 @@ class CalibrationReplay:
             max_points: int | None = None, progress_stream=None) -> ReplaySummary:
         """Record every decision point of ``sessions`` not yet in ``records_path`` (at most ``max_points`` in all).
 
-        Raises ``ValueError`` when the file was written with other placeholders.
+        Raises ``ValueError`` when the file was written with other placeholders, and :class:`ReplayInterrupted`
+        on Ctrl-C (the records written so far stay; a rerun skips them).
         """
         records_path = Path(records_path)
         header, existing = read_records(records_path)
@@ -248,7 +291,7 @@ class CalibrationReplay:
                              "use another file or the same placeholders")
         done = {(r.session, r.turn): r for r in existing}
         sessions = list(sessions)
-        points = [(s.name, i) for s in sessions for i, step in enumerate(s.steps) if self._is_decision(step)]
+        points = [(s.name, i) for s in sessions for i, step in enumerate(s.steps) if is_decision_point(step)]
         _check_recorded_from_the_same_steps(sessions, done, records_path)
         if max_points is not None:
             points = points[:max_points]
@@ -256,6 +299,7 @@ class CalibrationReplay:
         todo = [p for p in points if p not in done]
         progress = _Progress(len(todo), progress_stream)
         records_path.parent.mkdir(parents=True, exist_ok=True)
+        _cut_truncated_tail(records_path)
         start, num_new = time.monotonic(), 0
         # Sessions that open with the same turn run one after another: the engine session keeps that prefix.
         ordered = sorted(sessions, key=lambda s: (s.steps[0].role, s.steps[0].delta) if s.steps else ("", ""))
@@ -272,14 +316,13 @@ class CalibrationReplay:
                         out.flush()
                         num_new += 1
                         progress.step()
+        except KeyboardInterrupt:
+            raise ReplayInterrupted(ReplaySummary(num_new, len(wanted) - len(todo), time.monotonic() - start)) \
+                from None
         finally:
             self._engine.release(ENGINE_SESSION)
             progress.close()
         return ReplaySummary(num_new, len(wanted) - len(todo), time.monotonic() - start)
-
-    @staticmethod
-    def _is_decision(step: StepLike) -> bool:
-        return step.max_tokens != 0 and bool(step.delta)
 
     def _replay_session(self, session: SessionLike, wanted: set, done: dict) -> Iterable[DecisionRecord]:
         framing, token_log = self._framing, []

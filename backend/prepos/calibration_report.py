@@ -129,16 +129,21 @@ def calibrate(records: Sequence[DecisionRecord], *, epsilons: Sequence[float], d
     in ``scores`` and to the empty delta. Raises ``ValueError`` naming the
     argument when there are no calibration records or an unknown score or variant.
     """
+    if not records:
+        raise ValueError("records: no decision point recorded")
     cal, held = split_sessions(records, held_out_fraction)
-    if not cal:
-        raise ValueError("records: no decision points in the calibration part (more sessions needed)")
+    if not cal:  # sessions are split whole, by their name: few sessions can all land in the held-out part
+        raise ValueError(f"records: the {len(records)} decision points (of {len({r.session for r in held})} "
+                         "sessions) all fell in the held-out part; more sessions needed")
     unknown = [s for s in scores if s not in GATE_SCORES]
     if unknown or not scores:
         raise ValueError(f"scores: unknown {unknown or 'empty'}; known: {', '.join(GATE_SCORES)}")
     recorded = [EMPTY, *sorted(v for v in cal[0].variants if v != EMPTY)]
+    unknown = sorted(set(variants or ()) - set(recorded))
+    if unknown or variants is not None and not variants:
+        raise ValueError(f"variants: {', '.join(map(repr, unknown)) or 'none'} not recorded; recorded: "
+                         f"{', '.join(recorded)}")
     variants = recorded if variants is None else [v for v in recorded if v in variants]
-    if not variants:
-        raise ValueError(f"variants: none of them recorded; recorded: {', '.join(recorded)}")
     candidates = [(s, v) for v in variants for s in scores]
     results = []
     for epsilon in epsilons:
@@ -158,22 +163,29 @@ def calibrate(records: Sequence[DecisionRecord], *, epsilons: Sequence[float], d
 
 
 def config_fragment(result: EpsilonResult, placeholders: dict[str, str]) -> str:
-    """``parameters`` entries for ``config.pbtxt``: the chosen gate, or the gate off when none qualifies."""
+    """``parameters`` entries for ``config.pbtxt``: the chosen gate, or the gate off when none qualifies.
+
+    Each line is a whole ``parameters { ... }`` field, which protobuf text format takes anywhere at the top level
+    of the file (outside ``parameters [ ... ]``, whose entries need a comma between them and none after the last,
+    so that no line form fits both the middle and the end of that list): the lines replace the gate lines of the
+    shipped config.pbtxt, which have that form. A key set twice is refused by the launcher.
+    """
 
     def line(key: str, value: object) -> str:
         text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-        return f'  {{ key: "{key}" value: {{ string_value: "{text}" }} }},'
+        return f'parameters {{ key: "{key}" value: {{ string_value: "{text}" }} }}'
 
     head = f"# prepos calibrate: epsilon {result.epsilon:g}, confidence {1 - result.delta:g}"
+    where = "# these lines replace the gate lines of config.pbtxt (parameters { ... } fields, after its list)"
     chosen = result.chosen
     if chosen is None:
-        return "\n".join([head + ": gate off (no threshold certified)", line("gate.speculate", "false"),
+        return "\n".join([head + ": gate off (no threshold certified)", where, line("gate.speculate", "false"),
                           line("gate.epsilon", result.epsilon), line("gate.confidence", 1 - result.delta),
                           line("gate.calibrated_coverage", 0.0)]) + "\n"
     cal = chosen.calibration
     spec = "" if chosen.variant == EMPTY else placeholders[chosen.variant]
     return "\n".join([
-        head, line("gate.speculate", "true"), line("gate.score", chosen.score),
+        head, where, line("gate.speculate", "true"), line("gate.score", chosen.score),
         line("gate.threshold", repr(cal.threshold)), line("gate.speculative_delta", spec),
         line("gate.epsilon", result.epsilon), line("gate.confidence", 1 - result.delta),
         line("gate.calibrated_coverage", f"{cal.coverage:.4f}"),
@@ -246,8 +258,9 @@ def _markdown(results: Sequence[EpsilonResult], records: Sequence[DecisionRecord
                       f"Held out: {h.num_accepted}/{h.num_points} answered (coverage {h.coverage:.3f}), "
                       f"{h.num_errors} false accepts, observed rate {h.rate:.4f}, "
                       f"{conf:.0%} interval [{h.interval[0]:.4f}, {h.interval[1]:.4f}].", ""]
-        lines += ["| score | delta | agreement (all points) | AURC | threshold | coverage | false accepts | bound | "
-                  "lowest bound on the grid (its coverage) | held-out coverage | held-out rate [interval] |",
+        lines += ["| score | delta | agreement (calibration part, no threshold) | AURC | threshold | coverage | "
+                  "false accepts | bound | lowest bound on the grid (its coverage) | held-out coverage | "
+                  "held-out rate [interval] |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for cand in res.candidates:
             c, h = cand.calibration, cand.held_out
@@ -262,9 +275,10 @@ def _markdown(results: Sequence[EpsilonResult], records: Sequence[DecisionRecord
     num = len(results[0].candidates) if results else 0
     lines += [f"Each of the {num} candidates is certified at delta / {num} with Bonferroni over a fixed grid of "
               "thresholds (prepos.risk), so the chosen one's bound holds at the stated confidence. "
-              "Agreement: the speculative first decision token equals the full path's (no threshold). AURC: area "
-              "under the observed risk–coverage curve on the calibration part, uncertified; it ranks scores and "
-              "variants even where none certifies.", ""]
+              "Agreement: the share of the calibration part's decision points, every one (no threshold), where the "
+              "speculative first decision token equals the full path's. AURC: area under the observed "
+              "risk–coverage curve on the calibration part, uncertified; it ranks scores and variants even where "
+              "none certifies.", ""]
     return "\n".join(lines)
 
 

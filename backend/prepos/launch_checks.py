@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
+import json
 import logging
 import os
-import re
 import signal
 import socket
 import ssl
@@ -102,17 +102,31 @@ def journal_environment(journal_dir: str, run_dir: Path, environ: Mapping[str, s
     return {"PREPOS_JOURNAL_DIR": str(usable_dir(chosen, source).resolve())}
 
 
-_PARAMETER = re.compile(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}')
-_SEQUENCE_IDLE_US = re.compile(r"^\s*max_sequence_idle_microseconds:\s*(\d+)", re.MULTILINE)
-_COMMENT_LINE = re.compile(r"^\s*#.*$", re.MULTILINE)
+def _listed_config_type():
+    """Triton's ModelConfig message with its maps read as lists of entries, so that a key set twice shows (a map
+    keeps one of the two, and which one Triton keeps is not promised)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from tritonclient.grpc import model_config_pb2
+
+    file = descriptor_pb2.FileDescriptorProto()
+    model_config_pb2.DESCRIPTOR.CopyToProto(file)
+    for message in file.message_type:
+        for nested in message.nested_type:
+            nested.options.map_entry = False
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{file.package}.ModelConfig"))
 
 
 def check_repositories(repositories: Sequence[str | Path], environ: Mapping[str, str]) -> None:
     """Raise ValueError naming ``--model-repository`` when the repositories hold no model (folders with a
-    config.pbtxt): Triton would start with nothing to serve and report ready. And read the prepos settings of
-    each prepos model (config.pbtxt's parameters, the ``PREPOS_*`` variables of ``environ``) as the model will
-    when it loads, so that a bad one is refused before Triton starts (the load took 7-11 s to say the same),
-    raising ValueError naming the model and the setting."""
+    config.pbtxt): Triton would start with nothing to serve and report ready. Raise ValueError naming the model and
+    the place when a config.pbtxt is not a model configuration in protobuf text format (Triton's parser refuses it
+    when it loads the model), or sets a parameter twice. And read the prepos settings of each prepos model (config.pbtxt's parameters, the
+    ``PREPOS_*`` variables of ``environ``) as the model will when it loads, so that a bad one is refused before
+    Triton starts (the load took 7-11 s to say the same), raising ValueError naming the model and the setting."""
+    from google.protobuf import text_format
+
     from prepos.config import ConfigError, read_config
 
     configs = sorted((entry / "config.pbtxt" for repository in repositories for entry in Path(repository).iterdir()
@@ -120,14 +134,23 @@ def check_repositories(repositories: Sequence[str | Path], environ: Mapping[str,
     if not configs:
         raise ValueError(f"--model-repository: no model in {', '.join(str(r) for r in repositories)} (a model is a "
                          "folder with a config.pbtxt)")
+    config_type = _listed_config_type()
     for config in configs:
         name = config.parent.name
+        try:  # the ModelConfig message Triton parses config.pbtxt into (fields of a later Triton passed over)
+            model = text_format.Parse(config.read_text(errors="replace"), config_type(), allow_unknown_field=True)
+        except text_format.ParseError as err:
+            raise ValueError(f"model {name} ({config}): not a model configuration Triton reads ({err})") from None
+        keys = [entry.key for entry in model.parameters]
+        twice = sorted({key for key in keys if keys.count(key) > 1})
+        if twice:
+            raise ValueError(f"model {name} ({config}): sets {', '.join(map(json.dumps, twice))} twice (once is "
+                             "enough; which one Triton would take is not promised)")
         if name.startswith("prepos") and name != "prepos_http":
-            text = _COMMENT_LINE.sub("", config.read_text(errors="replace"))  # a setting commented out is none
-            parameters = dict(_PARAMETER.findall(text))
-            idle_us = _SEQUENCE_IDLE_US.search(text)
-            if idle_us and int(idle_us.group(1)):  # as the model sets it from Triton's own (see its model.py)
-                parameters.setdefault("scheduler.session_idle_timeout_s", str(int(idle_us.group(1)) / 1e6))
+            parameters = {entry.key: entry.value.string_value for entry in model.parameters}
+            idle_us = model.sequence_batching.max_sequence_idle_microseconds
+            if idle_us:  # as the model sets it from Triton's own (see its model.py)
+                parameters.setdefault("scheduler.session_idle_timeout_s", str(idle_us / 1e6))
             try:
                 read_config(parameters, environ)
             except ConfigError as err:

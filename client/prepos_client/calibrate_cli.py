@@ -9,7 +9,8 @@ decision point), appending records to ``<out>/records.jsonl`` (a rerun resumes
 where it stopped; ``--report-only`` reports on the records there without
 replaying; the report covers every record in the file), then writes ``report.md``, ``risk_coverage.csv``/``.png``
 and a ``gate_eps<epsilon>.pbtxt`` fragment per epsilon under ``--out``.
-Progress goes to stderr. Exit codes: 0 ok, 1 bad input (the message names it), 2 usage.
+Progress goes to stderr. Exit codes: 0 ok, 1 bad input (the message names it), 2 usage, 130 interrupted (the
+records written so far stay; a rerun with the same ``--out`` resumes).
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from prepos_loadtest.workloads import WORKLOADS
 
 log = logging.getLogger("prepos.calibrate")
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_ENGINE_DIR = "engines/smollm2-135m-instruct"
 REPO_ROOT = Path(__file__).resolve().parents[2]  # a source checkout: client/prepos_client/calibrate_cli.py
 WORKLOAD_NAMES = f"{', '.join(WORKLOADS)}, or bigbench[:TASK]"
@@ -88,6 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULT_PLACEHOLDERS = {"placeholder": "(message)"}
 
 
+def unusable_folder(path: Path) -> str | None:
+    """Why the folder ``path`` cannot be used (made where missing, written in), or None. Nothing is left changed:
+    a folder made and removed at once in its nearest existing ancestor tells (a permission, a read-only or a
+    pseudo file system), before the model loads."""
+    base = path
+    while not os.path.lexists(base) and base != base.parent:
+        base = base.parent
+    if not os.path.isdir(base):
+        return f"{path} exists and is not a folder" if base == path else \
+            f"cannot make {path}: {base} is not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".prepos-probe-", dir=base))
+    except OSError as error:
+        reason = error.strerror or error
+        return f"cannot write in {path} ({reason})" if base == path else f"cannot make {path} in {base} ({reason})"
+    return None
+
+
 def load_sessions(args: argparse.Namespace) -> list:
     """The sessions to replay from --trace or --workload (raises ValueError naming the argument)."""
     from prepos_loadtest.workloads import TraceFormatError, build_workload, read_trace
@@ -140,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(format="prepos calibrate: %(message)s", level=logging.INFO)
-    from prepos.calibration import EMPTY, read_records
+    from prepos.calibration import EMPTY, ReplayInterrupted, read_records
     from prepos.calibration_report import SCORES, calibrate, write_report
     from prepos.risk import METHODS
 
@@ -157,15 +178,25 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.score or ()) - set(SCORES))
     if unknown:
         parser.error(f"--score: unknown {', '.join(map(repr, unknown))}; use {', '.join(SCORES)}")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out: {args.out} exists and is not a folder")
+    # Before the model loads (seconds) and before anything is written: a replay appends to the records file and
+    # the report goes to --out.
+    problem = unusable_folder(args.out)
+    if problem:
+        parser.error(f"--out: {problem}")
+    records_path = args.records or args.out / "records.jsonl"
+    records_flag = "--records" if args.records else "--out"
+    if records_path.is_dir():
+        parser.error(f"{records_flag}: {records_path} is a directory, not a records file")
+    problem = args.records and not args.report_only and unusable_folder(args.records.parent)
+    if problem:
+        parser.error(f"--records: {problem}")
     placeholders = {} if args.no_placeholder else dict(args.placeholder or DEFAULT_PLACEHOLDERS)
     recorded = (EMPTY, *placeholders)
     unknown = sorted(set(args.variant or ()) - set(recorded))
     if unknown and not args.report_only:
         parser.error(f"--variant: {', '.join(map(repr, unknown))} not recorded by this run; it records "
                      f"{', '.join(recorded)} (--placeholder NAME=TEXT adds one)")
-    records_path = args.records or args.out / "records.jsonl"
+    summary = None
     try:
         if not args.report_only:
             sessions = load_sessions(args)
@@ -181,11 +212,22 @@ def main(argv: list[str] | None = None) -> int:
             if not records:
                 raise ValueError(f"--report-only: no records in {records_path}")
             placeholders = header.get("placeholders", {})
+            recorded = [EMPTY, *sorted(v for v in records[0].variants if v != EMPTY)]
+            unknown = sorted(set(args.variant or ()) - set(recorded))
+            if unknown:
+                parser.error(f"--variant: {', '.join(map(repr, unknown))} not in {records_path}; it records "
+                             f"{', '.join(recorded)}")
         results = calibrate(records, epsilons=args.epsilon, delta=args.delta, held_out_fraction=args.held_out,
                             method=args.method, scores=args.score or SCORES, variants=args.variant)
     except ValueError as error:
         print(f"prepos calibrate: error: {error}", file=sys.stderr)
         return EXIT_INVALID
+    except KeyboardInterrupt as interrupt:  # records are appended one by one: those written stay, a rerun skips them
+        num_recorded = interrupt.summary.num_recorded if isinstance(interrupt, ReplayInterrupted) else \
+            summary.num_recorded if summary else 0
+        print(f"prepos calibrate: interrupted; {num_recorded} decision points recorded by this run in {records_path}"
+              f" (rerun with the same {records_flag} to resume)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     title = args.workload or str(args.trace or records_path)
     paths = write_report(args.out, records, results, title=title, placeholders=placeholders,
                          held_out_fraction=args.held_out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -167,3 +168,94 @@ def test_a_big_bench_task_that_cannot_be_fetched_is_named(tmp_path, monkeypatch,
     assert code == calibrate_cli.EXIT_INVALID
     assert "--workload: BIG-bench task 'nope'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def _tree(root) -> list:
+    return sorted((str(p.relative_to(root)), p.is_dir()) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("out", ["afile/sub", "/proc/prepos-nosuch"])
+def test_an_out_that_cannot_be_made_is_a_usage_error_before_the_model_loads(setup, capsys, monkeypatch, out):
+    """It gave a traceback (NotADirectoryError, FileNotFoundError) once the model had loaded, seconds in."""
+    tmp_path, engine_dir, trace = setup
+    if out.startswith("/proc") and not os.path.isdir("/proc"):
+        pytest.skip("no /proc here")
+    assert cli.main(["calibrate", "--trace", str(trace), "--engine-dir", str(engine_dir), "--epsilon", "0.3",
+                     "--out", str(tmp_path / "good"), "--max-points", "6"]) == 0
+    (tmp_path / "afile").write_text("")
+    before = _tree(tmp_path)
+    capsys.readouterr()
+    monkeypatch.setattr(prepos.core, "create_engine", lambda config, path: pytest.fail("the model was loaded"))
+    out = str(tmp_path / out) if not out.startswith("/") else out
+    for argv in (["--trace", str(trace), "--engine-dir", str(engine_dir), "--out", out],
+                 ["--report-only", "--records", str(tmp_path / "good" / "records.jsonl"), "--out", out],
+                 ["--trace", str(trace), "--engine-dir", str(engine_dir), "--out", str(tmp_path / "o"),
+                  "--records", out + "/records.jsonl"]):
+        with pytest.raises(SystemExit) as exit_info:
+            calibrate_cli.main([*argv, "--epsilon", "0.3"])
+        assert exit_info.value.code == calibrate_cli.EXIT_USAGE
+        flag = "--records" if "--records" in argv and "--report-only" not in argv else "--out"
+        err = capsys.readouterr().err
+        assert f"{flag}: cannot make {out}" in err and "Traceback" not in err, err
+        assert _tree(tmp_path) == before  # nothing made, nothing left behind
+
+
+def test_ctrl_c_during_a_replay_says_what_was_recorded_and_a_rerun_resumes(setup, capsys, monkeypatch):
+    """It printed a traceback ending in KeyboardInterrupt."""
+    tmp_path, engine_dir, trace = setup
+
+    class InterruptedEngine(FakeEngine):
+        num_prefills = 0
+
+        def prefill(self, session_id, token_ids):
+            InterruptedEngine.num_prefills += 1
+            if InterruptedEngine.num_prefills == 20:
+                raise KeyboardInterrupt
+            return super().prefill(session_id, token_ids)
+
+    monkeypatch.setattr(prepos.core, "create_engine", lambda config, path: InterruptedEngine())
+    out = tmp_path / "o"
+    argv = ["--trace", str(trace), "--engine-dir", str(engine_dir), "--epsilon", "0.3", "--out", str(out)]
+    try:
+        code = calibrate_cli.main(argv)
+    except KeyboardInterrupt as interrupt:  # it would stop the test session
+        pytest.fail(f"the interrupt escaped: {interrupt!r}")
+    assert code == calibrate_cli.EXIT_INTERRUPTED == 130
+    num_recorded = len((out / "records.jsonl").read_text().splitlines()) - 1
+    assert 0 < num_recorded < 36
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (f"prepos calibrate: interrupted; {num_recorded} decision points recorded by this "
+                                    f"run in {out / 'records.jsonl'} (rerun with the same --out to resume)")
+    assert "Traceback" not in err
+    monkeypatch.setattr(prepos.core, "create_engine", lambda config, path: FakeEngine())
+    assert calibrate_cli.main(argv) == 0
+    assert len((out / "records.jsonl").read_text().splitlines()) == 1 + 36
+
+
+def test_a_workload_with_no_decision_point_is_refused_before_the_model_loads_saying_why(setup, capsys, monkeypatch):
+    """Every monitor query has an empty delta: it failed after the model loaded, asking for more sessions."""
+    tmp_path, engine_dir, trace = setup
+    monkeypatch.setattr(prepos.core, "create_engine", lambda config, path: pytest.fail("the model was loaded"))
+    code = calibrate_cli.main(["--workload", "monitor", "--sessions", "3", "--engine-dir", str(engine_dir),
+                               "--epsilon", "0.1", "--out", str(tmp_path / "o")])
+    assert code == calibrate_cli.EXIT_INVALID
+    err = capsys.readouterr().err
+    assert "--workload: no decision points: each of the 18 steps that ask for an answer has an empty delta" in err
+    assert "more sessions" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_variant_not_in_the_records_and_records_that_are_a_directory_are_usage_errors(setup, capsys):
+    """--report-only dropped an unknown --variant silently; a directory was reported as holding no records."""
+    tmp_path, engine_dir, trace = setup
+    out = tmp_path / "o"
+    assert calibrate_cli.main(["--trace", str(trace), "--engine-dir", str(engine_dir), "--epsilon", "0.3", "--out",
+                               str(out), "--max-points", "6"]) == 0
+    capsys.readouterr()
+    for argv, message in [(["--variant", "empty", "--variant", "nosuch"],
+                           f"--variant: 'nosuch' not in {out / 'records.jsonl'}; it records empty, placeholder"),
+                          (["--records", str(tmp_path)], f"--records: {tmp_path} is a directory")]:
+        with pytest.raises(SystemExit) as exit_info:
+            calibrate_cli.main(["--report-only", "--epsilon", "0.3", "--out", str(out), *argv])
+        assert exit_info.value.code == calibrate_cli.EXIT_USAGE
+        assert message in capsys.readouterr().err

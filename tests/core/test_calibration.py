@@ -130,6 +130,11 @@ def test_other_placeholders_and_bad_lines_are_refused(parts, tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text(path.read_text() + '{"answer_ids": [1')
     assert len(read_records(path)[1]) == 1
+    _, again = make_replay(parts)
+    again.run(SESSIONS[:1], path)  # the cut line goes first: appended to, it ran into the next record
+    _, full = make_replay(parts)
+    full.run(SESSIONS[:1], tmp_path / "full.jsonl")
+    assert read_records(path) == read_records(tmp_path / "full.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n{}\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):
@@ -228,3 +233,79 @@ def test_aurc_rewards_ranking_errors_last():
     # Ties are accepted together: one point on the curve, at the tied group's rate.
     assert aurc([0.5, 0.5], [True, False]) == pytest.approx(0.5)
     assert aurc([0.9, 0.5, 0.5], [True, True, False]) == pytest.approx((0 + 2 * (1 / 3)) / 3)
+
+
+def test_no_decision_point_is_told_apart_from_too_few_sessions(parts):
+    """Both said "more sessions needed"; with no step a decision point, more sessions never help."""
+    from prepos.calibration import check_replayable
+
+    _, framing = parts
+    updates_only = [Session("u", (Step("system", "Watch.", 0), Step("user", "Reading 1.", 0)))]
+    empty_queries = [Session("q", (Step("user", "Reading 1.", 0), Step("user", "", 1, YES_NO)))]
+    for sessions, why in [(updates_only, "no step asks for an answer"),
+                          (empty_queries, "each of the 1 steps that ask for an answer has an empty delta")]:
+        with pytest.raises(ValueError, match=rf"^no decision points: {why}") as raised:
+            check_replayable(sessions, framing)
+        assert "more sessions" not in str(raised.value)
+    check_replayable(SESSIONS, framing)
+    with pytest.raises(ValueError, match=r"^records: no decision point recorded$"):
+        calibrate([], epsilons=[0.1], delta=0.1)
+    held_out = [r for r in (_record(f"s{i}", 0, 0.9, True) for i in range(20)) if not split_sessions([r], 0.5)[0]]
+    with pytest.raises(ValueError, match=rf"^records: the {len(held_out)} decision points .* all fell in the "
+                                         r"held-out part; more sessions needed$"):
+        calibrate(held_out, epsilons=[0.1], delta=0.1)
+
+
+def test_a_variant_not_recorded_is_refused_even_beside_recorded_ones():
+    """It was dropped silently, and the report covered fewer candidates than asked for."""
+    records = [_record(f"s{i}", 0, 0.9, True) for i in range(50)]
+    with pytest.raises(ValueError, match=r"^variants: 'nosuch' not recorded; recorded: empty, dots$"):
+        calibrate(records, epsilons=[0.1], delta=0.1, variants=[EMPTY, "nosuch"])
+    assert len(calibrate(records, epsilons=[0.1], delta=0.1, variants=["dots"])[0].candidates) == 3
+
+
+def test_the_reports_agreement_column_says_which_points_it_covers(tmp_path):
+    """It was labelled "all points" and computed over the calibration part only."""
+    records = [_record(f"s{i}", 0, 0.9, i % 3 != 0) for i in range(120)]
+    results = calibrate(records, epsilons=[0.1], delta=0.1, scores=["p_max"], variants=[EMPTY])
+    cal, _ = split_sessions(records, 0.5)
+    agreement = sum(r.variants[EMPTY].agreed for r in cal) / len(cal)
+    assert agreement != pytest.approx(sum(r.variants[EMPTY].agreed for r in records) / len(records), abs=5e-4)
+    write_report(tmp_path, records, results, title="t", placeholders={"dots": "..."}, held_out_fraction=0.5)
+    header, _, row = [line for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("|")]
+    assert header.split(" | ")[2] == "agreement (calibration part, no threshold)"
+    assert row.split(" | ")[2] == f"{agreement:.3f}"
+
+
+def test_the_fragment_in_place_of_the_shipped_gate_lines_is_a_config_triton_reads(tmp_path):
+    """Its lines ended with a comma: pasted as the last entries of parameters [ ... ] they broke the file. Now they
+    replace the shipped config's gate lines, which have their form; pasted beside them, a key is set twice, which
+    the launcher refuses."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from prepos.launch_checks import check_repositories
+    from prepos.launcher import REPO_ROOT
+
+    records = [_record(f"s{i}", 0, 0.999, True) for i in range(600)]
+    open_result, closed_result = calibrate(records, epsilons=[0.05, 0.001], delta=0.1)
+    assert open_result.chosen is not None and closed_result.chosen is None
+    shipped = (REPO_ROOT / "model_repository" / "prepos" / "config.pbtxt").read_text().splitlines(keepends=True)
+    gate_lines = [i for i, line in enumerate(shipped) if line.startswith('parameters { key: "gate.')]
+    assert len(gate_lines) == 2 and gate_lines[1] == gate_lines[0] + 1
+    for result in (open_result, closed_result):
+        fragment = config_fragment(result, {"dots": "..."})
+        text = "".join(shipped[:gate_lines[0]]) + fragment + "".join(shipped[gate_lines[1] + 1:])
+        parameters = text_format.Parse(text, model_config_pb2.ModelConfig()).parameters
+        assert parameters["gate.speculate"].string_value == str(result.chosen is not None).lower()
+        assert parameters["gate.epsilon"].string_value == f"{result.epsilon}"
+        assert parameters["engine.device"].string_value == "cpu"  # the list is kept
+        for name, config in (("replaced", text), ("beside", "".join(shipped) + fragment)):
+            model = tmp_path / name / str(result.epsilon) / "prepos"
+            model.mkdir(parents=True)
+            (model / "config.pbtxt").write_text(config)
+            if name == "replaced":
+                check_repositories([model.parent], {})
+                continue
+            with pytest.raises(ValueError, match=r'sets "gate.speculate"(, "gate.threshold")? twice'):
+                check_repositories([model.parent], {})

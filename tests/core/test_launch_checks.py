@@ -142,3 +142,33 @@ def test_the_shipped_repository_passes_the_settings_check():
     from prepos.launcher import REPO_ROOT
 
     check_repositories([REPO_ROOT / "model_repository"], {})
+
+
+def test_a_config_triton_cannot_parse_is_refused_before_triton_starts(tmp_path):
+    """A comma after the last entry of parameters [ ... ] (as calibration fragments had) passed the launcher's own
+    reading, by patterns, and Triton refused the model."""
+    from prepos.launch_checks import check_repositories
+
+    trailing_comma = _repository(tmp_path / "comma", '  { key: "gate.threshold" value: { string_value: "0.8" } },')
+    with pytest.raises(ValueError, match=r"^model prepos \(.*config.pbtxt\): not a model configuration Triton reads "
+                                         r"\(.*Expected \"\{\"\.\)$"):
+        check_repositories([trailing_comma], {})
+    no_comma = _repository(tmp_path / "no-comma", '  { key: "gate.threshold" value: { string_value: "0.8" } }\n'
+                           '  { key: "gate.speculate" value: { string_value: "true" } }')
+    with pytest.raises(ValueError, match=r'Expected ","'):
+        check_repositories([no_comma], {})
+    # a whole parameters field after the list, as calibration fragments are now, is read
+    after = _repository(tmp_path / "after", '  { key: "gate.speculate" value: { string_value: "true" } }')
+    config = after / "prepos" / "config.pbtxt"
+    config.write_text(config.read_text() + 'parameters { key: "gate.threshold" value: { string_value: "abc" } }\n')
+    with pytest.raises(ValueError, match=r"gate.threshold: cannot read 'abc' as float"):
+        check_repositories([after], {})
+    # a key set twice: which of the two Triton takes is not promised
+    config.write_text(config.read_text() + 'parameters { key: "gate.speculate" value { string_value: "false" } }\n')
+    with pytest.raises(ValueError, match=r'sets "gate.speculate" twice'):
+        check_repositories([after], {})
+    # a field of a later Triton than the client library's is passed over, as that Triton would read it
+    later = _repository(tmp_path / "later", '  { key: "gate.speculate" value: { string_value: "true" } }')
+    config = later / "prepos" / "config.pbtxt"
+    config.write_text(config.read_text() + "some_later_field: 3\n")
+    check_repositories([later], {})
