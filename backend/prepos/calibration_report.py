@@ -168,7 +168,7 @@ def config_fragment(result: EpsilonResult, placeholders: dict[str, str]) -> str:
     Each line is a whole ``parameters { ... }`` field, which protobuf text format takes anywhere at the top level
     of the file (outside ``parameters [ ... ]``, whose entries need a comma between them and none after the last,
     so that no line form fits both the middle and the end of that list): the lines replace the gate lines of the
-    shipped config.pbtxt, which have that form. A key set twice is refused by the launcher.
+    shipped config.pbtxt, which have that form (of a key set twice, Triton takes the later entry).
     """
 
     def line(key: str, value: object) -> str:

@@ -104,7 +104,7 @@ def journal_environment(journal_dir: str, run_dir: Path, environ: Mapping[str, s
 
 def _listed_config_type():
     """Triton's ModelConfig message with its maps read as lists of entries, so that a key set twice shows (a map
-    keeps one of the two, and which one Triton keeps is not promised)."""
+    keeps one of the two)."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
     from tritonclient.grpc import model_config_pb2
 
@@ -120,11 +120,12 @@ def _listed_config_type():
 
 def check_repositories(repositories: Sequence[str | Path], environ: Mapping[str, str]) -> None:
     """Raise ValueError naming ``--model-repository`` when the repositories hold no model (folders with a
-    config.pbtxt): Triton would start with nothing to serve and report ready. Raise ValueError naming the model and
-    the place when a config.pbtxt is not a model configuration in protobuf text format (Triton's parser refuses it
-    when it loads the model), or sets a parameter twice. And read the prepos settings of each prepos model (config.pbtxt's parameters, the
-    ``PREPOS_*`` variables of ``environ``) as the model will when it loads, so that a bad one is refused before
-    Triton starts (the load took 7-11 s to say the same), raising ValueError naming the model and the setting."""
+    config.pbtxt): Triton would start with nothing to serve and report ready. And read the prepos settings of
+    each prepos model (config.pbtxt's parameters, the ``PREPOS_*`` variables of ``environ``) as the model will
+    when it loads, so that a bad one is refused before Triton starts (the load took 7-11 s to say the same),
+    raising ValueError naming the model and the setting, or the place in its config.pbtxt that is not protobuf
+    text format (Triton's parser refuses it too). A parameter set twice is taken as Triton 2.51 takes it, the later
+    entry, with a warning. Other models' configs are Triton's to read."""
     from google.protobuf import text_format
 
     from prepos.config import ConfigError, read_config
@@ -134,27 +135,28 @@ def check_repositories(repositories: Sequence[str | Path], environ: Mapping[str,
     if not configs:
         raise ValueError(f"--model-repository: no model in {', '.join(str(r) for r in repositories)} (a model is a "
                          "folder with a config.pbtxt)")
-    config_type = _listed_config_type()
     for config in configs:
         name = config.parent.name
+        if not name.startswith("prepos") or name == "prepos_http":
+            continue
         try:  # the ModelConfig message Triton parses config.pbtxt into (fields of a later Triton passed over)
-            model = text_format.Parse(config.read_text(errors="replace"), config_type(), allow_unknown_field=True)
+            model = text_format.Parse(config.read_text(errors="replace"), _listed_config_type()(),
+                                      allow_unknown_field=True)
         except text_format.ParseError as err:
             raise ValueError(f"model {name} ({config}): not a model configuration Triton reads ({err})") from None
         keys = [entry.key for entry in model.parameters]
         twice = sorted({key for key in keys if keys.count(key) > 1})
         if twice:
-            raise ValueError(f"model {name} ({config}): sets {', '.join(map(json.dumps, twice))} twice (once is "
-                             "enough; which one Triton would take is not promised)")
-        if name.startswith("prepos") and name != "prepos_http":
-            parameters = {entry.key: entry.value.string_value for entry in model.parameters}
-            idle_us = model.sequence_batching.max_sequence_idle_microseconds
-            if idle_us:  # as the model sets it from Triton's own (see its model.py)
-                parameters.setdefault("scheduler.session_idle_timeout_s", str(idle_us / 1e6))
-            try:
-                read_config(parameters, environ)
-            except ConfigError as err:
-                raise ValueError(f"model {name} ({config}): {err}") from None
+            log.warning("model %s (%s) sets %s twice: the later entry counts", name, config,
+                        ", ".join(map(json.dumps, twice)))
+        parameters = {entry.key: entry.value.string_value for entry in model.parameters}  # the later wins
+        idle_us = model.sequence_batching.max_sequence_idle_microseconds
+        if idle_us:  # as the model sets it from Triton's own (see its model.py)
+            parameters.setdefault("scheduler.session_idle_timeout_s", str(idle_us / 1e6))
+        try:
+            read_config(parameters, environ)
+        except ConfigError as err:
+            raise ValueError(f"model {name} ({config}): {err}") from None
 
 
 def stop_with_parent() -> Callable[[], None] | None:

@@ -164,7 +164,7 @@ def describe_exit(code: int) -> str:
         said += (": it crashed (one known cause: an HTTP body past what its stack holds, see the README's "
                  "\"HTTP\" limits)")
     elif -code == signal.SIGKILL:
-        said += " (the kernel's out-of-memory killer, or someone, killed it)"
+        said += ": the kernel's out-of-memory killer, or someone, killed it"
     return said
 
 
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         _reap_orphans(child.pid)
     code = child.returncode
     if not (lost or stopping.is_set()):
-        log.error("tritonserver %s", describe_exit(code))
+        log.log(logging.ERROR if code else logging.WARNING, "tritonserver %s", describe_exit(code))
     if lost:
         return 1  # not asked to stop: restart it
     if drained:

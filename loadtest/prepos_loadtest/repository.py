@@ -19,19 +19,19 @@ FLOOR = "floor"
 
 def variant_repository(run_dir: Path, folder: str, variants: Mapping[str, Mapping[str, str]]) -> Path:
     """Write ``run_dir/folder``: one model per variant (prepos's own ``model.py`` and ``config.pbtxt`` with the
-    variant's parameters added, as model name -> {key: value}) plus the ``floor`` no-op model; returns its path."""
+    variant's parameters set, as model name -> {key: value}) plus the ``floor`` no-op model; returns its path.
+    The parameters go last, as whole ``parameters`` fields: of a key set twice, Triton takes the later entry (the
+    launcher warns), so a variant's value replaces the shipped one."""
     repo = run_dir / folder
     shutil.rmtree(repo, ignore_errors=True)
     repo.mkdir(parents=True)
     source = (REPO_ROOT / "model_repository" / "prepos" / "config.pbtxt").read_text()
-    if "parameters [" not in source:
-        raise RuntimeError("model_repository/prepos/config.pbtxt has no `parameters [` block to extend")
     for name, params in variants.items():
         (repo / name).mkdir()
         (repo / name / "1").symlink_to(REPO_ROOT / "model_repository" / "prepos" / "1")
         config = re.sub(r'^name: "prepos"', f'name: "{name}"', source, flags=re.M)
-        extra = "".join(f'\n  {{ key: "{k}" value: {{ string_value: "{v}" }} }},' for k, v in params.items())
-        (repo / name / "config.pbtxt").write_text(config.replace("parameters [", "parameters [" + extra, 1))
+        extra = "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in params.items())
+        (repo / name / "config.pbtxt").write_text(config.rstrip("\n") + "\n" + extra)
     (repo / FLOOR).symlink_to(REPO_ROOT / "loadtest" / "floor_repository" / FLOOR)
     return repo
 

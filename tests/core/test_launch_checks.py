@@ -3,6 +3,7 @@ outlive a launcher killed outright."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -144,7 +145,7 @@ def test_the_shipped_repository_passes_the_settings_check():
     check_repositories([REPO_ROOT / "model_repository"], {})
 
 
-def test_a_config_triton_cannot_parse_is_refused_before_triton_starts(tmp_path):
+def test_a_config_triton_cannot_parse_is_refused_before_triton_starts(tmp_path, caplog):
     """A comma after the last entry of parameters [ ... ] (as calibration fragments had) passed the launcher's own
     reading, by patterns, and Triton refused the model."""
     from prepos.launch_checks import check_repositories
@@ -163,12 +164,21 @@ def test_a_config_triton_cannot_parse_is_refused_before_triton_starts(tmp_path):
     config.write_text(config.read_text() + 'parameters { key: "gate.threshold" value: { string_value: "abc" } }\n')
     with pytest.raises(ValueError, match=r"gate.threshold: cannot read 'abc' as float"):
         check_repositories([after], {})
-    # a key set twice: which of the two Triton takes is not promised
-    config.write_text(config.read_text() + 'parameters { key: "gate.speculate" value { string_value: "false" } }\n')
-    with pytest.raises(ValueError, match=r'sets "gate.speculate" twice'):
+    # a key set twice: Triton 2.51 takes the later entry, and so does the check, with a warning
+    config.write_text(config.read_text() + 'parameters { key: "gate.threshold" value { string_value: "0.5" } }\n')
+    with caplog.at_level(logging.WARNING, logger="prepos.launcher"):
+        check_repositories([after], {})
+    assert 'sets "gate.threshold" twice: the later entry counts' in caplog.text
+    config.write_text(config.read_text() + 'parameters { key: "gate.threshold" value { string_value: "2" } }\n')
+    with pytest.raises(ValueError, match=r"gate.threshold: must lie in \[0, 1\]"):
         check_repositories([after], {})
     # a field of a later Triton than the client library's is passed over, as that Triton would read it
     later = _repository(tmp_path / "later", '  { key: "gate.speculate" value: { string_value: "true" } }')
     config = later / "prepos" / "config.pbtxt"
     config.write_text(config.read_text() + "some_later_field: 3\n")
+    check_repositories([later], {})
+    # another model's config is Triton's to read, whatever the client library's proto knows of it
+    other = later / "user_model"
+    other.mkdir()
+    (other / "config.pbtxt").write_text('backend: "python"\nfuture_msg [ { a: 1 }, { a: 2 } ]\n')
     check_repositories([later], {})

@@ -317,7 +317,7 @@ def test_the_server_accepts_keepalive_pings_unless_the_arguments_say_otherwise(a
     (3, "exited with status 3"),
     (-signal.SIGSEGV, "was killed by SIGSEGV (signal 11): it crashed (one known cause: an HTTP body"),
     (-signal.SIGABRT, "was killed by SIGABRT (signal 6): it crashed"),
-    (-signal.SIGKILL, "was killed by SIGKILL (signal 9) (the kernel's out-of-memory killer, or someone, killed it)"),
+    (-signal.SIGKILL, "was killed by SIGKILL (signal 9): the kernel's out-of-memory killer, or someone, killed it"),
     (-signal.SIGTERM, "was killed by SIGTERM (signal 15)"),
     (-200, "was killed by signal 200"),
 ])

@@ -726,7 +726,7 @@ def test_service_monitor_scrapes_the_metrics_service(chart, production_values):
 @pytest.mark.parametrize(("interval", "timeout", "refused"), [
     ("15s", "10s", False), ("15s", "15s", False), ("1m", "59s999ms", False), ("1m", "1m1ms", True),
     ("30s", "1m", True), ("1h", "59m", False), ("1d", "1h30m", False), ("1w", "8d", True), ("10s", "10001ms", True),
-    ("1y", "52w", False), ("0", "1s", True),
+    ("1y", "52w", False), ("0", "1s", True), (None, "10s", False), ("15s", None, False),  # null: Prometheus's
 ], ids=lambda v: str(v))
 def test_a_scrape_timeout_past_its_interval_is_refused(chart, interval, timeout, refused):
     """Prometheus refuses a scrape timeout greater than the scrape interval; the chart says so at render."""

@@ -29,3 +29,26 @@ def test_the_table_gives_residency_kv_per_resident_session_and_the_later_passes(
     rows = [line for line in table.splitlines() if line.startswith("| prepos_")]
     assert rows == ["| prepos_block64 | 300 of 300 | 3.00 | prefix 20, prepaid 280 | 0 | 8.5 | 77.9 / 110.6 |",
                     "| prepos_block256 | 89 of 300 | 12.00 | rebuild 300 | 300 | 15.6 | 265.4 / 289.4 |"]
+
+
+def test_a_variants_setting_replaces_the_shipped_one_as_triton_and_the_launcher_read_it(tmp_path, caplog):
+    """Variants' entries were added at the head of the parameters list: a key the shipped config sets too was
+    then set twice, and Triton takes the later entry, the shipped one, so the variant's value went unused."""
+    import logging
+
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from prepos.launch_checks import check_repositories
+    from prepos_loadtest.repository import variant_repository
+
+    repo = variant_repository(tmp_path, "repo", {"prepos_a": {"scheduler.chunk_tokens": "64",
+                                                              "memory.max_sessions": "7"}})
+    config = text_format.Parse((repo / "prepos_a" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert config.name == "prepos_a"
+    parameters = {k: v.string_value for k, v in config.parameters.items()}
+    assert parameters.items() >= {"scheduler.chunk_tokens": "64", "memory.max_sessions": "7",
+                                  "engine.device": "cpu"}.items()
+    with caplog.at_level(logging.WARNING, logger="prepos.launcher"):
+        check_repositories([repo], {})
+    assert 'sets "scheduler.chunk_tokens" twice: the later entry counts' in caplog.text
