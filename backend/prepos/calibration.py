@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -188,20 +187,22 @@ def read_records(path: str | Path) -> tuple[dict, list[DecisionRecord]]:
     return header, records
 
 
-def _cut_truncated_tail(path: Path) -> None:
-    """Remove a last line cut short (a write interrupted by a kill) from ``path``, which :func:`read_records`
-    passes over: appended to, it would run into the next record and make the file unreadable."""
+def _end_last_line(path: Path) -> None:
+    """End the last line of ``path`` before records are appended: a line cut short (a write interrupted by a
+    kill), which :func:`read_records` passes over, is removed; a whole record without its newline, which it
+    counts, gets one. Either way, appended to, it would run into the next record and make the file unreadable."""
     try:
         with path.open("rb+") as file:
-            size = file.seek(0, os.SEEK_END)
-            if not size:
-                return
-            file.seek(size - 1)
-            if file.read(1) == b"\n":
-                return
-            file.seek(0)
             data = file.read()
-            file.truncate(data.rfind(b"\n") + 1)
+            if not data or data.endswith(b"\n"):
+                return
+            start = data.rfind(b"\n") + 1
+            try:
+                json.loads(data[start:])
+            except ValueError:
+                file.truncate(start)
+            else:
+                file.write(b"\n")
     except FileNotFoundError:
         return
 
@@ -299,7 +300,7 @@ class CalibrationReplay:
         todo = [p for p in points if p not in done]
         progress = _Progress(len(todo), progress_stream)
         records_path.parent.mkdir(parents=True, exist_ok=True)
-        _cut_truncated_tail(records_path)
+        _end_last_line(records_path)
         start, num_new = time.monotonic(), 0
         # Sessions that open with the same turn run one after another: the engine session keeps that prefix.
         ordered = sorted(sessions, key=lambda s: (s.steps[0].role, s.steps[0].delta) if s.steps else ("", ""))

@@ -135,6 +135,11 @@ def test_other_placeholders_and_bad_lines_are_refused(parts, tmp_path):
     _, full = make_replay(parts)
     full.run(SESSIONS[:1], tmp_path / "full.jsonl")
     assert read_records(path) == read_records(tmp_path / "full.jsonl")
+    # A whole last record that lost only its newline counts as recorded, and stays.
+    path.write_text(path.read_text().rstrip("\n"))
+    _, after = make_replay(parts)
+    assert after.run(SESSIONS[:1], path).num_recorded == 0
+    assert read_records(path) == read_records(tmp_path / "full.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n{}\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):
