@@ -191,6 +191,10 @@ def test_an_answer_that_reaches_the_context_limit_stops_with_length_and_the_log_
     assert len(h.log("s1")) == size
     after = h.serve(h.request("s1", "more", max_tokens=4))
     assert after.error.field == "text_input" and "'reject'" in str(after.error) and len(h.log("s1")) == size
+    # An empty delta sends no text_input to name: its turn's framing alone has no room.
+    empty = h.serve(h.request("s1", "", max_tokens=4))
+    assert empty.error.field == "max_tokens" and "the session has no room for another turn" in str(empty.error)
+    assert len(h.log("s1")) == size
 
 
 def test_choices_that_do_not_fit_the_context_are_rejected_whole_not_cut(tmp_path):
