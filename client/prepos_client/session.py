@@ -273,11 +273,14 @@ class Session:
             try:
                 return Update.from_chunks(list(requests.receive(inflight, timeout_s)))
             except PreposError as error:
-                if inflight.opens_session and error.status is None and (
-                        error.field in ("resume", "journal") or error.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")):
+                nothing_open = error.field in ("resume", "journal")
+                if error.status is None and (inflight.opens_session and (
+                        nothing_open or error.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE"))
+                        or requests.opening.reopening and nothing_open):
                     # Nothing open to end (no such session and no journal, or one the server cannot read or use;
-                    # the session limit; a draining server),
-                    # and Triton ended the sequence at this END: done.
+                    # the session limit; a draining server), and Triton ended the sequence at this END, or at the
+                    # END sent again with START to reopen a session the server no longer held (its idle timeout
+                    # ended it, say): done.
                     return None
                 raise
         finally:

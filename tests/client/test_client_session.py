@@ -678,6 +678,18 @@ def test_a_session_the_server_no_longer_holds_is_closed_with_a_clear_error(fake_
 
 
 @pytest.mark.parametrize("refusal", NOT_OPEN_REFUSALS)
+def test_closing_a_session_the_server_no_longer_holds_nor_has_a_journal_of_returns_none(fake_triton, refusal):
+    """Its idle timeout ended it: close() raised "no longer open", for a session with nothing left to end."""
+    session = open_session(session_id="s")
+    session.append("context")
+    fake_triton[0].responder = refusing_unopened(refusal, lambda request: [InferenceServerException(msg=NO_JOURNAL)])
+    assert session.close() is None and session.closed
+    requests = fake_triton[0].requests
+    assert [(r.sequence_start, r.sequence_end) for r in requests] == [(True, False), (False, True), (True, True)]
+    assert session.close() is None and len(requests) == 3  # nothing more was sent
+
+
+@pytest.mark.parametrize("refusal", NOT_OPEN_REFUSALS)
 def test_a_session_ended_with_its_journal_kept_is_reopened_within_the_same_call(fake_triton, refusal):
     session = open_session(session_id="s")
     session.append("context")
