@@ -151,12 +151,12 @@ def triton_client(url: str, tls: Tls | None = None) -> grpcclient.InferenceServe
 
 
 def wait_until_ready(triton: grpcclient.InferenceServerClient, model: str, headers: Mapping[str, str] | None,
-                     deadline: float, waits: int, keep_waiting: Callable[[], bool] | None = None) -> bool:
+                     deadline: float, waits: int, keep_waiting: Callable[[float], bool] | None = None) -> bool:
     """Wait, until ``deadline`` (perf_counter time), for the server to report ``model`` ready, the ``waits``-th
     time for one call. Pauses grow from :data:`WAIT_FIRST_S` to :data:`WAIT_MAX_S` (jittered, so that waiting
     sessions spread out), so that a draining server is not asked in a tight loop. ``keep_waiting``, asked after
-    each pause, ends the wait early when it says no (a routed session with somewhere else to go). Returns whether
-    the server reported ready."""
+    each pause with the seconds left, ends the wait early when it says no (a routed session with somewhere else to
+    go). Returns whether the server reported ready."""
     pause = min(WAIT_FIRST_S * 2 ** min(waits, 16), WAIT_MAX_S)
     while True:
         left_s = deadline - time.perf_counter()
@@ -164,7 +164,8 @@ def wait_until_ready(triton: grpcclient.InferenceServerClient, model: str, heade
             return False
         time.sleep(min(pause * random.uniform(0.5, 1.0), left_s))
         pause = min(pause * 2, WAIT_MAX_S)
-        if keep_waiting is not None and not keep_waiting():
+        left_s = deadline - time.perf_counter()
+        if left_s <= 0 or keep_waiting is not None and not keep_waiting(left_s):
             return False
         left_s = deadline - time.perf_counter()
         if left_s <= 0:

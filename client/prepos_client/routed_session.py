@@ -157,7 +157,7 @@ class RoutedSession:
             # and is ready again counts: it is asked first, and again while the call waits, which ends once there
             # is one, for the session to move there).
             session.wait_for_ready = self.wait_for_ready and self._client.is_alone(session.url, readmit=True)
-            session.keep_waiting = partial(self._client.is_alone, session.url, readmit=True)
+            session.keep_waiting = partial(self._client.keeps_waiting_for, session.url)
             try:
                 result = send(session)
             except PreposError as error:

@@ -244,6 +244,16 @@ class RoutedClient:
             self._readmit()
         return set(self._ring.hosts) <= {replica}
 
+    def keeps_waiting_for(self, replica: str, left_s: float) -> bool:
+        """Whether a call waiting `left_s` more seconds for `replica` waits on: no other replica is on the ring, once
+        those that left it were asked whether they are ready again (not asked when the asking could take longer
+        than `left_s`: each check is two calls of up to `health_timeout_s`)."""
+        with self._lock:
+            num_left = len(self._left)
+        if 2 * self._health_timeout_s * num_left >= left_s:
+            return set(self._ring.hosts) <= {replica}
+        return self.is_alone(replica, readmit=True)
+
     def remove_replica(self, replica: str) -> bool:
         """Take `replica` out of the ring for good (a scale-down); True if it was on it.
 

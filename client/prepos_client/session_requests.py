@@ -57,7 +57,7 @@ class SessionRequests:
         self.model = model
         self.url = url
         self.wait_for_ready = wait_for_ready
-        self.keep_waiting: Callable[[], bool] | None = None  # asked while a call waits (see wait_until_ready)
+        self.keep_waiting: Callable[[float], bool] | None = None  # asked while a call waits (see wait_until_ready)
         self._headers = dict(headers)
         self.opening = Opening(resume=resume)
         self.unsettled: list[Inflight] = []

@@ -428,6 +428,19 @@ def test_with_wait_for_ready_a_session_waiting_for_its_replica_moves_to_another_
     assert replicas.num_ready_checks(REPLICAS[0]) >= 1  # it did wait for its own first
 
 
+def test_a_waiting_call_asks_the_replicas_off_the_ring_only_while_it_has_time_for_the_asking(replicas):
+    """Each check of a replica off the ring may take two calls of `health_timeout_s`: asked with less time left
+    than that, a call would overrun its time limit."""
+    client = RoutedClient(REPLICAS, wait_for_ready=True, readmit_interval_s=1e-6, health_timeout_s=1.0)
+    client.lose_replica(REPLICAS[1])
+    client.lose_replica(REPLICAS[2])  # both ready again, unasked
+    assert client.keeps_waiting_for(REPLICAS[0], 3.9) is True  # too little time to ask both: not asked
+    assert replicas.num_ready_checks(REPLICAS[1]) == replicas.num_ready_checks(REPLICAS[2]) == 0
+    assert client.keeps_waiting_for(REPLICAS[0], 4.1) is False  # asked: both back, so the call moves on
+    assert replicas.num_ready_checks(REPLICAS[1]) == replicas.num_ready_checks(REPLICAS[2]) == 1
+    assert set(client.replicas) == set(REPLICAS)
+
+
 def test_with_wait_for_ready_a_session_placed_while_every_replica_is_away_waits_for_its_owner(replicas):
     client = RoutedClient(REPLICAS[:1], timeout_s=10, wait_for_ready=True, readmit_interval_s=0.01)
     client.lose_replica(REPLICAS[0])  # its stream broke, say
