@@ -341,6 +341,8 @@ class TritonServer:
                 self.process.kill()
                 _kill(stubs.values())
                 self.process.wait()
+                _wait_dead(list(stubs.values()), timeout_s=5.0)
+                remove_left_regions(region_prefix(self.options.grpc_port), "this server (stopped by a second signal)")
                 raise
         self._stubs = []
         if self.drain_file is not None:  # a later server on this run folder must not find them

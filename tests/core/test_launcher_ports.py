@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import psutil
 import pytest
@@ -330,3 +331,28 @@ def test_a_repository_with_no_model_or_an_unusable_run_dir_is_refused_naming_the
     for run_dir in (blocker, blocker / "run"):
         with pytest.raises(ValueError, match=rf"^--run-dir: cannot use {re.escape(str(run_dir))} \("):
             TritonServer(ServerOptions(run_dir=run_dir))
+
+
+def test_a_stop_interrupted_by_a_second_signal_still_removes_the_servers_shared_memory_regions(tmp_path, monkeypatch):
+    """A second SIGTERM (or Ctrl-C) during the stop killed tritonserver and its stubs at once, and the launcher
+    left their regions in /dev/shm for a later server on the port to find."""
+    from prepos.shm_regions import region_prefix
+
+    options = options_on_free_ports(tmp_path)
+    server = TritonServer(options)
+    server.process = ours = child("import time; time.sleep(60)")
+    region = Path("/dev/shm") / f"{region_prefix(options.grpc_port)}left-by-the-test"
+    region.write_bytes(b"x" * 100)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # the second signal, during the drain
+    monkeypatch.setattr(launcher, "stop_server", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.stop()
+        assert ours.poll() is not None  # killed
+        assert not region.exists()
+    finally:
+        region.unlink(missing_ok=True)
+        if ours.poll() is None:
+            ours.kill()
