@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
             except KeyboardInterrupt:
                 sys.stdout.write("\n")
                 interrupted = True
+                if not args.keep_open:
+                    session.cancel()  # the answer under way: the closing END would wait for it to run to its end
     if lines.interactive:
         return EXIT_OK  # Ctrl-C, Ctrl-D and /quit are how a chat at a terminal ends
     if interrupted:

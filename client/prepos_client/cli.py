@@ -216,6 +216,8 @@ def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -
             _leave_open(session, made_up=args.session_id is None)
         else:
             session.wait_for_ready = False  # leaving on an error: END is tried once, not waited for
+            if isinstance(error, (KeyboardInterrupt, BrokenPipeError)):
+                session.cancel()  # the answer no one reads any more: END waited for it to run to its end
             with contextlib.suppress(PreposError):
                 session.close()
         raise

@@ -301,6 +301,21 @@ class SessionRequests:
             record_late_outcome(inflight, delivery.error, self.session_id)
         return settled
 
+    def cancel_in_flight(self) -> None:
+        """Cancel the requests still being answered on this session's stream (their caller is leaving): the server
+        stops them at its next engine step and accepts none of them. A request carrying END ends the session all
+        the same (Triton ends the sequence at it), so the session is then closed here; otherwise the next request
+        (an END, say) goes on a new stream, without waiting behind them."""
+        if self.closed or self._router is None:
+            return
+        ending, self.ending = self.ending, None
+        if self.opening_sent is not None:  # an opening whose outcome will not come: the next request resumes
+            self.opening_sent = None
+            self.opening.stream_lost()
+        self._stop_stream()
+        if ending is not None:
+            self.release()
+
     def _ensure_stream(self) -> ResponseRouter:
         if self._router is not None and self._router.failure is None:
             return self._router

@@ -219,6 +219,36 @@ def test_an_answer_piped_into_a_reader_that_goes_away_stops_quietly(fake_triton,
     assert fake_triton[0].requests[-1].sequence_end  # the session was closed with the question
 
 
+@pytest.mark.parametrize("keep_open", [False, True])
+def test_a_reader_that_goes_away_mid_answer_cancels_it_rather_than_wait_for_its_end(fake_triton, capsys,
+                                                                                    monkeypatch, keep_open):
+    """`prepos ask ... | head`: the closing END waited, the whole --timeout, for the answer no one read any more."""
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            return devnull.fileno()
+
+    def endless(request):  # one chunk of an answer that runs on
+        if "text_input" in request.inputs:
+            return [make_result(request.request_id, text="Once", ids=[1], path="prefix", final=False)]
+        return echo_responder(request)
+
+    fake_triton.responder = endless
+    started = time.monotonic()
+    with open(os.devnull, "w") as devnull:
+        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        argv = ["ask", "tell me a long story", "--session-id", "s1", "--timeout", "30"]
+        assert cli.main(argv + ["--keep-open"] * keep_open) == cli.EXIT_BROKEN_PIPE
+    assert time.monotonic() - started < 10  # not the 30 s time limit
+    assert fake_triton[0].stop_calls == [True]  # cancelled
+    assert len(fake_triton[0].requests) == 1  # the question carried END (or --keep-open): nothing more sent
+
+
 def test_an_answer_written_to_a_full_disk_is_an_error_message_not_a_traceback(fake_triton, capsys, monkeypatch):
     class FullDisk:
         def write(self, text):
@@ -382,6 +412,31 @@ def test_chat_closes_the_session_on_ctrl_c(fake_triton, monkeypatch, capsys, at_
     monkeypatch.setattr(sys, "stdin", Interrupting())
     assert cli.main(["chat", "--system", "s"]) == (cli.EXIT_OK if at_a_terminal else cli.EXIT_INTERRUPTED)
     assert fake_triton[-1].requests[-1].sequence_end
+
+
+def test_chat_interrupted_mid_answer_cancels_it_and_closes_the_session_at_once(fake_triton, monkeypatch, stdin):
+    """Ctrl-C during an answer: the chat's closing END went out behind it and waited for it to run to its end."""
+    class Interrupting(io.StringIO):
+        def write(self, text):
+            if "Once" in text:
+                raise KeyboardInterrupt
+            return len(text)
+
+    def endless(request):  # one chunk of an answer that runs on
+        if "text_input" in request.inputs and "max_tokens" not in request.inputs:
+            return [make_result(request.request_id, text="Once", ids=[1], path="prefix", final=False)]
+        return echo_responder(request)
+
+    fake_triton.responder = endless
+    stdin("tell me a long story\n")
+    monkeypatch.setattr(sys, "stdout", Interrupting())
+    started = time.monotonic()
+    assert cli.main(["chat", "--system", "s", "--timeout", "30"]) == cli.EXIT_INTERRUPTED
+    assert time.monotonic() - started < 10  # not the 30 s time limit
+    requests = fake_triton[-1].requests
+    assert fake_triton[-1].stop_calls[:1] == [True]  # the answer cancelled
+    assert (requests[-1].sequence_start, requests[-1].sequence_end) == (False, True)  # then END ...
+    assert len(fake_triton[-1].stream_headers) == 2  # ... on a stream of its own, not behind the answer
 
 
 def test_piped_chat_refuses_a_line_that_is_not_utf8_and_goes_on(fake_triton, monkeypatch, capsys):

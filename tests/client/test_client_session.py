@@ -523,6 +523,43 @@ def test_detach_with_a_request_still_running_cancels_it(fake_triton):
     assert fake_triton[0].stop_calls == [True]
 
 
+def streaming_without_end(request: SentRequest) -> list:
+    """An answer that streams one chunk and then runs on (no final chunk yet); acks and ENDs as the server."""
+    max_tokens = request.inputs.get("max_tokens")
+    if "text_input" in request.inputs and (max_tokens is None or int(max_tokens[0]) > 0):
+        return [make_result(request.request_id, text="Once", ids=[1], path="prefix", final=False)]
+    return echo_responder(request)
+
+
+def test_cancel_stops_an_answer_no_one_reads_and_close_then_does_not_wait_for_it(fake_triton):
+    """Ctrl-C during `prepos chat`: END went out behind the answer still running and waited for it to end."""
+    session = open_session(session_id="s", timeout_s=30)
+    session.append("system", role="system")
+    fake_triton[0].responder = streaming_without_end
+    chunks = session.generate("Tell a long story.")
+    assert next(chunks).text == "Once"
+    session.cancel()
+    assert fake_triton[0].stop_calls == [True] and not session.closed  # cancelled; the session goes on
+    started = time.monotonic()
+    assert session.close().finish_reason == "closed"
+    assert time.monotonic() - started < 5  # not the 30 s time limit
+    end = fake_triton[0].requests[-1]
+    assert (end.sequence_start, end.sequence_end) == (False, True)  # still open on the server: no START
+    assert len(fake_triton[0].stream_headers) == 2  # on a new stream
+
+
+def test_cancel_of_an_answer_carrying_end_closes_the_session(fake_triton):
+    """`prepos ask ... | head`: the answer carried END; cancelled, it ends the session all the same."""
+    session = open_session(session_id="s", timeout_s=30)
+    session.append("system", role="system")
+    fake_triton[0].responder = streaming_without_end
+    chunks = session.generate("Tell a long story.", end=True)
+    assert next(chunks).text == "Once"
+    session.cancel()
+    assert session.closed and fake_triton[0].stop_calls == [True]
+    assert session.close() is None and len(fake_triton[0].requests) == 2  # nothing more to send
+
+
 def test_an_unreachable_server_raises_unavailable_and_a_new_stream_is_tried(fake_triton):
     session = open_session()
     fake_triton[0].responder = lambda request: [unavailable()]
