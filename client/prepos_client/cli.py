@@ -414,6 +414,18 @@ def settled_outcome(error: PreposError) -> str:
     return _TIMEOUT_OUTCOMES.get(error.accepted, "")
 
 
+def unreachable_hint(error: PreposUnavailable, args: argparse.Namespace) -> str:
+    """What to look at for a server that cannot be reached: a TLS handshake that failed is a server that speaks
+    no TLS, or one that wants it, more likely than one that is down."""
+    message = str(error).lower()
+    if "handshake" in message or "wrong_version_number" in message:
+        return "the TLS handshake failed: does the server use TLS?" if getattr(args, "tls", False) or \
+            getattr(args, "tls_ca", None) is not None else "the TLS handshake failed"
+    if "ssl" in message or "tls" in message:
+        return "a TLS problem (--tls, --tls-ca)?"
+    return "is `make serve` running?"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `prepos` command line; return its exit code."""
     parser = build_parser()
@@ -436,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         return command.run(args)
     except PreposUnavailable as error:
         url = getattr(args, "url", "the configured address")
-        print(f"prepos: cannot reach prepos at {url}: is `make serve` running? ({error})", file=sys.stderr)
+        print(f"prepos: cannot reach prepos at {url}: {unreachable_hint(error, args)} ({error})", file=sys.stderr)
         return EXIT_UNREACHABLE
     except PreposTimeout as error:
         print(f"prepos: error: {error}{settled_outcome(error)}", file=sys.stderr)

@@ -98,6 +98,20 @@ def test_an_unreachable_server_exits_3_with_a_clear_message(capsys):
     assert "cannot reach prepos at 127.0.0.1:1: is `make serve` running?" in err
 
 
+@pytest.mark.parametrize(("message", "tls", "hint"), [
+    ("ipv4:127.0.0.1:8001: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: WRONG_VERSION_NUMBER", True,
+     "the TLS handshake failed: does the server use TLS?"),
+    ("ipv4:127.0.0.1:8001: Tls handshake failed (TSI_PROTOCOL_FAILURE)", False, "the TLS handshake failed"),
+    ("ipv4:127.0.0.1:8001: Failed to connect to remote host: Connection refused", True, "is `make serve` running?"),
+])
+def test_a_failed_tls_handshake_is_told_from_a_server_that_is_down(message, tls, hint):
+    """A client with --tls against a server without TLS was asked whether `make serve` was running."""
+    from prepos_client import PreposUnavailable
+
+    args = parse(["ask", "hi"] + ["--tls"] * tls)
+    assert cli.unreachable_hint(PreposUnavailable(message), args) == hint
+
+
 def test_wait_for_ready_waits_out_the_time_limit_for_a_server_that_is_down(capsys, caplog):
     assert cli.connect(parse(["ask", "x", "--wait-for-ready"])).wait_for_ready
     assert not cli.connect(parse(["ask", "x"])).wait_for_ready
