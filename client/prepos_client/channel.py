@@ -45,6 +45,8 @@ def channel_args() -> list[tuple[str, int | bool]]:
 
 
 _PORT = re.compile(r":(\d+)$")
+_NAMED_PORT = re.compile(r"^([A-Za-z0-9.\-]+):([^:/\[\]]*)$")  # host:word, where gRPC wants a port number
+_GRPC_SCHEMES = ("unix", "unix-abstract", "vsock", "ipv4", "ipv6", "dns")  # gRPC target names ending host:word
 
 
 def check_url(url: str) -> str:
@@ -59,9 +61,15 @@ def check_url(url: str) -> str:
         raise TypeError(f"url: expected host:port as a str, got {url!r}")
     if not url.strip():
         raise ValueError("url: empty; expected host:port")
+    scheme = url.split("://", 1)[0].lower() if "://" in url else None
+    if scheme in ("http", "https", "grpc", "grpcs"):
+        raise ValueError(f"url: {url!r} is a URL; expected a gRPC address, host:port (the server's gRPC port)")
     port = _PORT.search(url)
     if port is not None and not 0 < int(port.group(1)) < 65536:
         raise ValueError(f"url: port {port.group(1)} of {url!r} is not in 1-65535")
+    named = _NAMED_PORT.match(url)
+    if port is None and named is not None and named.group(1).lower() not in _GRPC_SCHEMES:
+        raise ValueError(f"url: port {named.group(2)!r} of {url!r} is not a number")
     return url
 
 

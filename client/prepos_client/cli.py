@@ -98,8 +98,8 @@ def _url(value: str) -> str:
     try:
         return check_url(value)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{str(error).removeprefix('url: ')} (from {URL_ENV} when not given)") \
-            from None
+        source = f" (from {URL_ENV})" if value == os.environ.get(URL_ENV) else ""
+        raise argparse.ArgumentTypeError(f"{str(error).removeprefix('url: ')}{source}") from None
 
 
 def _timeout(value: str) -> float:

@@ -488,6 +488,10 @@ def test_a_command_with_stdout_closed_says_so_and_fails(fake_triton, monkeypatch
     (["ask", "hi", "--url", ""], {}, "empty"),
     (["ask", "hi"], {"PREPOS_URL": ""}, "empty"),
     (["ask", "hi", "--url", "127.0.0.1:84237"], {}, "port 84237 of '127.0.0.1:84237' is not in 1-65535"),
+    (["ask", "hi"], {"PREPOS_URL": "127.0.0.1:84237"}, "port 84237 of '127.0.0.1:84237' is not in 1-65535 "
+                                                       "(from PREPOS_URL)"),
+    (["ask", "hi"], {"PREPOS_URL": "bad:port"}, "port 'port' of 'bad:port' is not a number (from PREPOS_URL)"),
+    (["ask", "hi", "--url", "http://127.0.0.1:8001"], {}, "'http://127.0.0.1:8001' is a URL; expected a gRPC address"),
 ])
 def test_an_address_that_is_none_is_a_usage_error(fake_triton, monkeypatch, capsys, argv, env, problem):
     for name, value in env.items():
@@ -497,6 +501,7 @@ def test_an_address_that_is_none_is_a_usage_error(fake_triton, monkeypatch, caps
     assert exit_.value.code == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert f"argument --url: {problem}" in err and "Traceback" not in err
+    assert ("PREPOS_URL" in err) == bool(env)  # the address's source named only where it was the variable
 
 
 @pytest.mark.parametrize("argv", [["ask", "bad \udcff"], ["ask", "hi", "--choices", "yes,n\udcfe"],
