@@ -22,11 +22,13 @@ from .session import Session
 CHAT_HELP = """commands:
   /append TEXT   append TEXT without asking for an answer
   /role ROLE     role of the next delta (user, tool, system)
-  /quit          close the session and leave (also Ctrl-D, Ctrl-C)
+  /quit          leave, closing the session unless --keep-open (also Ctrl-D, Ctrl-C)
   /help          this text"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the commands' lines as written
+    parser.epilog = "Each line is a turn; lines starting with / are chat " + CHAT_HELP
     add_connection_arguments(parser)
     add_session_arguments(parser)
     parser.add_argument("--system", help="system message appended when the session opens (not with --continue: "

@@ -295,7 +295,8 @@ def _add_ask_arguments(parser: argparse.ArgumentParser) -> None:
     add_session_arguments(parser)
     parser.add_argument("--role", help="role of the delta: user (server default), tool, system")
     parser.add_argument("--keep-open", action="store_true", help="leave the session open (no END)")
-    parser.add_argument("--json", action="store_true", help="print the Answer as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the Answer as one JSON object (with its session_id; errors go to stderr as text)")
     add_generation_arguments(parser)
 
 
@@ -303,7 +304,7 @@ def _run_ask(args: argparse.Namespace) -> int:
     with connect(args) as client, open_session(client, args, keep_open=args.keep_open) as session:
         chunks = session.generate(args.text, role=args.role, end=not args.keep_open, **generation_options(args))
         if args.json:
-            _print_json(Answer.from_chunks(list(chunks)).to_dict())
+            _print_json({"session_id": session.session_id, **Answer.from_chunks(list(chunks)).to_dict()})
         else:
             stream_answer(chunks)
     return EXIT_OK
@@ -318,14 +319,15 @@ def _add_append_arguments(parser: argparse.ArgumentParser) -> None:
     add_session_arguments(parser, required=True)
     parser.add_argument("--role", help="role of the delta: user (server default), tool, system")
     parser.add_argument("--end", action="store_true", help="close the session with this append")
-    parser.add_argument("--json", action="store_true", help="print the acknowledgement as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the acknowledgement as one JSON object (with its session_id)")
 
 
 def _run_append(args: argparse.Namespace) -> int:
     with connect(args) as client, open_session(client, args, keep_open=not args.end) as session:
         update = session.append(args.text, role=args.role, end=args.end)
         if args.json:
-            _print_json(update.to_dict())
+            _print_json({"session_id": session.session_id, **update.to_dict()})
     return EXIT_OK
 
 
@@ -335,7 +337,8 @@ def _run_append(args: argparse.Namespace) -> int:
 def _add_close_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_arguments(parser)
     parser.add_argument("--session-id", required=True, help="id of the open session to close")
-    parser.add_argument("--json", action="store_true", help="print the acknowledgement as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the acknowledgement as one JSON object (with its session_id)")
 
 
 def _run_close(args: argparse.Namespace) -> int:
@@ -346,7 +349,7 @@ def _run_close(args: argparse.Namespace) -> int:
                               "idle timeout, or never opened), and no journal of it is left: nothing to close",
                               field="resume")
         if args.json:
-            _print_json(update.to_dict())
+            _print_json({"session_id": args.session_id, **update.to_dict()})
     return EXIT_OK
 
 

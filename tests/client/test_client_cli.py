@@ -190,6 +190,7 @@ def test_ask_json_keep_open_continue(fake_triton, capsys):
     assert code == cli.EXIT_OK
     answer = json.loads(capsys.readouterr().out)
     assert (answer["text"], answer["path"], answer["token_ids"]) == ("q", "prefix", [7])
+    assert answer["session_id"] == "s1"  # a script goes on with it
     (request,) = fake_triton[0].requests
     # continuing a session: START with resume (the server continues it, or reopens it from its journal)
     assert (request.sequence_start, request.sequence_end) == (True, False)
@@ -298,7 +299,8 @@ def test_close_command_sends_end_to_an_existing_session(fake_triton, capsys):
     (request,) = fake_triton[0].requests
     assert (request.sequence_start, request.sequence_end) == (True, True)
     assert request.inputs["resume"].tolist() == [True]
-    assert json.loads(capsys.readouterr().out)["finish_reason"] == "closed"
+    closed = json.loads(capsys.readouterr().out)
+    assert closed["finish_reason"] == "closed" and closed["session_id"] == "s1"
 
 
 def test_chat_continuing_a_session_the_server_has_no_journal_of_says_so_once_and_stops(fake_triton, stdin, capsys):
