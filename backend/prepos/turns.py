@@ -114,10 +114,10 @@ class TurnBuilder:
             what = f"+{answer_room} for the answer"
         if request.delta_ids is None and not request.delta_text and not request.is_append:
             # An empty delta brings nothing too long: its turn's framing alone has no room left, whatever is asked.
-            raise ProtocolError("max_tokens", f"the session has no room for another turn: its framing needs {turn} "
-                                              f"tokens ({what}) but the session holds {len(session.token_log)} of "
-                                              f"at most {self.max_log_tokens} tokens {policy}; close it and start "
-                                              "a new one")
+            raise ProtocolError("choices" if request.choices else "max_tokens",
+                                f"the session has no room for another turn: its framing needs {turn} tokens ({what}) "
+                                f"but the session holds {len(session.token_log)} of at most {self.max_log_tokens} "
+                                f"tokens {policy}; close it and start a new one")
         raise ProtocolError(
             "input_ids" if request.delta_ids is not None else "text_input",
             f"the turn needs {turn} tokens ({what}) but the session holds {len(session.token_log)} of at most "

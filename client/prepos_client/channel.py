@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -63,13 +64,18 @@ def check_url(url: str) -> str:
         raise ValueError("url: empty; expected host:port")
     scheme = url.split("://", 1)[0].lower() if "://" in url else None
     if scheme in ("http", "https", "grpc", "grpcs"):
-        raise ValueError(f"url: {url!r} is a URL; expected a gRPC address, host:port (the server's gRPC port)")
+        raise ValueError(f"url: {url!r} is a URL; expected a gRPC address, host:port (the server's gRPC port, "
+                         f"{url.split('://', 1)[1].split('/', 1)[0] or 'host:8001'} say)")
     port = _PORT.search(url)
     if port is not None and not 0 < int(port.group(1)) < 65536:
         raise ValueError(f"url: port {port.group(1)} of {url!r} is not in 1-65535")
     named = _NAMED_PORT.match(url)
     if port is None and named is not None and named.group(1).lower() not in _GRPC_SCHEMES:
-        raise ValueError(f"url: port {named.group(2)!r} of {url!r} is not a number")
+        try:
+            socket.getservbyname(named.group(2))  # a service name (https) is a port too, to gRPC's resolver
+        except OSError:
+            raise ValueError(f"url: port {named.group(2)!r} of {url!r} is neither a number nor a service "
+                             "name") from None
     return url
 
 

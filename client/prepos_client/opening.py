@@ -55,6 +55,12 @@ class Opening:
             self.resume = self.reopening = True
         self.needs_start = True
 
+    def cancelled(self) -> None:
+        """The opening was cancelled before its answer came: the server may have opened the session or not (and
+        closes again one whose log it left empty). The next request carries START, with ``resume`` as before; an
+        "already open" refusal then means the opening did open it."""
+        self.needs_start = self.unknown = True
+
     def stream_lost(self) -> None:
         """The session's stream ended: an open session is resumed on the next one (the server still holds it or
         reopens it from its journal)."""

@@ -129,6 +129,10 @@ class RoutedSession:
         that timed out on a replica since lost keeps ``accepted`` None)."""
         self._session.settle(timeout_s=timeout_s)
 
+    def cancel(self) -> None:
+        """`Session.cancel` on the session's replica: stop its requests still being answered."""
+        self._session.cancel()
+
     def detach(self) -> None:
         """Release the connection and leave the session open on its replica."""
         self._session.detach()

@@ -302,10 +302,11 @@ class Session:
         self._requests.settle_timed_out(timeout_s, deadline)
 
     def cancel(self) -> None:
-        """Cancel this session's requests still being answered (a generate whose caller stops reading, say): the
-        server stops them at its next engine step and none is accepted. A request that carried END ends the session
-        all the same, and the session is then closed; otherwise it stays open, and its next request (`close`,
-        say) is not held up behind them."""
+        """Cancel this session's requests still being answered (a generate whose caller stops reading, say; from
+        the thread that uses the session): the server stops those still running at its next engine step, and
+        accepts none of them (one already answered may have been). A request that carried END ends the session all
+        the same, and the session is then closed; otherwise it stays open, and its next request (`close`, say) is
+        not held up behind them."""
         self._requests.cancel_in_flight()
 
     def detach(self) -> None:

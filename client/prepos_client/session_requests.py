@@ -302,16 +302,21 @@ class SessionRequests:
         return settled
 
     def cancel_in_flight(self) -> None:
-        """Cancel the requests still being answered on this session's stream (their caller is leaving): the server
-        stops them at its next engine step and accepts none of them. A request carrying END ends the session all
-        the same (Triton ends the sequence at it), so the session is then closed here; otherwise the next request
-        (an END, say) goes on a new stream, without waiting behind them."""
+        """Cancel the requests still being answered on this session's stream (their caller is leaving; from the
+        session's own thread): the server stops those still running at its next engine step and accepts none of
+        them (one already answered may have been). A request carrying END ends the session all the same (Triton
+        ends the sequence at it), so the session is then closed here; otherwise the next request (an END, say)
+        goes on a new stream, without waiting behind them."""
         if self.closed or self._router is None:
             return
-        ending, self.ending = self.ending, None
-        if self.opening_sent is not None:  # an opening whose outcome will not come: the next request resumes
-            self.opening_sent = None
+        if self._router.failure is not None:  # the stream had ended already: as _ensure_stream would find it
+            self._stop_stream()
             self.opening.stream_lost()
+            return
+        ending, self.ending = self.ending, None
+        opening, self.opening_sent = self.opening_sent, None
+        if opening is not None and opening not in self.unsettled:  # one that timed out is settled as before
+            self.opening.cancelled()
         self._stop_stream()
         if ending is not None:
             self.release()

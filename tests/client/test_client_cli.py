@@ -492,7 +492,11 @@ def test_a_command_with_stdout_closed_says_so_and_fails(fake_triton, monkeypatch
     (["ask", "hi", "--url", "127.0.0.1:84237"], {}, "port 84237 of '127.0.0.1:84237' is not in 1-65535"),
     (["ask", "hi"], {"PREPOS_URL": "127.0.0.1:84237"}, "port 84237 of '127.0.0.1:84237' is not in 1-65535 "
                                                        "(from PREPOS_URL)"),
-    (["ask", "hi"], {"PREPOS_URL": "bad:port"}, "port 'port' of 'bad:port' is not a number (from PREPOS_URL)"),
+    (["ask", "hi"], {"PREPOS_URL": "bad:port"},
+     "port 'port' of 'bad:port' is neither a number nor a service name (from PREPOS_URL)"),
+    (["ask", "hi", "--url", "grpc://127.0.0.1:8001"], {},
+     "'grpc://127.0.0.1:8001' is a URL; expected a gRPC address, host:port (the server's gRPC port, 127.0.0.1:8001 "
+     "say)"),
     (["ask", "hi", "--url", "http://127.0.0.1:8001"], {}, "'http://127.0.0.1:8001' is a URL; expected a gRPC address"),
 ])
 def test_an_address_that_is_none_is_a_usage_error(fake_triton, monkeypatch, capsys, argv, env, problem):

@@ -623,3 +623,13 @@ def test_a_replica_whose_port_grpc_would_wrap_is_refused(replicas):
         RoutedClient(replicas)
     with pytest.raises(ValueError, match="not in 1-65535"):
         RoutedClient(REPLICAS).add_replica("127.0.0.1:70000")
+
+
+def test_a_routed_session_cancels_on_its_replica(replicas):
+    client = RoutedClient(REPLICAS, timeout_s=5)
+    session = client.session("s-0")
+    session.append("system", role="system")
+    stopped = []
+    session._session.cancel = lambda: stopped.append(session.replica)
+    session.cancel()
+    assert stopped == [session.replica]

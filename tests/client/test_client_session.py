@@ -560,6 +560,74 @@ def test_cancel_of_an_answer_carrying_end_closes_the_session(fake_triton):
     assert session.close() is None and len(fake_triton[0].requests) == 2  # nothing more to send
 
 
+class JournallessRules(SessionRules):
+    """SessionRules whose server keeps no journal: START with `resume` for a session it does not hold is refused."""
+
+    def __call__(self, request):
+        resume = request.inputs.get("resume")
+        if request.sequence_start and resume is not None and resume[0] and request.sequence_id not in self.open_ids:
+            return [InferenceServerException(msg=NO_JOURNAL)]
+        return super().__call__(request)
+
+
+def test_cancelling_a_new_sessions_opening_leaves_the_session_to_open_with_a_plain_start(fake_triton):
+    """The opening went as a lost stream's: every later request carried START with `resume`, which the server,
+    having closed the cancelled START's empty session, refused for want of a journal."""
+    rules = JournallessRules()
+    fake_triton.responder = rules
+    session = open_session(session_id="s", timeout_s=5)
+    session.generate("SLOW story")  # the opening, still running
+    session.cancel()
+    rules.held.clear()
+    rules.open_ids.discard("s")  # a cancelled START with nothing in its log leaves no session
+    assert session.ask("hello").text == "hello"
+    last = fake_triton[0].requests[-1]
+    assert last.sequence_start and "resume" not in last.inputs
+
+
+def test_cancelling_an_opening_that_did_open_the_session_goes_on_in_it(fake_triton):
+    rules = JournallessRules()
+    fake_triton.responder = rules
+    session = open_session(session_id="s", timeout_s=5)
+    session.generate("SLOW story")
+    session.cancel()
+    rules.held.clear()  # its answer was under way: the session stays open on the server
+    with pytest.raises(PreposError, match="had opened it; the next call continues the session"):
+        session.ask("hello")  # START refused as already open: the opening did open it
+    assert session.ask("hello").text == "hello"
+    assert session.close().finish_reason == "closed" and "s" not in rules.open_ids
+
+
+def test_cancel_after_an_opening_that_timed_out_and_was_accepted_late_keeps_the_session_open(fake_triton):
+    """The settled opening's START was sent again: `close()` was refused as already open, and the session stayed
+    open on the server until its idle timeout."""
+    rules = JournallessRules()
+    fake_triton.responder = rules
+    session = open_session(session_id="s", timeout_s=0.3)
+    with pytest.raises(PreposTimeout):
+        session.ask("SLOW story")
+    rules.finish_held(fake_triton[0], accepted=True)  # its final response, late: the session opened
+    session.cancel()
+    assert session.close(timeout_s=2).finish_reason == "closed"
+    assert "s" not in rules.open_ids
+    end = fake_triton[0].requests[-1]
+    assert (end.sequence_start, end.sequence_end) == (False, True)
+
+
+def test_cancel_on_a_stream_that_had_ended_resumes_the_session_on_the_next(fake_triton):
+    """A server restart while the session was idle, then cancel(): the next request went without START."""
+    rules = SessionRules()
+    fake_triton.responder = rules
+    session = open_session(session_id="s", timeout_s=5)
+    session.append("hi")
+    fake_triton[0].callback(result=None, error=InferenceServerException(msg="Socket closed",
+                                                                         status="StatusCode.UNAVAILABLE"))
+    session.cancel()
+    session.append("more")
+    sent = fake_triton[0].requests[-1]
+    assert sent.sequence_start and sent.inputs["resume"].tolist() == [True]
+
+
 def test_an_unreachable_server_raises_unavailable_and_a_new_stream_is_tried(fake_triton):
     session = open_session()
     fake_triton[0].responder = lambda request: [unavailable()]

@@ -194,6 +194,8 @@ def test_an_answer_that_reaches_the_context_limit_stops_with_length_and_the_log_
     # An empty delta sends no text_input to name: its turn's framing alone has no room.
     empty = h.serve(h.request("s1", "", max_tokens=4))
     assert empty.error.field == "max_tokens" and "the session has no room for another turn" in str(empty.error)
+    chosen = h.serve(h.request("s1", "", max_tokens=4, choices=("yes", "no")))
+    assert chosen.error.field == "choices" and "the session has no room for another turn" in str(chosen.error)
     assert len(h.log("s1")) == size
 
 
