@@ -26,6 +26,8 @@ class Opening:
     """The server said it does not hold the session: START and ``resume`` reopen it from its journal."""
     held_elsewhere: bool = False
     """The opening was refused as already open: the sequence is another client's."""
+    cut: bool = False
+    """The opening was cancelled before its answer came (:meth:`cancelled`)."""
     confirmed: bool = False
     """A request that opened (or reopened) the session was answered: the server held it for this client (it may
     have ended it since, a drain keeping its journal)."""
@@ -41,7 +43,7 @@ class Opening:
 
     def opened(self) -> None:
         """A request that carried START was answered: the session is open here."""
-        self.resume = self.unknown = self.reopening = self.held_elsewhere = False
+        self.resume = self.unknown = self.reopening = self.held_elsewhere = self.cut = False
         self.confirmed = True
 
     def reopen(self) -> None:
@@ -58,8 +60,10 @@ class Opening:
     def cancelled(self) -> None:
         """The opening was cancelled before its answer came: the server may have opened the session or not (and
         closes again one whose log it left empty). The next request carries START, with ``resume`` as before; an
-        "already open" refusal then means the opening did open it."""
-        self.needs_start = self.unknown = True
+        "already open" refusal then means the opening did open it. An END goes without START (``cut``): the
+        sequence the opening began may still be running on the server, and a START next to it would be refused
+        as already open; an END alone reaches it either way."""
+        self.needs_start = self.unknown = self.cut = True
 
     def stream_lost(self) -> None:
         """The session's stream ended: an open session is resumed on the next one (the server still holds it or

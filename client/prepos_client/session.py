@@ -270,6 +270,8 @@ class Session:
                 return None  # nothing was opened here (END with START would end the sequence of another client)
             if requests.ending is not None and requests.end_in_flight(timeout_s, deadline):
                 return None  # a request carrying END, whose answer its caller stopped reading, ended the session
+            if requests.opening.cut:
+                requests.opening.sent()  # END alone: see Opening.cancelled
             inflight = requests.send(build_inputs(max_tokens=0), end=True, timeout_s=timeout_s, deadline=deadline)
             try:
                 return Update.from_chunks(list(requests.receive(inflight, timeout_s)))

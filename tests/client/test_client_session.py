@@ -585,6 +585,22 @@ def test_cancelling_a_new_sessions_opening_leaves_the_session_to_open_with_a_pla
     assert last.sequence_start and "resume" not in last.inputs
 
 
+def test_closing_after_cancelling_the_opening_sends_end_alone(fake_triton):
+    """Ctrl-C during a chat's first answer: its START+END went next to the cancelled START, which the server was
+    still stopping, and was refused as already open (`prepos chat` then exited 1)."""
+    rules = JournallessRules()
+    fake_triton.responder = rules
+    session = open_session(session_id="s", timeout_s=5)
+    session.generate("SLOW story")
+    session.cancel()
+    rules.held.clear()
+    rules.open_ids.discard("s")  # stopped at last: a cancelled START with nothing in its log leaves no session
+    assert session.close() is None and session.closed
+    end, reopened = fake_triton[0].requests[-2:]
+    assert (end.sequence_start, end.sequence_end) == (False, True)  # END alone first, then sent again to reopen
+    assert (reopened.sequence_start, reopened.sequence_end) == (True, True) and reopened.inputs["resume"][0]
+
+
 def test_cancelling_an_opening_that_did_open_the_session_goes_on_in_it(fake_triton):
     rules = JournallessRules()
     fake_triton.responder = rules
