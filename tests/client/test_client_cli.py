@@ -216,19 +216,25 @@ def test_continue_without_a_session_id_is_a_usage_error_sent_nowhere(fake_triton
     assert sum(fake.num_ready_checks for fake in fake_triton) == 0
 
 
+class ClosedPipe:
+    """A stdout whose reader went away (`| head`)."""
+
+    def __init__(self, devnull):
+        self._devnull = devnull
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self):
+        return self._devnull.fileno()
+
+
 def test_an_answer_piped_into_a_reader_that_goes_away_stops_quietly(fake_triton, capsys, monkeypatch):
-    class ClosedPipe:
-        def write(self, text):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def flush(self):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def fileno(self):
-            return devnull.fileno()
-
     with open(os.devnull, "w") as devnull:
-        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        monkeypatch.setattr(sys, "stdout", ClosedPipe(devnull))
         assert cli.main(["ask", "tell me a story", "--session-id", "s1"]) == cli.EXIT_BROKEN_PIPE
     assert capsys.readouterr().err == ""  # no traceback
     assert fake_triton[0].requests[-1].sequence_end  # the session was closed with the question
@@ -238,16 +244,6 @@ def test_an_answer_piped_into_a_reader_that_goes_away_stops_quietly(fake_triton,
 def test_a_reader_that_goes_away_mid_answer_cancels_it_rather_than_wait_for_its_end(fake_triton, capsys,
                                                                                     monkeypatch, keep_open):
     """`prepos ask ... | head`: the closing END waited, the whole --timeout, for the answer no one read any more."""
-    class ClosedPipe:
-        def write(self, text):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def flush(self):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def fileno(self):
-            return devnull.fileno()
-
     def endless(request):  # one chunk of an answer that runs on
         if "text_input" in request.inputs:
             return [make_result(request.request_id, text="Once", ids=[1], path="prefix", final=False)]
@@ -256,7 +252,7 @@ def test_a_reader_that_goes_away_mid_answer_cancels_it_rather_than_wait_for_its_
     fake_triton.responder = endless
     started = time.monotonic()
     with open(os.devnull, "w") as devnull:
-        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        monkeypatch.setattr(sys, "stdout", ClosedPipe(devnull))
         argv = ["ask", "tell me a long story", "--session-id", "s1", "--timeout", "30"]
         assert cli.main(argv + ["--keep-open"] * keep_open) == cli.EXIT_BROKEN_PIPE
     assert time.monotonic() - started < 10  # not the 30 s time limit
