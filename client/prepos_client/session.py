@@ -100,9 +100,9 @@ class Session:
     @property
     def keep_waiting(self) -> Callable[[float], bool] | None:
         """Asked, while a call waits for its server (`wait_for_ready`), after each pause, with the seconds the call
-        has left; False ends the wait, and
-        the call raises as it would without `wait_for_ready` (a `RoutedSession` whose client has another replica
-        ready, for the session to move there). None: wait the call's whole time limit."""
+        has left; False ends the wait, and the call raises as it would without `wait_for_ready` (a `RoutedSession`
+        whose client has another replica ready, for the session to move there). None: wait the call's whole time
+        limit."""
         return self._requests.keep_waiting
 
     @keep_waiting.setter
