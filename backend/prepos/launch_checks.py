@@ -5,6 +5,7 @@ message that names neither (a TLS key that does not match its certificate showed
 from __future__ import annotations
 
 import ctypes
+import functools
 import ipaddress
 import json
 import logging
@@ -102,9 +103,10 @@ def journal_environment(journal_dir: str, run_dir: Path, environ: Mapping[str, s
     return {"PREPOS_JOURNAL_DIR": str(usable_dir(chosen, source).resolve())}
 
 
+@functools.cache
 def _listed_config_type():
     """Triton's ModelConfig message with its maps read as lists of entries, so that a key set twice shows (a map
-    keeps one of the two)."""
+    keeps one of the two). Built once."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
     from tritonclient.grpc import model_config_pb2
 
