@@ -128,8 +128,11 @@ def server_environment() -> dict[str, str]:
     return env
 
 
-def server_command(options: ServerOptions, backend_dir: Path, access_token: str | None = None) -> list[str]:
-    address = bind_address(options.host)
+def server_command(options: ServerOptions, backend_dir: Path, access_token: str | None = None,
+                   address: str | None = None) -> list[str]:
+    """tritonserver's command line; ``address``: ``options.host`` as :func:`bind_address` resolves it, where the
+    caller has it already (a name is looked up otherwise)."""
+    address = address or bind_address(options.host)
     command = [str(pytriton_dir() / "tritonserver" / "bin" / "tritonserver")]
     command += [f"--model-repository={repo}" for repo in options.model_repositories]
     command += [
@@ -177,7 +180,7 @@ class TritonServer:
                 raise ValueError(f"--model-repository: {repository} is not a folder")
         check_repositories(options.model_repositories, {**os.environ, **self.env})
         usable_dir(options.run_dir, "--run-dir")
-        bind_address(options.host)
+        self.address = bind_address(options.host)  # the address tritonserver binds
 
     @property
     def grpc_url(self) -> str:
@@ -211,7 +214,7 @@ class TritonServer:
         # The port is free: a server that named its regions after it is gone (killed, as it left them).
         remove_left_regions(region_prefix(self.options.grpc_port), "an earlier server on this port")
         backend_dir = prepare_backend_dir(self.options.run_dir)
-        command = server_command(self.options, backend_dir, self.access_token)
+        command = server_command(self.options, backend_dir, self.access_token, self.address)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting %s (log: %s)", masked(" ".join(command), self.access_token), self.log_file)
         if self.access_token:
