@@ -178,8 +178,7 @@ def wait_until_ready(triton: grpcclient.InferenceServerClient, model: str, heade
             return False
         time.sleep(min(pause * random.uniform(0.5, 1.0), left_s))
         pause = min(pause * 2, WAIT_MAX_S)
-        left_s = deadline - time.perf_counter()
-        if left_s <= 0 or keep_waiting is not None and not keep_waiting(left_s):
+        if keep_waiting is not None and not keep_waiting(deadline - time.perf_counter()):
             return False
         left_s = deadline - time.perf_counter()
         if left_s <= 0:

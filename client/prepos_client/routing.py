@@ -250,9 +250,7 @@ class RoutedClient:
         than `left_s`: each check is two calls of up to `health_timeout_s`)."""
         with self._lock:
             num_left = len(self._left)
-        if 2 * self._health_timeout_s * num_left >= left_s:
-            return set(self._ring.hosts) <= {replica}
-        return self.is_alone(replica, readmit=True)
+        return self.is_alone(replica, readmit=2 * self._health_timeout_s * num_left < left_s)
 
     def remove_replica(self, replica: str) -> bool:
         """Take `replica` out of the ring for good (a scale-down); True if it was on it.
