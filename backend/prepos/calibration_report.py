@@ -118,6 +118,11 @@ def _held_out(records: Sequence[DecisionRecord], variant: str, score: str, thres
     return HeldOutCheck(len(records), n, k, k / n if n else 0.0, interval, n / len(records) if records else 0.0)
 
 
+def recorded_variants(records: Sequence[DecisionRecord]) -> list[str]:
+    """The speculative deltas ``records`` hold, the empty delta first (every record holds the same ones)."""
+    return [EMPTY, *sorted(v for v in records[0].variants if v != EMPTY)] if records else []
+
+
 def calibrate(records: Sequence[DecisionRecord], *, epsilons: Sequence[float], delta: float,
               held_out_fraction: float = 0.5, method: str = "bonferroni",
               scores: Sequence[str] = SCORES, variants: Sequence[str] | None = None) -> list[EpsilonResult]:
@@ -138,7 +143,7 @@ def calibrate(records: Sequence[DecisionRecord], *, epsilons: Sequence[float], d
     unknown = [s for s in scores if s not in GATE_SCORES]
     if unknown or not scores:
         raise ValueError(f"scores: unknown {unknown or 'empty'}; known: {', '.join(GATE_SCORES)}")
-    recorded = [EMPTY, *sorted(v for v in cal[0].variants if v != EMPTY)]
+    recorded = recorded_variants(cal)
     unknown = sorted(set(variants or ()) - set(recorded))
     if unknown or variants is not None and not variants:
         raise ValueError(f"variants: {', '.join(map(repr, unknown)) or 'none'} not recorded; recorded: "

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(format="prepos calibrate: %(message)s", level=logging.INFO)
     from prepos.calibration import EMPTY, ReplayInterrupted, read_records
-    from prepos.calibration_report import SCORES, calibrate, write_report
+    from prepos.calibration_report import SCORES, calibrate, recorded_variants, write_report
     from prepos.risk import METHODS
 
     if args.method not in METHODS:
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             if not records:
                 raise ValueError(f"--report-only: no records in {records_path}")
             placeholders = header.get("placeholders", {})
-            recorded = [EMPTY, *sorted(v for v in records[0].variants if v != EMPTY)]
+            recorded = recorded_variants(records)
             unknown = sorted(set(args.variant or ()) - set(recorded))
             if unknown:
                 parser.error(f"--variant: {', '.join(map(repr, unknown))} not in {records_path}; it records "
