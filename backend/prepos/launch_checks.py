@@ -120,17 +120,28 @@ def _listed_config_type():
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{file.package}.ModelConfig"))
 
 
+def _as_triton_hands_it_over(model, idle_us: int) -> dict:
+    """The parts of a parsed config.pbtxt that :func:`prepos.config.check_model_config` reads, as the model's
+    ``args["model_config"]`` has them: the instance groups as written (a group naming no GPUs is one instance
+    here, where Triton would make one per GPU it finds: the model's own check still sees those), and the
+    sequence idle timeout with Triton's default filled in."""
+    groups = [{"count": group.count or 1, "gpus": list(group.gpus)} for group in model.instance_group]
+    return {"instance_group": groups, "sequence_batching": {"max_sequence_idle_microseconds": idle_us} if idle_us
+            else {}}
+
+
 def check_repositories(repositories: Sequence[str | Path], environ: Mapping[str, str]) -> None:
     """Raise ValueError naming ``--model-repository`` when the repositories hold no model (folders with a
     config.pbtxt): Triton would start with nothing to serve and report ready. And read the prepos settings of
     each prepos model (config.pbtxt's parameters, the ``PREPOS_*`` variables of ``environ``) as the model will
-    when it loads, so that a bad one is refused before Triton starts (the load took 7-11 s to say the same),
-    raising ValueError naming the model and the setting, or the place in its config.pbtxt that is not protobuf
+    when it loads, with what of its Triton configuration prepos cannot run with (more than one instance, Triton's
+    1 s sequence idle default), so that a bad one is refused before Triton starts (the load took 7-11 s to say the
+    same), raising ValueError naming the model and the setting, or the place in its config.pbtxt that is not protobuf
     text format (Triton's parser refuses it too). A parameter set twice is taken as Triton 2.51 takes it, the later
     entry, with a warning. Other models' configs are Triton's to read."""
     from google.protobuf import text_format
 
-    from prepos.config import ConfigError, read_config
+    from prepos.config import TRITON_DEFAULT_IDLE_US, ConfigError, check_model_config, read_config
 
     configs = sorted((entry / "config.pbtxt" for repository in repositories for entry in Path(repository).iterdir()
                       if _readable_file(entry / "config.pbtxt")), key=lambda config: config.parent.name)
@@ -153,9 +164,12 @@ def check_repositories(repositories: Sequence[str | Path], environ: Mapping[str,
                         ", ".join(map(json.dumps, twice)))
         parameters = {entry.key: entry.value.string_value for entry in model.parameters}  # the later wins
         idle_us = model.sequence_batching.max_sequence_idle_microseconds
-        if idle_us:  # as the model sets it from Triton's own (see its model.py)
-            parameters.setdefault("scheduler.session_idle_timeout_s", str(idle_us / 1e6))
+        if not idle_us and model.HasField("sequence_batching"):
+            idle_us = TRITON_DEFAULT_IDLE_US  # what Triton fills in where config.pbtxt leaves it out
         try:
+            check_model_config(_as_triton_hands_it_over(model, idle_us), parameters, environ)
+            if idle_us:  # as the model sets it from Triton's own (see its model.py)
+                parameters.setdefault("scheduler.session_idle_timeout_s", str(idle_us / 1e6))
             read_config(parameters, environ)
         except ConfigError as err:
             raise ValueError(f"model {name} ({config}): {err}") from None

@@ -182,3 +182,30 @@ def test_a_config_triton_cannot_parse_is_refused_before_triton_starts(tmp_path, 
     other.mkdir()
     (other / "config.pbtxt").write_text('backend: "python"\nfuture_msg [ { a: 1 }, { a: 2 } ]\n')
     check_repositories([later], {})
+
+
+def test_what_of_the_triton_configuration_the_model_refuses_at_load_is_refused_before_triton_starts(tmp_path):
+    """Two instances, or Triton's 1 s idle default, were refused only by the model's load, after Triton started."""
+    from prepos.launch_checks import check_repositories
+
+    setting = '  { key: "gate.speculate" value: { string_value: "true" } }'
+    two = _repository(tmp_path / "two", setting)
+    config = two / "prepos" / "config.pbtxt"
+    config.write_text(config.read_text() + "instance_group [ { count: 2 kind: KIND_CPU } ]\n")
+    with pytest.raises(ValueError, match=r"^model prepos \(.*config.pbtxt\): instance_group: 2 instances; prepos "
+                                         r"runs one .*set count: 1$"):
+        check_repositories([two], {})
+    config.write_text(config.read_text().replace("count: 2", "count: 1 gpus: [ 0, 1 ]"))
+    with pytest.raises(ValueError, match=r"instance_group: 2 instances"):  # count is per GPU listed
+        check_repositories([two], {})
+    config.write_text(config.read_text().replace("gpus: [ 0, 1 ]", "gpus: [ 0 ]"))
+    check_repositories([two], {})
+    # the idle timeout left out: Triton's 1 s, refused unless the session idle timeout says 1 s as well
+    default_idle = _repository(tmp_path / "idle", setting)
+    config = default_idle / "prepos" / "config.pbtxt"
+    config.write_text(config.read_text().replace("  max_sequence_idle_microseconds: 600000000\n", ""))
+    assert "max_sequence_idle_microseconds" not in config.read_text()
+    with pytest.raises(ValueError, match=r"^model prepos .*sequence_batching.max_sequence_idle_microseconds: 1 s, "
+                                         r"Triton's default"):
+        check_repositories([default_idle], {})
+    check_repositories([default_idle], {"PREPOS_SCHEDULER_SESSION_IDLE_TIMEOUT_S": "1"})
