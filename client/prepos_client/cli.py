@@ -378,12 +378,23 @@ register_module_command("build", "prepos_build.__main__", help="build an engine 
 register_module_command("calibrate", "prepos_client.calibrate_cli", help="certify a gate threshold on a trace, offline")
 
 
+def _installed_version() -> str:
+    """The installed prepos package's version ("unknown" for a copy run from its folder, not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("prepos")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `prepos` parser with every registered subcommand (each subcommand's parser in its ``subparsers``
     attribute)."""
     parser = argparse.ArgumentParser(prog="prepos", description="prepos: stateful LLM sessions on Triton",
                                      epilog="exit codes: " + __doc__.split("Exit codes: ", 1)[1].strip())
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"prepos {_installed_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, command in COMMANDS.items():
         subparser = subparsers.add_parser(

@@ -91,6 +91,15 @@ def test_no_command_exits_2(capsys):
     assert "COMMAND" in capsys.readouterr().err
 
 
+def test_version_prints_the_installed_packages_version(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"prepos {metadata.version('prepos')}\n"
+
+
 def test_an_unreachable_server_exits_3_with_a_clear_message(capsys):
     code = cli.main(["ask", "hello", "--url", "127.0.0.1:1", "--timeout", "5"])
     assert code == cli.EXIT_UNREACHABLE
