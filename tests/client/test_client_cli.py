@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -143,6 +144,55 @@ def test_the_console_entry_point_exits_3_when_unreachable():
     )
     assert completed.returncode == cli.EXIT_UNREACHABLE
     assert "cannot reach prepos at 127.0.0.1:1" in completed.stderr
+
+
+def _plain_listener():
+    """A loopback socket that accepts and answers nothing a TLS client can read: a server without TLS."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def answer_plainly():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=answer_plainly, daemon=True).start()
+    return listener
+
+
+@pytest.mark.parametrize("verbosity, shown", [(None, False), ("INFO", True)])
+def test_the_prepos_command_quiets_grpcs_own_log_line_unless_told(verbosity, shown):
+    """--tls against a server without TLS printed gRPC's ``I...`` handshake line above the command's own message;
+    a GRPC_VERBOSITY the user sets is kept (and shows that the line is there to quiet)."""
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="prepos")
+    assert script.value == "prepos.console:main"
+    env = {key: value for key, value in os.environ.items() if key != "GRPC_VERBOSITY"}
+    if verbosity:
+        env["GRPC_VERBOSITY"] = verbosity
+    with contextlib.closing(_plain_listener()) as listener:
+        port = listener.getsockname()[1]
+        completed = subprocess.run(
+            [sys.executable, "-m", "prepos.console", "ask", "hi", "--url", f"127.0.0.1:{port}", "--tls",
+             "--timeout", "10"], capture_output=True, text=True, timeout=60, env=env)
+    assert completed.returncode == cli.EXIT_UNREACHABLE
+    assert "the TLS handshake failed: does the server use TLS?" in completed.stderr
+    grpc_lines = [line for line in completed.stderr.splitlines() if "ssl_transport_security" in line]
+    assert bool(grpc_lines) == shown, completed.stderr
+    # what the command starts (prepos serve's tritonserver) sees the user's environment, not the quieting
+    left = subprocess.run(
+        [sys.executable, "-c", "import os, sys\nfrom prepos.console import main\nsys.argv = ['prepos', '--version']\n"
+         "try:\n    main()\nexcept SystemExit:\n    print(os.environ.get('GRPC_VERBOSITY'))"],
+        capture_output=True, text=True, timeout=60, env=env)
+    assert left.stdout.splitlines()[-1] == str(verbosity), left.stderr
 
 
 def test_a_server_error_exits_1_naming_the_field(fake_triton, capsys):
