@@ -79,9 +79,13 @@ def check_engine_dir(parser: argparse.ArgumentParser, engine_dir: Path) -> None:
 
 
 def check_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:
-    """Exit through ``parser.error`` naming ``--out`` when ``out`` exists and is not a folder."""
-    if out.exists() and not out.is_dir():
-        parser.error(f"--out: {out} exists and is not a folder")
+    """Exit through ``parser.error`` naming ``--out`` when ``out`` cannot be used as a folder: it exists and is
+    not one, or it cannot be made or written in (under a file, in /proc, no permission). Nothing is changed."""
+    from prepos_client.calibrate_cli import unusable_folder
+
+    problem = unusable_folder(out)
+    if problem:
+        parser.error(f"--out: {problem}")
 
 
 def free_loopback_ports(count: int) -> list[int]:

@@ -4,6 +4,7 @@ server or load a model."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,19 @@ def test_an_out_that_is_a_file_is_refused_and_left_alone(main, capsys, tmp_path)
     assert exited.value.code == 2
     assert f"--out: {taken} exists and is not a folder" in capsys.readouterr().err
     assert taken.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("main", [residency_bench.main, share_bench.main, pool_bench.main, soak_main])
+def test_an_out_that_cannot_be_made_is_refused_naming_it_before_anything_starts(main, capsys, tmp_path):
+    """A soak given --out /proc/x started its server, then failed with a traceback naming --run-dir."""
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    for out, problem in [(taken / "out", f"cannot make {taken / 'out'}: {taken} is not a folder"),
+                         (Path("/proc/prepos-out"), "cannot make /proc/prepos-out in /proc")]:
+        with pytest.raises(SystemExit) as exited:
+            main(["--out", str(out)])
+        assert exited.value.code == 2
+        assert f"--out: {problem}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("module", "argv", "flag"), [
