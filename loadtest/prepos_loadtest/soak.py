@@ -238,7 +238,8 @@ def run_soak(options: SoakOptions, host: str, metrics_url: str, pid: int | None,
         locust = json.loads((out / "locust" / "summary.json").read_text())
     except (OSError, ValueError):
         locust = {}
-    summary = summarize(out / CSV_NAME, options.effective_warmup_s, locust, locust_status, options)
+    summary = summarize(out / CSV_NAME, options.effective_warmup_s, locust, locust_status, options,
+                        num_missed=sampler.num_scrape_failures)
     write_plot(out / CSV_NAME, out / "soak.png", options.effective_warmup_s, summary)
     (out / "soak.md").write_text(summary.markdown() + "\n")
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))

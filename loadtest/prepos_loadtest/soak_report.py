@@ -14,14 +14,17 @@ class SoakSummary:
     """What a soak found.
 
     RSS is the tritonserver process plus its descendants; `rss_start_mib` is
-    the first sample after warm-up, `rss_end_mib` the last one, and
+    the first sample after warm-up, `rss_end_mib` the last one (for a run that
+    ended within its warm-up, `ended_in_warmup`: the first and last samples of
+    the run, and the peaks over all of it), and
     `rss_slope_mib_per_h` the least-squares slope over the samples after
     warm-up (None with fewer than 3 of them, spanning less than
     `MIN_TREND_SPAN_S`, or no memory samples: a few seconds' slope, scaled to
     an hour, reads as a leak). `sessions_at_start` were open at the first
     sample (on a server given with --server, some may be other clients').
     A soak with no sample (its metrics endpoint unreadable) measured nothing
-    of the server and does not pass.
+    of the server and does not pass; `num_missed` samples could not be taken
+    (the endpoint unreadable then), and the report says so.
     """
 
     users: int
@@ -44,6 +47,8 @@ class SoakSummary:
     sessions_peak: int
     sessions_at_start: int = 0
     interrupted: bool = False  # stopped by SIGINT or SIGTERM: duration_s is the time it ran (its last sample)
+    ended_in_warmup: bool = False  # no sample after the warm-up: the figures are over the whole run
+    num_missed: int = 0
 
     @property
     def num_errors(self) -> int:
@@ -61,11 +66,17 @@ class SoakSummary:
         stopped = " (interrupted)" if self.interrupted else ""
         if self.num_samples == 0:
             stopped += " (no sample: the metrics endpoint was never read)"
+        elif self.num_missed:
+            stopped += f" ({self.num_missed} samples missed: the metrics endpoint was unreadable then)"
         return (f"soak {'ok' if self.passed else 'FAIL'}: {self.users} users ({self.workload}) for "
                 f"{self.duration_s / 60:.1f} min{stopped}: {self.num_requests} requests, {self.num_errors} errors "
-                f"(server-side rejections {self.server_errors}); server RSS after warm-up {mib(self.rss_start_mib)}"
+                f"(server-side rejections {self.server_errors}); server RSS {self._since()} {mib(self.rss_start_mib)}"
                 f" -> end {mib(self.rss_end_mib)} (peak {mib(self.rss_peak_mib)}, trend {slope}); "
                 f"KV {mib(self.kv_start_mib)} -> {mib(self.kv_end_mib)} (peak {mib(self.kv_peak_mib)})")
+
+    def _since(self) -> str:
+        """Where the start figures were taken."""
+        return "at the first sample (the run ended within its warm-up)" if self.ended_in_warmup else "after warm-up"
 
     def markdown(self) -> str:
         def fmt(value, unit=""):
@@ -81,13 +92,14 @@ class SoakSummary:
             ("requests", self.num_requests),
             ("errors (failed requests + user-code exceptions)", self.num_errors),
             ("server-side rejections (prepos_request_errors_total)", self.server_errors),
-            ("server RSS after warm-up / at end / peak (MiB)",
+            (f"server RSS {self._since()} / at end / peak (MiB)",
              f"{fmt(self.rss_start_mib)} / {fmt(self.rss_end_mib)} / {fmt(self.rss_peak_mib)}"),
             ("server RSS trend after warm-up (MiB/h, least squares)", fmt(self.rss_slope_mib_per_h)),
-            ("KV after warm-up / at end / peak (MiB)",
+            (f"KV {self._since()} / at end / peak (MiB)",
              f"{fmt(self.kv_start_mib)} / {fmt(self.kv_end_mib)} / {fmt(self.kv_peak_mib)}"),
             ("open sessions, at the first sample / peak", f"{self.sessions_at_start} / {self.sessions_peak}"),
-            ("samples", self.num_samples),
+            ("samples", f"{self.num_samples}" + (f" ({self.num_missed} missed: the metrics endpoint was unreadable "
+                                                  "then)" if self.num_missed else "")),
         ]
         return "\n".join(["| soak | value |", "|---|---|", *[f"| {name} | {value} |" for name, value in rows]])
 
@@ -115,10 +127,15 @@ def _slope_per_h(points: list[tuple[float, float]]) -> float | None:
     return sum((t - mean_t) * (v - mean_v) for t, v in points) / var_t * 3600
 
 
-def summarize(csv_path: Path, warmup_s: float, locust: dict[str, Any], locust_status: int, options) -> SoakSummary:
-    """Combine the sample CSV and Locust's summary.json (an empty dict when Locust wrote none)."""
+def summarize(csv_path: Path, warmup_s: float, locust: dict[str, Any], locust_status: int, options,
+              num_missed: int = 0) -> SoakSummary:
+    """Combine the sample CSV and Locust's summary.json (an empty dict when Locust wrote none). A run that ended
+    within its warm-up (interrupted, say) is summed up over all its samples, and says so: its last sample alone,
+    taken after every session closed, was reported as after warm-up, at end and peak."""
     samples = read_samples(csv_path)
-    after = [s for s in samples if s["elapsed_s"] >= warmup_s] or samples[-1:]
+    after = [s for s in samples if s["elapsed_s"] >= warmup_s]
+    ended_in_warmup = bool(samples) and not after
+    after = after or samples
     rss = [(s["elapsed_s"], s["rss_mib"]) for s in after if s["rss_mib"] is not None]
     kv = [s["kv_mib"] for s in after if s["kv_mib"] is not None]
     errors = [s["request_errors_total"] for s in samples if s["request_errors_total"] is not None]
@@ -137,13 +154,15 @@ def summarize(csv_path: Path, warmup_s: float, locust: dict[str, Any], locust_st
         rss_start_mib=rss[0][1] if rss else None,
         rss_end_mib=rss[-1][1] if rss else None,
         rss_peak_mib=max(v for _, v in rss) if rss else None,
-        rss_slope_mib_per_h=_slope_per_h(rss),
+        rss_slope_mib_per_h=None if ended_in_warmup else _slope_per_h(rss),  # a warm-up is no trend
         kv_start_mib=kv[0] if kv else None,
         kv_end_mib=kv[-1] if kv else None,
         kv_peak_mib=max(kv) if kv else None,
         sessions_peak=int(max((s["sessions_open"] or 0 for s in samples), default=0)),
         sessions_at_start=int(samples[0]["sessions_open"] or 0) if samples else 0,
         interrupted=interrupted,
+        ended_in_warmup=ended_in_warmup,
+        num_missed=num_missed,
     )
 
 

@@ -53,6 +53,30 @@ def test_summary_takes_rss_after_warm_up_and_its_trend(tmp_path):
     assert (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_run_that_ended_within_its_warm_up_is_summed_up_over_all_its_samples_and_says_so(tmp_path):
+    """Interrupted 20 s into a 60 s warm-up, a soak reported its last sample alone, taken after every session had
+    closed, as the RSS and KV after warm-up, at end and peak."""
+    path = tmp_path / "soak.csv"
+    write_samples(path, samples([1440, 1458, 1450, 1439], [0, 0, 0, 0], every_s=5.0))  # 15 s in all
+    options = SoakOptions(users=4, duration="2m")
+    summary = summarize(path, 60.0, {"num_requests": 10, "num_failed": 0, "exceptions": [], "interrupted": True}, 0,
+                        options, num_missed=2)
+    assert summary.ended_in_warmup and summary.interrupted
+    assert (summary.rss_start_mib, summary.rss_end_mib, summary.rss_peak_mib) == (1440, 1439, 1458)
+    assert (summary.kv_start_mib, summary.kv_end_mib, summary.kv_peak_mib) == (10.0, 13.0, 13.0)
+    assert summary.rss_slope_mib_per_h is None
+    markdown = summary.markdown()
+    assert ("| server RSS at the first sample (the run ended within its warm-up) / at end / peak (MiB) | "
+            "1440.0 / 1439.0 / 1458.0 |") in markdown
+    assert "| samples | 4 (2 missed: the metrics endpoint was unreadable then) |" in markdown
+    assert "server RSS at the first sample (the run ended within its warm-up) 1440 MiB -> end 1439 MiB (peak 1458 " \
+        "MiB" in summary.line()
+    assert "(2 samples missed" in summary.line()
+    after = summarize(path, 5.0, {"num_requests": 10, "num_failed": 0, "exceptions": []}, 0, options)
+    assert not after.ended_in_warmup and after.rss_start_mib == 1458 and "after warm-up 1458 MiB" in after.line()
+    assert "| samples | 4 |" in after.markdown()
+
+
 def test_a_failed_request_or_no_request_fails_the_soak(tmp_path):
     path = tmp_path / "soak.csv"
     write_samples(path, samples([1000, 1000], [0, 0]))
