@@ -43,7 +43,8 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import machine, variant_server  # noqa: E402
+from prepos_loadtest.repository import (  # noqa: E402
+    check_engine_dir, check_grpc_port, check_out_dir, machine, variant_server)
 from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("prepos.batch_bench")
@@ -128,10 +129,21 @@ def summarize(runs: dict, args: argparse.Namespace, machine: str) -> str:
     return "\n".join(lines)
 
 
+def user_counts(text: str) -> list[int]:
+    """``--users``: comma-separated whole numbers of at least 1 (``1,4,8``)."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers of at least 1 (1,4,8), got {text!r}")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--users", type=lambda s: [int(u) for u in s.split(",")], default=[1, 4, 8],
+    parser.add_argument("--users", type=user_counts, default=[1, 4, 8],
                         help="comma-separated numbers of sessions asking at once")
     parser.add_argument("--waves", type=int, default=3, help="waves per model and number of users")
     parser.add_argument("--mode", choices=sorted(MODES), default="decode", help="which setting to compare")
@@ -142,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_tokens is None:
         args.max_tokens = DEFAULT_MAX_TOKENS[args.mode]
-    if min(args.users) < 1 or args.waves < 1 or args.max_tokens < 1:
-        parser.error("--users, --waves and --max-tokens must be at least 1")
+    if args.waves < 1 or args.max_tokens < 1:
+        parser.error("--waves and --max-tokens must be at least 1")
+    check_engine_dir(parser, args.engine_dir)
+    check_out_dir(parser, args.out)
+    check_grpc_port(parser, args.grpc_port)
 
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = ROOT / ".run" / "batch_bench"

@@ -32,7 +32,7 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import check_engine_dir, variant_server  # noqa: E402
+from prepos_loadtest.repository import check_engine_dir, check_grpc_port, variant_server  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 from prepos_loadtest.workloads import SessionTrace, Step, bfcl_sessions, monitor_sessions  # noqa: E402
 
@@ -348,9 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
     if not args.think_time >= 0 or args.think_time == float("inf"):
         parser.error(f"--think-time: expected seconds >= 0, got {args.think_time}")
-    if not 1 <= args.grpc_port <= 65533:
-        parser.error(f"--grpc-port: the server takes it and the next two ports; expected 1-65533, got {args.grpc_port}")
     check_engine_dir(parser, args.engine_dir)
+    check_grpc_port(parser, args.grpc_port)
 
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = ROOT / ".run" / "bench"

@@ -36,7 +36,7 @@ for sub in ("backend", "client", "loadtest"):
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
 from prepos_loadtest.repository import (  # noqa: E402
-    check_engine_dir, check_out_dir, machine, variant_server, write_table)
+    check_engine_dir, check_grpc_port, check_out_dir, machine, variant_server, write_table)
 from prepos_loadtest.stats import path_counts, percentile  # noqa: E402
 
 log = logging.getLogger("prepos.residency_bench")
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pause must be >= 0")
     check_engine_dir(parser, args.engine_dir)
     check_out_dir(parser, args.out)
+    check_grpc_port(parser, args.grpc_port)
 
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = ROOT / ".run" / "residency_bench"

@@ -78,6 +78,21 @@ def check_engine_dir(parser: argparse.ArgumentParser, engine_dir: Path) -> None:
         parser.error(f"--engine-dir: no engine in {engine_dir} (make engine builds the default)")
 
 
+def check_grpc_port(parser: argparse.ArgumentParser, grpc_port: int) -> None:
+    """Exit through ``parser.error`` naming ``--grpc-port`` when the server :func:`variant_server` starts cannot take
+    it and the two ports after it (HTTP, metrics) on loopback: out of range, or held by another process (the
+    launcher's own message named its flags, which a benchmark does not have)."""
+    from prepos.ports import taken_endpoints
+
+    if not 1 <= grpc_port <= 65533:
+        parser.error(f"--grpc-port: the server takes it and the next two ports; expected 1-65533, got {grpc_port}")
+    taken = taken_endpoints(ServerOptions(grpc_port=grpc_port, http_port=grpc_port + 1, metrics_port=grpc_port + 2))
+    if taken:
+        held = ", ".join(f"{endpoint.port} ({endpoint.name})" for endpoint in taken)
+        parser.error(f"--grpc-port {grpc_port}: the server takes it and the next two ports, and {held} "
+                     f"{'are' if len(taken) > 1 else 'is'} in use by another process; give another --grpc-port")
+
+
 def check_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:
     """Exit through ``parser.error`` naming ``--out`` when ``out`` cannot be used as a folder: it exists and is
     not one, or it cannot be made or written in (under a file, in /proc, no permission). Nothing is changed."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import batch_bench
 import bench
 import chunking_bench
 import engine_microbench
@@ -45,6 +46,12 @@ ENGINE = "engines/smollm2-135m-instruct"
     (pool_bench, ["--sessions", "0"], "--sessions"),
     (pool_bench, ["--page-tokens", "48"], "--page-tokens"),
     (pool_bench, ["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
+    (batch_bench, ["--users", "a"], "--users: expected comma-separated whole numbers of at least 1 (1,4,8), got 'a'"),
+    (batch_bench, ["--users", "1,"], "--users: expected comma-separated whole numbers"),
+    (batch_bench, ["--users", "4,0"], "--users: expected comma-separated whole numbers"),
+    (batch_bench, ["--waves", "0"], "--waves"),
+    (batch_bench, ["--grpc-port", "99999"], "--grpc-port: the server takes it and the next two ports; expected 1-65533"),
+    (batch_bench, ["--engine-dir", "/nonexistent-engine"], "--engine-dir"),
 ])
 def test_benchmark_drivers_name_the_bad_flag(module, argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as exited:
@@ -76,6 +83,23 @@ def test_an_out_that_cannot_be_made_is_refused_naming_it_before_anything_starts(
             main(["--out", str(out)])
         assert exited.value.code == 2
         assert f"--out: {problem}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main", [bench.main, batch_bench.main, residency_bench.main, share_bench.main])
+def test_a_grpc_port_whose_next_ports_are_held_is_refused_naming_it_before_the_server_starts(main, capsys, tmp_path):
+    """The launcher's message named --http-port, --grpc-port and --metrics-port, which a benchmark does not have,
+    after a traceback."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        http_port = held.getsockname()[1]  # the benchmark's HTTP port: its gRPC port + 1
+        with pytest.raises(SystemExit) as exited:
+            main(["--grpc-port", str(http_port - 1), "--out", str(tmp_path / "out")])
+    assert exited.value.code == 2
+    assert (f"--grpc-port {http_port - 1}: the server takes it and the next two ports, and {http_port} (HTTP) is in "
+            "use by another process; give another --grpc-port") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("module", "argv", "flag"), [
