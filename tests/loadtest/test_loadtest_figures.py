@@ -73,6 +73,11 @@ def test_gate_curve_coverage_and_precision_by_threshold():
     assert curve[1.0].coverage == 0.0 and math.isnan(curve[1.0].precision)
     coverages = [p.coverage for p in gate_curve.curve(points)]
     assert coverages == sorted(coverages, reverse=True)
+    # a threshold that covered no point has no precision: the summary says "-" (it wrote nan)
+    rows = {row.quantity: row.value for row in gate_curve.summary_rows(gate_curve.curve([point(0.6, True)]), 1, 2)}
+    assert rows["decision points (answered from a positioned state / not)"] == "1 / 2"
+    assert rows["threshold 0.5: coverage, precision vs full path"] == "1.00, 1.00 (1 covered)"
+    assert rows["threshold 0.9: coverage, precision vs full path"] == "0.00, - (0 covered)"
 
 
 def test_config_rejects_bad_values_naming_the_field():

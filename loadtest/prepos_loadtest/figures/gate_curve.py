@@ -123,9 +123,16 @@ def run(server: FigureServer, config: FiguresConfig, out: Path) -> FigureOutput:
     write_csv(csv_path, curve_points)
     write_csv(points_csv, points)
     plot(curve_points, len(points), png)
-    rows = [SummaryRow("d", "decision points (answered from a positioned state / not)", f"{len(points)} / {skipped}")]
+    return FigureOutput(png, (csv_path, points_csv), summary_rows(curve_points, len(points), skipped))
+
+
+def summary_rows(curve_points: list[CurvePoint], num_points: int, skipped: int) -> tuple[SummaryRow, ...]:
+    """The summary's rows: the decision points, and coverage and precision at three thresholds (a threshold
+    that covered none has no precision: "-", not nan)."""
+    rows = [SummaryRow("d", "decision points (answered from a positioned state / not)", f"{num_points} / {skipped}")]
     for threshold in (0.0, 0.5, 0.9):
         p = next(c for c in curve_points if c.threshold == threshold)
+        precision = "-" if math.isnan(p.precision) else f"{p.precision:.2f}"
         rows.append(SummaryRow("d", f"threshold {threshold:g}: coverage, precision vs full path",
-                               f"{p.coverage:.2f}, {p.precision:.2f} ({p.num_covered} covered)"))
-    return FigureOutput(png, (csv_path, points_csv), tuple(rows))
+                               f"{p.coverage:.2f}, {precision} ({p.num_covered} covered)"))
+    return tuple(rows)
