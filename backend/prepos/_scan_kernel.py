@@ -29,7 +29,9 @@ def vocab_scan(logits_ptr, row_stride, ids_ptr, n, part_ptr, ticket_ptr, out_ptr
     finite = x > -float("inf")
     d = tl.where(finite, x - tl.where(m > -float("inf"), m, 0.0), 0.0)  # a part may hold no finite logit
     e = tl.where(finite, tl.exp(d), 0.0)
-    s = tl.sum(e, 0)
+    # A NaN logit fails every comparison, so it would pass as masked: it makes the part's sum NaN instead, and
+    # with it the row's p_max, which the host refuses.
+    s = tl.sum(e, 0) + tl.where(tl.sum((x != x).to(tl.int32), 0) > 0, float("nan"), 0.0)
     t = tl.sum(e * d, 0)
     rec = part_ptr + (row * num_parts + part) * 5
     tl.store(rec + 0, m)

@@ -10,10 +10,14 @@ and, when sampling, one uniform draw ``u`` in [0, 1), return a
   margin = top-1 minus top-2 probability, 0 when one token is allowed; entropy
   in nats);
 - ``token_id``: greedy (temperature 0) the allowed token with the largest
-  logit, lowest id on ties; sampling: the tempered distribution over the
+  logit, lowest id on ties (whatever the order the allowed ids are listed in); sampling: the tempered distribution over the
   allowed set, cut to the ``top_k`` most likely then to the smallest
   most-likely prefix whose mass reaches ``top_p`` (order: probability
   descending, id ascending on ties), renormalised, inverted at ``u``.
+
+Logits that hold no distribution are refused with ValueError, naming the
+problem (:func:`unreadable_logits`): a NaN or +inf among the allowed tokens, or
+no finite one (all ``-inf``).
 
 ``numpy`` is the reference; ``torch`` runs where the logits live (CPU or CUDA).
 """
@@ -46,6 +50,45 @@ class ScanResult:
 
 ScanFn = Callable[..., ScanResult]
 
+NO_FINITE_LOGIT = "scan: no finite logit among the allowed tokens"
+
+
+def unreadable_logits(logits, allowed_ids=None) -> ValueError:
+    """The error for logits a scan found it cannot read a distribution from, naming why: the first allowed token
+    whose logit is NaN, else the first that is +inf, else that none is finite (all ``-inf``). Looked at only once
+    a scan has failed, so it may copy the logits to the host."""
+    if isinstance(logits, torch.Tensor):
+        logits = logits.detach().float().cpu().numpy()
+    x = np.asarray(logits, dtype=np.float64)
+    if allowed_ids is None:
+        return _unreadable(x, np.arange(x.shape[0]))
+    ids = np.asarray(allowed_ids.cpu() if isinstance(allowed_ids, torch.Tensor) else list(allowed_ids), dtype=np.int64)
+    return _unreadable(x[ids], ids)
+
+
+def _unreadable(values: np.ndarray, ids: Sequence[int]) -> ValueError:
+    """:func:`unreadable_logits` of the allowed logits ``values`` of the tokens ``ids``."""
+    for what, found in (("NaN", np.isnan(values)), ("+inf", values == np.inf)):
+        if found.any():
+            token = int(ids[int(np.argmax(found))])
+            return ValueError(f"scan: the logit of token {token} is {what}: no distribution can be read from these "
+                              "logits")
+    return ValueError(NO_FINITE_LOGIT)
+
+
+def allowed_id_array(allowed_ids, vocab: int) -> np.ndarray:
+    """``allowed_ids`` as a sorted int64 array (ties go to the lowest id, whatever the order given). Raises
+    ValueError for an empty set, an id outside ``[0, vocab)`` or one listed twice."""
+    ids = np.asarray(allowed_ids.cpu() if isinstance(allowed_ids, torch.Tensor) else list(allowed_ids), dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError("allowed_ids: must be a non-empty list of token ids")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"allowed_ids: token ids must lie in [0, {vocab})")
+    ids = np.sort(ids)
+    if (ids[1:] == ids[:-1]).any():
+        raise ValueError("allowed_ids: repeated token ids")
+    return ids
+
 
 def _cut_and_pick_numpy(q: np.ndarray, top_k: int, top_p: float, u: float) -> int:
     order = np.argsort(-q, kind="stable")  # probability descending, index ascending on ties
@@ -74,13 +117,13 @@ def scan_numpy(
     if isinstance(logits, torch.Tensor):
         logits = logits.detach().float().cpu().numpy()
     # x: [allowed]
-    ids = None if allowed_ids is None else np.asarray(allowed_ids, dtype=np.int64)
     x = np.asarray(logits, dtype=np.float64)
+    ids = None if allowed_ids is None else allowed_id_array(allowed_ids, x.shape[0])
     if ids is not None:
         x = x[ids]
     top = x.max()
-    if not math.isfinite(top):
-        raise ValueError("scan: no finite logit among the allowed tokens")
+    if not math.isfinite(top) or np.isnan(x).any():
+        raise unreadable_logits(logits, ids)
     e = np.exp(x - top)
     total = e.sum()
     p = e / total
@@ -115,14 +158,14 @@ def scan_torch(
     operations would cost more than the numbers they handle.
     """
     if allowed_ids is not None and temperature == 0.0 and 0 < len(allowed_ids) <= SMALL_ALLOWED_SET:
-        ids = allowed_ids.tolist() if isinstance(allowed_ids, torch.Tensor) else list(allowed_ids)
+        ids = sorted(allowed_ids.tolist() if isinstance(allowed_ids, torch.Tensor) else allowed_ids)
         index = torch.as_tensor(ids, dtype=torch.long, device=logits.device)
         return _scan_small(logits.index_select(0, index).tolist(), ids)
     # x: [allowed] float32
     x = logits.float()
     ids = None
-    if allowed_ids is not None:
-        ids = torch.as_tensor(allowed_ids, dtype=torch.long, device=x.device)
+    if allowed_ids is not None:  # in id order: ties go to the lowest id
+        ids = torch.as_tensor(allowed_ids, dtype=torch.long, device=x.device).sort().values
         x = x.index_select(0, ids)
     lse = torch.logsumexp(x, 0)
     p = torch.exp(x - lse)
@@ -137,8 +180,8 @@ def scan_torch(
         best = sample_index(torch.softmax((x - x.max()) / temperature, 0), top_k, top_p, uniform)
     token = ids[best] if ids is not None else best
     stats = torch.stack([token.float(), top_p2[0], top_p2[-1], entropy, lse]).tolist()  # one sync
-    if not math.isfinite(stats[4]):
-        raise ValueError("scan: no finite logit among the allowed tokens")
+    if not math.isfinite(stats[4]):  # a NaN or +inf makes the log-sum-exp NaN or +inf
+        raise unreadable_logits(logits, ids)
     p_max = stats[1]
     margin = p_max - stats[2] if k > 1 else p_max
     # float32 holds every integer below 2**24, far above any vocabulary size
@@ -213,10 +256,10 @@ def _pick(values: torch.Tensor, ids: torch.Tensor, known: int, n: int, cut: int,
 
 
 def _scan_small(values: list[float], ids: list[int]) -> ScanResult:
-    """Greedy scan of a few allowed logits on the host, in float64 like the reference."""
+    """Greedy scan of a few allowed logits on the host, in float64 like the reference (``ids`` in id order)."""
     top = max(values)
-    if not math.isfinite(top):
-        raise ValueError("scan: no finite logit among the allowed tokens")
+    if not math.isfinite(top) or any(v != v for v in values):  # max() passes over a NaN after the first value
+        raise _unreadable(np.asarray(values, dtype=np.float64), ids)
     exps = [math.exp(v - top) for v in values]
     total = math.fsum(exps)
     probs = [e / total for e in exps]

@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from prepos.scan import ScanResult
+from prepos.scan import ScanResult, unreadable_logits
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class OnnxRuntimeScan:
             "uniform": np.array([u], dtype=np.float32),
         })
         if not np.isfinite(p_max[0]):
-            raise ValueError("scan: no finite logit among the allowed tokens")
+            raise unreadable_logits(x, allowed_ids)
         num_allowed = x.shape[0] if allowed_ids is None else int(len(allowed_ids))
         return ScanResult(token_id=int(token[0]), p_max=float(p_max[0]), margin=float(margin[0]),
                           entropy=float(entropy[0]), num_allowed=num_allowed)

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from prepos.scan import ScanResult, scan_torch
+from prepos.scan import ScanResult, scan_torch, unreadable_logits
 
 DEFAULT_BLOCK = 2048  # logits per program: 63 programs for a 128k vocabulary
 _FIELDS = 5  # per part and per row: token position, p_max, p_second, entropy, max logit
@@ -98,7 +98,8 @@ class TritonScan:
 
         Per row: position of the answer (in ``ids`` when given, else the token id),
         p_max, the runner-up's probability, entropy, the max logit (``-inf``: no
-        finite allowed logit, and the other fields are then meaningless).
+        finite allowed logit; ``+inf``, or p_max NaN: a +inf or NaN logit; the
+        other fields are then meaningless).
         ``ids`` is an int32/int64 tensor of allowed token ids on the same device.
         """
         rows2d = logits.view(1, -1) if logits.dim() == 1 else logits
@@ -144,12 +145,12 @@ class TritonScan:
             raise ValueError(f"logits must be [vocab], got {tuple(logits.shape)}")
         id_list = None
         ids = None
-        if allowed_ids is not None:
-            id_list = allowed_ids.tolist() if isinstance(allowed_ids, torch.Tensor) else list(allowed_ids)
+        if allowed_ids is not None:  # in id order: ties go to the lowest id
+            id_list = sorted(allowed_ids.tolist() if isinstance(allowed_ids, torch.Tensor) else allowed_ids)
             ids = self._device_ids(id_list, logits.numel())
         stats = self.features(logits, ids).view(-1).tolist()  # the one host sync
-        if not math.isfinite(stats[4]):
-            raise ValueError("scan: no finite logit among the allowed tokens")
+        if not (math.isfinite(stats[4]) and math.isfinite(stats[1])):  # a NaN logit makes p_max NaN
+            raise unreadable_logits(logits, id_list)
         position = int(stats[0])
         n = logits.numel() if id_list is None else len(id_list)
         p_max = stats[1]

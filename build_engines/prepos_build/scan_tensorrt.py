@@ -211,7 +211,7 @@ class TensorRTScan:
 
     def __call__(self, logits: torch.Tensor, *, allowed_ids: Sequence[int] | torch.Tensor | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, uniform: float | None = None):
-        from prepos.scan import ScanResult
+        from prepos.scan import ScanResult, unreadable_logits
 
         if logits.ndim != 1:
             raise ValueError(f"logits: must be one-dimensional [vocab], got shape {tuple(logits.shape)}")
@@ -242,7 +242,7 @@ class TensorRTScan:
             token, p_max, margin, entropy = torch.cat(
                 [self._outputs["token_id"].double()] + [self._outputs[n].double() for n in OUTPUT_NAMES[1:]]).tolist()
         if p_max != p_max or p_max in (float("inf"), float("-inf")):
-            raise ValueError("scan: no finite logit among the allowed tokens")
+            raise unreadable_logits(logits, allowed_ids)
         num_allowed = vocab if allowed_ids is None else len(allowed_ids)
         return ScanResult(token_id=int(token), p_max=p_max, margin=margin, entropy=entropy, num_allowed=num_allowed)
 

@@ -33,7 +33,9 @@ def scan_case(draw):
     if draw(st.booleans()):
         finite = np.flatnonzero(np.isfinite(logits))
         size = draw(st.integers(1, min(8, len(finite))))
-        allowed = sorted(rng.choice(finite, size=size, replace=False).tolist())
+        allowed = rng.choice(finite, size=size, replace=False).tolist()
+        if draw(st.booleans()):  # listed in any order: the answer must not depend on it
+            allowed = sorted(allowed)
     temperature = draw(st.sampled_from([0.0, 0.0, 0.5, 1.0, 2.0]))
     top_k = draw(st.sampled_from([0, 1, 3, 50]))
     top_p = draw(st.sampled_from([1.0, 0.9, 0.5]))
@@ -184,7 +186,66 @@ def test_a_peaked_distribution_is_sampled_without_sorting_the_vocabulary(monkeyp
 def test_a_sampled_scan_of_bad_logits_names_the_problem(bad, kw):
     logits = torch.randn(5000)
     logits[1234] = bad  # a vocabulary larger than the first head: the draw is looked for there first
-    with pytest.raises(ValueError, match="no finite logit"):
+    with pytest.raises(ValueError, match=r"^scan: the logit of token 1234 is (NaN|\+inf): no distribution can be read"):
         scan_torch(logits, temperature=0.8, **kw)
     with pytest.raises(ValueError, match="no finite logit"):
         scan_torch(torch.full((5000,), float("-inf")), temperature=0.8, **kw)
+
+
+def _every_scan():
+    """The scan implementations this machine runs, by name (the CPU kernel and the OpenAI Triton kernel under its
+    interpreter where they are available)."""
+    scans = {name: get_scan(name) for name in ("numpy", "torch", "onnxruntime")}
+    try:
+        from prepos.scan_cpu import CpuKernelScan, CpuKernelUnavailable
+
+        scans["cpu"] = CpuKernelScan()
+    except CpuKernelUnavailable:
+        pass
+    try:
+        from prepos.scan_triton import TritonScan
+
+        scans["triton"] = TritonScan("cpu", block=16)
+    except (ImportError, RuntimeError):  # no Triton, or it runs compiled in this process
+        pass
+    return scans
+
+
+@pytest.mark.parametrize("name", sorted(_every_scan()))
+def test_every_scan_gives_ties_to_the_lowest_id_whatever_the_order_the_allowed_ids_come_in(name):
+    """A choices trie lists a node's children in id order and its terminator last: on an exact tie the reference
+    (first in the listed order) and ONNX Runtime (lowest id) answered differently."""
+    scan = _every_scan()[name]
+    logits = np.full(100, -1.0, dtype=np.float32)
+    logits[[20, 2, 70]] = 5.0
+    for allowed in ([20, 2], [70, 20, 9, 2], list(range(99, -1, -1))):
+        got = scan(torch.from_numpy(logits), allowed_ids=allowed)
+        assert got.token_id == 2, (name, allowed)
+    # sampled: probability descending, id ascending on ties: a draw near 0 picks the lowest id of the tie
+    got = scan(torch.from_numpy(logits), allowed_ids=[70, 20, 2], temperature=1.0, uniform=0.01)
+    assert got.token_id == 2
+
+
+@pytest.mark.parametrize("name", sorted(_every_scan()))
+@pytest.mark.parametrize("bad, problem", [(float("nan"), "NaN"), (float("inf"), r"\+inf")])
+def test_every_scan_refuses_a_nan_or_infinite_logit_naming_its_token(name, bad, problem):
+    """The OpenAI Triton kernel passed over a NaN as if masked and answered with full certainty; the others said
+    "no finite logit" of logits that were all finite but one."""
+    scan = _every_scan()[name]
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(5))
+    logits[77] = bad  # in a later part of the Triton kernel's 16-logit parts
+    message = rf"^scan: the logit of token 77 is {problem}: no distribution can be read from these logits$"
+    for kw in (dict(), dict(allowed_ids=[3, 77, 40]), dict(temperature=0.8, uniform=0.5)):
+        with pytest.raises(ValueError, match=message):
+            scan(logits, **kw)
+    assert scan(logits, allowed_ids=[3, 40]).token_id in (3, 40)  # the bad token not allowed: answered
+    with pytest.raises(ValueError, match="^scan: no finite logit among the allowed tokens$"):
+        scan(torch.full((100,), float("-inf")))
+
+
+def test_the_reference_refuses_allowed_ids_it_cannot_index_naming_them():
+    logits = np.zeros(10, dtype=np.float32)
+    for allowed, problem in (([-1], r"must lie in \[0, 10\)"), ([10], r"must lie in \[0, 10\)"), ([3, 3], "repeated"),
+                             ([], "non-empty")):
+        with pytest.raises(ValueError, match=f"^allowed_ids: .*{problem}"):
+            scan_numpy(logits, allowed_ids=allowed)

@@ -99,9 +99,10 @@ def test_other_dtypes_and_layouts_are_torchs_scan(scan):
 
 
 def test_bad_logits_get_the_general_scans_error(scan):
-    for bad in (torch.full((50,), float("-inf")), torch.tensor([0.0, float("nan"), 1.0]),
-                torch.tensor([0.0, float("inf"), 1.0])):
-        with pytest.raises(ValueError, match="no finite logit"):
+    for bad, problem in ((torch.full((50,), float("-inf")), "no finite logit"),
+                         (torch.tensor([0.0, float("nan"), 1.0]), "the logit of token 1 is NaN"),
+                         (torch.tensor([0.0, float("inf"), 1.0]), r"the logit of token 1 is \+inf")):
+        with pytest.raises(ValueError, match=problem):
             scan(bad)
     logits = torch.randn(50)
     _same(scan(logits), scan_numpy(logits), 1e-5)  # still usable

@@ -91,8 +91,8 @@ def test_torch_inputs_bfloat16_and_large_vocab():
 
 @pytest.mark.parametrize("logits, kw, field", [
     (np.array([-np.inf, -np.inf], dtype=np.float32), {}, "no finite logit"),
-    (np.array([np.nan, 1.0], dtype=np.float32), {}, "no finite logit"),
-    (np.array([np.inf, 1.0], dtype=np.float32), {}, "no finite logit"),
+    (np.array([np.nan, 1.0], dtype=np.float32), {}, "the logit of token 0 is NaN"),
+    (np.array([np.inf, 1.0], dtype=np.float32), {}, r"the logit of token 0 is \+inf"),
     (np.array([0.0, -np.inf], dtype=np.float32), {"allowed_ids": [1]}, "no finite logit"),
     (np.zeros(3, dtype=np.float32), {"temperature": 1.0}, "uniform draw"),
     (np.zeros(3, dtype=np.float32), {"temperature": -1.0, "uniform": 0.5}, "temperature"),

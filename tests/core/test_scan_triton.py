@@ -71,9 +71,9 @@ def test_ties_pick_the_first_maximum_across_parts():
     scan = TritonScan(DEVICE, block=16)
     got = scan(torch.from_numpy(logits).to(DEVICE))
     assert got.token_id == 20 and got.margin == 0.0
-    # with choices, the first in the allowed order wins, as in the reference
+    # with choices too, the lowest id wins, whatever the order they are listed in, as in the reference
     got = scan(torch.from_numpy(logits).to(DEVICE), allowed_ids=[95, 1, 70, 20])
-    assert got.token_id == 95 == scan_numpy(logits, allowed_ids=[95, 1, 70, 20]).token_id
+    assert got.token_id == 20 == scan_numpy(logits, allowed_ids=[95, 1, 70, 20]).token_id
 
 
 def test_rows_of_a_batch_are_scanned_independently_in_one_launch():
