@@ -101,7 +101,7 @@ class TrtllmBuildSettings:
             check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         check(self.max_input_len < self.max_seq_len, "max_input_len",
               f"{self.max_input_len} must be below --max-seq-len {self.max_seq_len} (room for the generated token)")
-        check(self.architecture in MODEL_CLASSES, "source",
+        check(self.architecture in MODEL_CLASSES, "engine_dir",
               f"architecture {self.architecture!r} is not one this builder converts ({', '.join(MODEL_CLASSES)})")
 
     def record(self, version: str) -> dict:
@@ -109,20 +109,37 @@ class TrtllmBuildSettings:
         return {**dataclasses.asdict(self), "tensorrt_llm_version": version}
 
 
-def read_source(source: Path) -> tuple[str, int]:
-    """The checkpoint's architecture and context length (the prepos manifest's, else the model config's)."""
+def _json_object(path: Path) -> dict:
+    """The JSON object in ``path``; raises TrtllmBuildError naming ``--engine-dir`` and the file otherwise."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise TrtllmBuildError(f"--engine-dir: cannot read {path} as JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise TrtllmBuildError(f"--engine-dir: {path} holds {type(value).__name__}, not a JSON object")
+    return value
+
+
+def read_source(source: Path, max_seq_len: int = 0) -> tuple[str, int]:
+    """The checkpoint's architecture and context length (the prepos manifest's, else the model config's; none
+    needed where ``max_seq_len`` is given)."""
     config_path = source / "config.json"
     if not config_path.is_file():
-        raise TrtllmBuildError(f"--source: {config_path} not found (a Hugging Face causal-LM directory is needed)")
-    config = json.loads(config_path.read_text())
+        raise TrtllmBuildError(f"--engine-dir: {config_path} not found (a Hugging Face causal-LM directory is "
+                               "needed)")
+    config = _json_object(config_path)
     architectures = config.get("architectures") or ["?"]
-    context = int(config.get("max_position_embeddings") or 0)
-    manifest = source / "prepos_engine.json"
-    if manifest.is_file():
-        context = int(json.loads(manifest.read_text()).get("max_context") or context)
-    if context < 2:
-        raise TrtllmBuildError(f"--source: {config_path} gives no context length; pass --max-seq-len")
-    return architectures[0], context
+    try:
+        context = int(config.get("max_position_embeddings") or 0)
+        manifest = source / "prepos_engine.json"
+        if manifest.is_file():
+            context = int(_json_object(manifest).get("max_context") or context)
+    except (TypeError, ValueError) as error:
+        raise TrtllmBuildError(f"--engine-dir: {source} gives a context length that is not a number ({error})") \
+            from None
+    if context < 2 and not max_seq_len:
+        raise TrtllmBuildError(f"--engine-dir: {config_path} gives no context length; pass --max-seq-len")
+    return str(architectures[0]), context
 
 
 def plan(settings: TrtllmBuildSettings, output: Path, python: str = sys.executable) -> list[Step]:
@@ -306,8 +323,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> TrtllmBuildSettings:
+    if args.max_seq_len < 0 or args.max_seq_len == 1:  # 0: the engine's context length
+        raise TrtllmBuildError(f"--max-seq-len: must be >= 2 (an input token and the generated one), got "
+                               f"{args.max_seq_len}")
     source = Path(args.engine_dir).expanduser().absolute()
-    architecture, context = read_source(source)
+    architecture, context = read_source(source, args.max_seq_len)
     max_seq_len = args.max_seq_len or context
     return TrtllmBuildSettings(
         source=str(source), architecture=architecture, dtype=args.dtype, tokens_per_block=args.tokens_per_block,
@@ -344,6 +364,8 @@ def main(argv: Sequence[str] | None = None, runner: Runner = run_step) -> int:
         model_dir = Path(args.model_repository).expanduser().absolute() / "prepos"
         config_path = model_dir / "config.pbtxt"
         values = config_values(output, model_dir)
+        if not args.no_config and not config_path.is_file():  # a dry run shows what the build would stop at too
+            raise TrtllmBuildError(f"--model-repository: {config_path} not found (--no-config builds only)")
         if args.dry_run:
             print(f"# TensorRT-LLM engine for {settings.source} -> {output / SUBDIR}")
             for i, step in enumerate(plan(settings, output), 1):
@@ -361,8 +383,6 @@ def main(argv: Sequence[str] | None = None, runner: Runner = run_step) -> int:
         if missing:
             raise TrtllmBuildError(f"this machine lacks {' and '.join(missing)}; the build runs in {CONTAINER} "
                                    "(--dry-run prints its commands)")
-        if not args.no_config and not config_path.is_file():
-            raise TrtllmBuildError(f"--model-repository: {config_path} not found")
         engine = build(settings, output, force=args.force, runner=runner)
         if not args.no_config:
             target = Path(args.config_out) if args.config_out else config_path

@@ -67,12 +67,51 @@ def test_bad_sizes_name_the_argument(tmp_path, argv, arg):
         _settings(tmp_path, argv=argv)
 
 
-def test_an_unsupported_architecture_or_a_missing_config_names_the_source(tmp_path):
+def test_an_unsupported_architecture_or_a_missing_config_names_the_engine_dir(tmp_path):
+    """The errors named --source, a flag this command does not have."""
     d = _checkpoint(tmp_path, architecture="GPT2LMHeadModel")
-    with pytest.raises(tb.TrtllmBuildError, match="^--source: architecture 'GPT2LMHeadModel'"):
+    with pytest.raises(tb.TrtllmBuildError, match="^--engine-dir: architecture 'GPT2LMHeadModel'"):
         tb.settings_from_args(tb._parser().parse_args(["--engine-dir", str(d)]))
-    with pytest.raises(tb.TrtllmBuildError, match="^--source: .*config.json not found"):
+    with pytest.raises(tb.TrtllmBuildError, match="^--engine-dir: .*config.json not found"):
         tb.read_source(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(("config", "problem"), [
+    ("{not json", r"^--engine-dir: cannot read .*config.json as JSON"),
+    ("[1, 2]", r"^--engine-dir: .*config.json holds list, not a JSON object$"),
+    ('{"architectures": ["LlamaForCausalLM"], "max_position_embeddings": "lots"}', "not a number"),
+])
+def test_a_config_that_is_not_a_models_is_refused_naming_the_engine_dir(tmp_path, capsys, config, problem):
+    """They were tracebacks (JSONDecodeError, AttributeError), exit 1."""
+    d = _checkpoint(tmp_path)
+    (d / "prepos_engine.json").unlink()
+    (d / "config.json").write_text(config)
+    with pytest.raises(tb.TrtllmBuildError, match=problem):
+        tb.read_source(d)
+    assert tb.main(["--engine-dir", str(d), "--no-config", "--dry-run"]) == 2
+    assert "prepos_build.trtllm_build: error: --engine-dir: " in capsys.readouterr().err
+
+
+def test_max_seq_len_stands_in_for_a_context_length_the_checkpoint_does_not_give(tmp_path, capsys):
+    """The error said "pass --max-seq-len", and passing it gave the same error; a bad one blamed --max-input-len."""
+    d = _checkpoint(tmp_path)
+    (d / "prepos_engine.json").unlink()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert tb.main(["--engine-dir", str(d), "--no-config", "--dry-run"]) == 2
+    assert "gives no context length; pass --max-seq-len" in capsys.readouterr().err
+    assert tb.main(["--engine-dir", str(d), "--no-config", "--dry-run", "--max-seq-len", "1024"]) == 0
+    assert "--max_seq_len 1024" in capsys.readouterr().out
+    for bad in ("-5", "1"):
+        assert tb.main(["--engine-dir", str(d), "--no-config", "--dry-run", "--max-seq-len", bad]) == 2
+        assert f"error: --max-seq-len: must be >= 2 (an input token and the generated one), got {bad}" in \
+            capsys.readouterr().err
+
+
+def test_a_dry_run_stops_where_the_build_would_at_a_repository_without_the_config(tmp_path, capsys):
+    d = _checkpoint(tmp_path)
+    assert tb.main(["--engine-dir", str(d), "--model-repository", str(tmp_path / "nowhere"), "--dry-run"]) == 2
+    assert f"--model-repository: {tmp_path / 'nowhere' / 'prepos' / 'config.pbtxt'} not found" in \
+        capsys.readouterr().err
 
 
 def _fake_runner(calls, fail_at=None):
