@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -179,8 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 times greedy scans; > 0 sampling (top_p 0.9)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.threads < 1 or args.temperature < 0:
-        p.error("--repeats and --threads must be >= 1, --temperature >= 0")
+    if args.repeats < 1 or args.threads < 1 or not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error("--repeats and --threads must be >= 1, --temperature a number >= 0")
+    if args.json:  # before the run, not after it
+        from prepos.launch_checks import unusable_folder
+
+        problem = f"{args.json} is a folder" if args.json.is_dir() else unusable_folder(args.json.parent)
+        if problem:
+            p.error(f"--json: {problem}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     results = run(args.repeats, args.threads, args.temperature)
     if args.json:

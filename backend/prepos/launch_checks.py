@@ -14,6 +14,7 @@ import signal
 import socket
 import ssl
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -33,6 +34,24 @@ def usable_dir(path: str | Path, flag: str) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{flag}: cannot write in {path}")
     return path
+
+
+def unusable_folder(path: Path) -> str | None:
+    """Why the folder ``path`` cannot be used (made where missing, written in), or None. Nothing is left changed:
+    a folder made and removed at once in its nearest existing ancestor tells (a permission, a read-only or a
+    pseudo file system), before anything is loaded or written."""
+    base = path
+    while not os.path.lexists(base) and base != base.parent:
+        base = base.parent
+    if not os.path.isdir(base):
+        return f"{path} exists and is not a folder" if base == path else \
+            f"cannot make {path}: {base} is not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".prepos-probe-", dir=base))
+    except OSError as error:
+        reason = error.strerror or error
+        return f"cannot write in {path} ({reason})" if base == path else f"cannot make {path} in {base} ({reason})"
+    return None
 
 
 def check_tls_pair(cert_file: str, key_file: str) -> None:

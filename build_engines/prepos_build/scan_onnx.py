@@ -328,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), action="append",
                    help="logits dtype to export (repeatable; default: all)")
     args = p.parse_args(argv)
-    if Path(args.output).exists() and not Path(args.output).is_dir():
-        p.error(f"--output: {args.output} exists and is not a folder")
+    from prepos.launch_checks import unusable_folder
+
+    problem = unusable_folder(Path(args.output))  # a file in the way, /proc, no permission: before any export
+    if problem:
+        p.error(f"--output: {problem}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     path = export(args.output, tuple(args.dtype) if args.dtype else tuple(DTYPES))
     sys.stdout.write(f"{path}\n")

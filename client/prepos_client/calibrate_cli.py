@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from prepos_loadtest.workloads import WORKLOADS
@@ -91,24 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULT_PLACEHOLDERS = {"placeholder": "(message)"}
 
 
-def unusable_folder(path: Path) -> str | None:
-    """Why the folder ``path`` cannot be used (made where missing, written in), or None. Nothing is left changed:
-    a folder made and removed at once in its nearest existing ancestor tells (a permission, a read-only or a
-    pseudo file system), before the model loads."""
-    base = path
-    while not os.path.lexists(base) and base != base.parent:
-        base = base.parent
-    if not os.path.isdir(base):
-        return f"{path} exists and is not a folder" if base == path else \
-            f"cannot make {path}: {base} is not a folder"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".prepos-probe-", dir=base))
-    except OSError as error:
-        reason = error.strerror or error
-        return f"cannot write in {path} ({reason})" if base == path else f"cannot make {path} in {base} ({reason})"
-    return None
-
-
 def load_sessions(args: argparse.Namespace) -> list:
     """The sessions to replay from --trace or --workload (raises ValueError naming the argument)."""
     from prepos_loadtest.workloads import TraceFormatError, build_workload, read_trace
@@ -163,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="prepos calibrate: %(message)s", level=logging.INFO)
     from prepos.calibration import EMPTY, ReplayInterrupted, read_records
     from prepos.calibration_report import SCORES, calibrate, recorded_variants, write_report
+    from prepos.launch_checks import unusable_folder
     from prepos.risk import METHODS
 
     if args.method not in METHODS:

@@ -96,7 +96,7 @@ def check_grpc_port(parser: argparse.ArgumentParser, grpc_port: int) -> None:
 def check_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:
     """Exit through ``parser.error`` naming ``--out`` when ``out`` cannot be used as a folder: it exists and is
     not one, or it cannot be made or written in (under a file, in /proc, no permission). Nothing is changed."""
-    from prepos_client.calibrate_cli import unusable_folder
+    from prepos.launch_checks import unusable_folder
 
     problem = unusable_folder(out)
     if problem:

@@ -90,6 +90,12 @@ def test_an_output_that_is_a_file_is_refused_naming_it(tmp_path, capsys):
         scan_onnx.main(["--output", str(taken)])
     assert exited.value.code == 2 and f"--output: {taken} exists and is not a folder" in capsys.readouterr().err
     assert taken.read_text() == "not a folder"
+    # one that cannot be made: under a file, or in /proc (a traceback)
+    for out, problem in ((taken / "onnx", f"cannot make {taken / 'onnx'}: {taken} is not a folder"),
+                         ("/proc/prepos-onnx", "cannot make /proc/prepos-onnx in /proc")):
+        with pytest.raises(SystemExit) as exited:
+            scan_onnx.main(["--output", str(out)])
+        assert exited.value.code == 2 and f"--output: {problem}" in capsys.readouterr().err
 
 
 def _run(session, logits, mask, temperature, top_k, top_p, u):

@@ -15,6 +15,7 @@ import engine_microbench
 import pool_bench
 import residency_bench
 import restart_trials
+import scan_bench
 import share_bench
 import server_death_trials
 import session_trials
@@ -100,6 +101,21 @@ def test_a_grpc_port_whose_next_ports_are_held_is_refused_naming_it_before_the_s
     assert exited.value.code == 2
     assert (f"--grpc-port {http_port - 1}: the server takes it and the next two ports, and {http_port} (HTTP) is in "
             "use by another process; give another --grpc-port") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "problem"), [
+    (["--temperature", "nan"], "--repeats and --threads must be >= 1, --temperature a number >= 0"),
+    (["--temperature", "inf"], "--temperature a number >= 0"),
+    (["--json", "/proc/prepos/scan.json"], "--json: cannot make /proc/prepos in /proc"),
+    (["--json", "/"], "--json: / is a folder"),
+])
+def test_scan_bench_refuses_a_bad_temperature_or_json_before_the_run(argv, problem, capsys, monkeypatch):
+    """--temperature nan ran; a --json it could not write failed with a traceback after the whole run."""
+    monkeypatch.setattr(scan_bench, "run", lambda *a: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as exited:
+        scan_bench.main(argv)
+    assert exited.value.code == 2
+    assert problem in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("module", "argv", "flag"), [
