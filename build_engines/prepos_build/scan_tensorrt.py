@@ -269,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-vocab", type=int, default=DEFAULT_MAX_VOCAB, help="largest vocabulary (%(default)s)")
     p.add_argument("--opt-vocab", type=int, default=DEFAULT_OPT_VOCAB, help="vocabulary tuned for (%(default)s)")
     args = p.parse_args(argv)
+    if args.max_vocab < 1:  # the check in build_engine would name the other size
+        p.error(f"--max-vocab: must be >= 1, got {args.max_vocab}")
+    if not 1 <= args.opt_vocab <= args.max_vocab:
+        p.error(f"--opt-vocab: must lie in [1, --max-vocab {args.max_vocab}], got {args.opt_vocab}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         path = build_engine(Path(args.output) / f"scan_plugin_{args.dtype}.engine", args.dtype,

@@ -65,9 +65,16 @@ def test_without_tensorrt_the_build_fails_with_a_clear_reason(tmp_path, capsys):
         scan_tensorrt.TensorRTScan(tmp_path / "scan.engine")
 
 
-def test_bad_vocab_bounds_are_refused_before_tensorrt_is_needed(tmp_path):
+def test_bad_vocab_bounds_are_refused_before_tensorrt_is_needed(tmp_path, capsys):
     with pytest.raises(ValueError, match="opt_vocab"):
         scan_tensorrt.build_engine(tmp_path / "x.engine", max_vocab=10, opt_vocab=11)
+    # on the command line, each flag named as given (--max-vocab 0 blamed opt_vocab)
+    for argv, problem in ((["--max-vocab", "0"], "--max-vocab: must be >= 1, got 0"),
+                          (["--max-vocab", "10", "--opt-vocab", "11"], "--opt-vocab: must lie in [1, --max-vocab 10]")):
+        with pytest.raises(SystemExit) as exited:
+            scan_tensorrt.main(["--output", str(tmp_path), *argv])
+        assert exited.value.code == 2
+        assert problem in capsys.readouterr().err
 
 
 @pytest.mark.gpu
