@@ -32,7 +32,7 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import check_engine_dir, check_grpc_port, variant_server  # noqa: E402
+from prepos_loadtest.repository import check_engine_dir, check_grpc_port, check_out_dir, variant_server  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 from prepos_loadtest.workloads import SessionTrace, Step, bfcl_sessions, monitor_sessions  # noqa: E402
 
@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
     parser.add_argument("--grpc-port", type=int, default=8101)
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)  # before any server starts or anything is written
     counts = ("sessions", "turns", "monitor_sessions", "gate_sessions", "floor_samples", "interference_samples")
     for name in counts:
         if getattr(args, name) < 1:

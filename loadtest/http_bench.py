@@ -40,7 +40,7 @@ for sub in ("backend", "client", "loadtest"):
 import tritonclient.grpc as grpcclient  # noqa: E402
 
 from prepos.launcher import ServerOptions, TritonServer, interrupt_on_sigterm  # noqa: E402
-from prepos_loadtest.repository import free_loopback_ports  # noqa: E402
+from prepos_loadtest.repository import check_out_dir, free_loopback_ports  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 
 log = logging.getLogger("prepos.http_bench")
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=50, help="requests per way before the next way's turn (%(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "http_bench")
     args = p.parse_args(argv)
+    check_out_dir(p, args.out)  # before any server starts or anything is written
     if args.requests < 1 or args.block < 1:
         p.error("--requests and --block must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)

@@ -32,7 +32,7 @@ for sub in ("backend", "client", "loadtest"):
     sys.path.insert(0, str(ROOT / sub))
 
 from prepos.launcher import ServerOptions, TritonServer, interrupt_on_sigterm  # noqa: E402
-from prepos_loadtest.repository import free_loopback_ports  # noqa: E402
+from prepos_loadtest.repository import check_out_dir, free_loopback_ports  # noqa: E402
 
 log = logging.getLogger("prepos.http_drop_stress")
 SETTLE_S = 3.0  # after a round: the dropped requests' answers run to their end (20 tokens)
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=16, help="requests dropped per round (%(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "http_drop_stress")
     args = p.parse_args(argv)
+    check_out_dir(p, args.out)  # before any server starts or anything is written
     if args.rounds < 1 or args.clients < 1:
         p.error("--rounds and --clients must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)

@@ -33,7 +33,7 @@ for sub in ("backend", "client", "loadtest"):
 import tritonclient.grpc as grpcclient  # noqa: E402
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client, PreposError, channel  # noqa: E402
-from prepos_loadtest.repository import machine, trial_server  # noqa: E402
+from prepos_loadtest.repository import check_out_dir, machine, trial_server  # noqa: E402
 from prepos_loadtest.stats import percentile  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outage-s", type=float, default=20.0, help="seconds the server stays down")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "restart_trials", help="run folders")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)  # before any server starts or anything is written
     if args.trials < 1 or args.sessions < 1 or not (math.isfinite(args.outage_s) and args.outage_s >= 0):
         parser.error("--trials and --sessions must be at least 1, --outage-s a number of seconds >= 0")
     if not (ENGINE_DIR / "prepos_engine.json").is_file():

@@ -28,7 +28,7 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client, PreposError  # noqa: E402
-from prepos_loadtest.repository import trial_server  # noqa: E402
+from prepos_loadtest.repository import check_out_dir, trial_server  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-s", type=float, default=20.0, help="seconds the stubs get to leave by themselves")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "server_death", help="run folders")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)  # before any server starts or anything is written
     if args.trials < 1 or args.sessions < 1 or not args.decode_s > 0 or not args.wait_s > 0:
         parser.error("--trials and --sessions must be at least 1, --decode-s and --wait-s > 0")
     if not (ENGINE_DIR / "prepos_engine.json").is_file():

@@ -37,7 +37,7 @@ for sub in ("backend", "client", "loadtest"):
 
 from prepos.launcher import TritonServer, interrupt_on_sigterm  # noqa: E402
 from prepos_client import Answer, Client, PreposError, PreposTimeout  # noqa: E402
-from prepos_loadtest.repository import trial_server  # noqa: E402
+from prepos_loadtest.repository import check_out_dir, trial_server  # noqa: E402
 from prepos_loadtest.twins import accepted_after_all, differing_answers  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                              "rebuild sessions (default: the server's own)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "session_trials", help="run folders")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)  # before any server starts or anything is written
     if min(args.trials, args.sessions, args.actions) < 1:
         parser.error("--trials, --sessions and --actions must be at least 1")
     if not args.kv_budget_mb >= 0:

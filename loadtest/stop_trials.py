@@ -24,7 +24,7 @@ for sub in ("backend", "client", "loadtest"):
 from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos.supervise import DRAIN_ENV  # noqa: E402
 from prepos_client import Client  # noqa: E402
-from prepos_loadtest.repository import machine, trial_server  # noqa: E402
+from prepos_loadtest.repository import check_out_dir, machine, trial_server  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
 
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-drain", action="store_true", help="also time stops without the drain")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "stop_trials", help="run folders")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)  # before any server starts or anything is written
     if args.trials < 1 or args.sessions < 1 or args.exit_timeout_s < 1:
         parser.error("--trials, --sessions and --exit-timeout-s must be at least 1")
     if not (ENGINE_DIR / "prepos_engine.json").is_file():

@@ -34,7 +34,7 @@ for sub in ("backend", "client", "loadtest"):
 from prepos.launcher import interrupt_on_sigterm  # noqa: E402
 from prepos_client import Client, PreposTimeout  # noqa: E402
 from prepos_client import deadlines  # noqa: E402
-from prepos_loadtest.repository import trial_server  # noqa: E402
+from prepos_loadtest.repository import check_out_dir, trial_server  # noqa: E402
 from prepos_loadtest.twins import accepted_after_all, differing_answers  # noqa: E402
 
 ENGINE_DIR = ROOT / "engines" / "smollm2-135m-instruct"
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                              "server gets more time than the client waits (default: the client's, "
                              f"{deadlines.SERVER_DEADLINE_MARGIN_S * 1e3:g} ms)")
     args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)  # before any server starts or anything is written
     if args.trials < 1 or args.sessions < 1 or args.actions < 1:
         parser.error("--trials, --sessions and --actions must be at least 1")
     if args.margin_ms is not None:

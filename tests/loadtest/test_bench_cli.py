@@ -12,6 +12,8 @@ import batch_bench
 import bench
 import chunking_bench
 import engine_microbench
+import http_bench
+import http_drop_stress
 import pool_bench
 import residency_bench
 import restart_trials
@@ -73,7 +75,10 @@ def test_an_out_that_is_a_file_is_refused_and_left_alone(main, capsys, tmp_path)
     assert taken.read_text() == "not a folder"
 
 
-@pytest.mark.parametrize("main", [residency_bench.main, share_bench.main, pool_bench.main, soak_main])
+@pytest.mark.parametrize("main", [residency_bench.main, share_bench.main, pool_bench.main, soak_main, bench.main,
+                                  batch_bench.main, http_bench.main, http_drop_stress.main, restart_trials.main,
+                                  server_death_trials.main, session_trials.main, stop_trials.main,
+                                  timeout_trials.main])
 def test_an_out_that_cannot_be_made_is_refused_naming_it_before_anything_starts(main, capsys, tmp_path):
     """A soak given --out /proc/x started its server, then failed with a traceback naming --run-dir."""
     taken = tmp_path / "taken"
