@@ -205,7 +205,11 @@ def _every_scan():
     try:
         from prepos.scan_triton import TritonScan
 
-        scans["triton"] = TritonScan("cpu", block=16)
+        if torch.cuda.is_available():  # the compiled kernel, the one that serves
+            on_cuda = TritonScan("cuda", block=16)
+            scans["triton"] = lambda logits, **kw: on_cuda(logits.to("cuda"), **kw)
+        else:  # the same kernel under Triton's interpreter
+            scans["triton"] = TritonScan("cpu", block=16)
     except (ImportError, RuntimeError):  # no Triton, or it runs compiled in this process
         pass
     return scans

@@ -76,6 +76,23 @@ def test_ties_pick_the_first_maximum_across_parts():
     assert got.token_id == 20 == scan_numpy(logits, allowed_ids=[95, 1, 70, 20]).token_id
 
 
+@pytest.mark.parametrize("bad, problem", [(float("nan"), "NaN"), (float("inf"), r"\+inf")])
+def test_a_nan_or_infinite_logit_is_refused_naming_its_token_and_spoils_only_its_row(bad, problem):
+    """The kernel passed over a NaN as if it were masked and answered with full certainty."""
+    scan = TritonScan(DEVICE, block=16)
+    logits = torch.from_numpy(np.random.default_rng(4).normal(0, 2, 100).astype(np.float32)).to(DEVICE)
+    logits[77] = bad  # in a later part than the maximum's, most likely
+    for kw in (dict(), dict(allowed_ids=[40, 77, 3])):
+        with pytest.raises(ValueError, match=rf"^scan: the logit of token 77 is {problem}: "):
+            scan(logits, **kw)
+    assert scan(logits, allowed_ids=[3, 40]).token_id == scan_numpy(logits.cpu().numpy(), allowed_ids=[3, 40]).token_id
+    batch = torch.stack([logits, logits.nan_to_num(posinf=0.0, nan=0.0)])
+    feats = scan.features(batch).cpu()
+    assert not math.isfinite(feats[0, 1]) or not math.isfinite(feats[0, 4])  # the host refuses this row
+    assert math.isfinite(feats[1, 1]) and math.isfinite(feats[1, 4])
+    assert int(feats[1, 0]) == scan_numpy(batch[1].cpu().numpy()).token_id
+
+
 def test_rows_of_a_batch_are_scanned_independently_in_one_launch():
     rng = np.random.default_rng(1)
     batch = rng.normal(0, 3, (5, 300)).astype(np.float32)
