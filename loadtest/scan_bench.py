@@ -185,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:  # before the run, not after it
         from prepos.launch_checks import unusable_folder
 
-        problem = f"{args.json} is a folder" if args.json.is_dir() else unusable_folder(args.json.parent)
+        if args.json.is_dir():
+            problem = f"{args.json} is a folder"
+        elif args.json.exists():  # written over: the file itself must be writable, whatever its folder allows
+            problem = None if os.access(args.json, os.W_OK) else f"cannot write {args.json}"
+        else:
+            problem = unusable_folder(args.json.parent)
         if problem:
             p.error(f"--json: {problem}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

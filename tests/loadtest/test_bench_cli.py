@@ -108,6 +108,20 @@ def test_a_grpc_port_whose_next_ports_are_held_is_refused_naming_it_before_the_s
             "use by another process; give another --grpc-port") in capsys.readouterr().err
 
 
+def test_scan_bench_takes_a_json_file_it_can_write_over(tmp_path, monkeypatch):
+    """An existing file is written over: its folder's own permissions are not asked."""
+    class Started(Exception):
+        pass
+
+    def run(*args):
+        raise Started
+
+    monkeypatch.setattr(scan_bench, "run", run)
+    (tmp_path / "scan.json").write_text("{}")
+    with pytest.raises(Started):
+        scan_bench.main(["--json", str(tmp_path / "scan.json")])
+
+
 @pytest.mark.parametrize(("argv", "problem"), [
     (["--temperature", "nan"], "--repeats and --threads must be >= 1, --temperature a number >= 0"),
     (["--temperature", "inf"], "--temperature a number >= 0"),
