@@ -368,7 +368,7 @@ def check_model_config(model_config: Mapping[str, Any], parameters: Mapping[str,
     try:
         meant = said is not None and float(said) == TRITON_DEFAULT_IDLE_US / 1e6
     except ValueError:
-        meant = False  # read_config names the bad value
+        return  # not a number: read_config names the bad value (blaming the idle default here misled)
     if idle_us is not None and int(idle_us) == TRITON_DEFAULT_IDLE_US and not meant:
         raise ConfigError("sequence_batching.max_sequence_idle_microseconds: 1 s, Triton's default where config.pbtxt "
                           "leaves it out: every session idle for a second would be ended; set it (600000000 for 10 "

@@ -129,6 +129,9 @@ def read_source(source: Path, max_seq_len: int = 0) -> tuple[str, int]:
                                "needed)")
     config = _json_object(config_path)
     architectures = config.get("architectures") or ["?"]
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise TrtllmBuildError(f"--engine-dir: {config_path}: architectures must be a list of class names, got "
+                               f"{json.dumps(architectures)}")
     try:
         context = int(config.get("max_position_embeddings") or 0)
         manifest = source / "prepos_engine.json"

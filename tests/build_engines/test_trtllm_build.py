@@ -79,6 +79,8 @@ def test_an_unsupported_architecture_or_a_missing_config_names_the_engine_dir(tm
 @pytest.mark.parametrize(("config", "problem"), [
     ("{not json", r"^--engine-dir: cannot read .*config.json as JSON"),
     ("[1, 2]", r"^--engine-dir: .*config.json holds list, not a JSON object$"),
+    ('{"architectures": 5}', r"architectures must be a list of class names, got 5$"),
+    ('{"architectures": "LlamaForCausalLM"}', r'architectures must be a list of class names, got "LlamaForCausalLM"$'),
     ('{"architectures": ["LlamaForCausalLM"], "max_position_embeddings": "lots"}', "not a number"),
 ])
 def test_a_config_that_is_not_a_models_is_refused_naming_the_engine_dir(tmp_path, capsys, config, problem):

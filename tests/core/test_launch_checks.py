@@ -209,3 +209,5 @@ def test_what_of_the_triton_configuration_the_model_refuses_at_load_is_refused_b
                                          r"Triton's default"):
         check_repositories([default_idle], {})
     check_repositories([default_idle], {"PREPOS_SCHEDULER_SESSION_IDLE_TIMEOUT_S": "1"})
+    with pytest.raises(ValueError, match=r"scheduler.session_idle_timeout_s: cannot read 'abc'"):  # the bad value
+        check_repositories([default_idle], {"PREPOS_SCHEDULER_SESSION_IDLE_TIMEOUT_S": "abc"})

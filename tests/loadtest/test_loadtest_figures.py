@@ -78,6 +78,8 @@ def test_gate_curve_coverage_and_precision_by_threshold():
     assert rows["decision points (answered from a positioned state / not)"] == "1 / 2"
     assert rows["threshold 0.5: coverage, precision vs full path"] == "1.00, 1.00 (1 covered)"
     assert rows["threshold 0.9: coverage, precision vs full path"] == "0.00, - (0 covered)"
+    rows = {row.quantity: row.value for row in gate_curve.summary_rows(gate_curve.curve([]), 0, 5)}
+    assert rows["threshold 0.5: coverage, precision vs full path"] == "-, - (0 covered)"
 
 
 def test_config_rejects_bad_values_naming_the_field():

@@ -128,11 +128,11 @@ def run(server: FigureServer, config: FiguresConfig, out: Path) -> FigureOutput:
 
 def summary_rows(curve_points: list[CurvePoint], num_points: int, skipped: int) -> tuple[SummaryRow, ...]:
     """The summary's rows: the decision points, and coverage and precision at three thresholds (a threshold
-    that covered none has no precision: "-", not nan)."""
+    that covered none has no precision, and with no decision point no coverage either: "-", not nan)."""
     rows = [SummaryRow("d", "decision points (answered from a positioned state / not)", f"{num_points} / {skipped}")]
     for threshold in (0.0, 0.5, 0.9):
         p = next(c for c in curve_points if c.threshold == threshold)
-        precision = "-" if math.isnan(p.precision) else f"{p.precision:.2f}"
+        coverage, precision = ("-" if math.isnan(v) else f"{v:.2f}" for v in (p.coverage, p.precision))
         rows.append(SummaryRow("d", f"threshold {threshold:g}: coverage, precision vs full path",
-                               f"{p.coverage:.2f}, {precision} ({p.num_covered} covered)"))
+                               f"{coverage}, {precision} ({p.num_covered} covered)"))
     return tuple(rows)
