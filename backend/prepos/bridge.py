@@ -103,8 +103,10 @@ RELAYED_ERROR_PATH = b"error"
 
 # How the merged response takes each output from the responses of one request (clients' reading of a stream):
 _CONCATENATED = ("text_output", "output_ids")
-_FROM_FIRST = ("path", "confidence", "queue_ms", "first_token_ms", "prefill_ms", "decode_ms", "scan_ms")
-_FROM_LAST = ("finish_reason", "compute_ms")
+_FROM_FIRST = ("path", "confidence", "queue_ms", "first_token_ms")
+# The engine time by phase is the request's so far on every response: the last one's is the whole request's,
+# beside its compute_ms (the first's held the first token's alone: decode_ms 0 for every merged answer).
+_FROM_LAST = ("finish_reason", "compute_ms", "prefill_ms", "decode_ms", "scan_ms")
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,8 @@ def absent_outputs(outputs: Mapping[str, np.ndarray]) -> list[str]:
 
 def merge_responses(responses: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """One response from a request's responses, in order: the text and token ids joined; path, confidence and the
-    first token's timings from the first response; finish reason and engine time from the last; outputs no
+    first token's timings from the first response; finish reason and engine time (in all and by phase) from
+    the last; outputs no
     response set left out (:func:`absent_outputs`). Responses with no outputs (a final flag alone) are skipped;
     none at all gives ``{}``."""
     responses = [r for r in responses if r]

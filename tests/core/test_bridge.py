@@ -110,25 +110,29 @@ def test_only_the_bridges_own_inputs_stay_behind():
     assert forwarded_inputs(names) == ["text_input", "max_tokens", "choices"]
 
 
-def _response(text: bytes, ids, path=b"prefix", confidence=0.5, finish=b"", compute=1.0, first=1.0) -> dict:
+def _response(text: bytes, ids, path=b"prefix", confidence=0.5, finish=b"", compute=1.0, first=1.0,
+              decode=0.0) -> dict:
     return {"text_output": _b(text), "output_ids": np.array(ids, np.int32), "path": _b(path),
             "confidence": np.array([confidence], np.float32), "finish_reason": _b(finish),
-            "compute_ms": np.array([compute], np.float32), "first_token_ms": np.array([first], np.float32)}
+            "compute_ms": np.array([compute], np.float32), "first_token_ms": np.array([first], np.float32),
+            "decode_ms": np.array([decode], np.float32)}
 
 
 def test_a_stream_merges_into_one_answer_as_a_client_reads_it():
     euro = "€".encode()  # three bytes, split over two responses
     responses = [_response(b"Price: " + euro[:1], [5, 6], first=3.0, compute=3.0),
                  {},  # a final flag alone
-                 _response(euro[1:], [7], path=b"", confidence=float("nan"), compute=5.0, first=float("nan")),
+                 _response(euro[1:], [7], path=b"", confidence=float("nan"), compute=5.0, first=float("nan"),
+                           decode=2.0),
                  _response(b"", [], path=b"", confidence=float("nan"), finish=b"stop", compute=6.0,
-                           first=float("nan"))]
+                           first=float("nan"), decode=2.5)]
     merged = merge_responses(responses)
     assert merged["text_output"].tolist() == ["Price: €".encode()]
     assert merged["output_ids"].tolist() == [5, 6, 7] and merged["output_ids"].dtype == np.int32
     assert merged["path"].tolist() == [b"prefix"] and float(merged["confidence"][0]) == 0.5
     assert float(merged["first_token_ms"][0]) == 3.0  # the first token's anatomy: from the first response
     assert merged["finish_reason"].tolist() == [b"stop"] and float(merged["compute_ms"][0]) == 6.0  # from the last
+    assert float(merged["decode_ms"][0]) == 2.5  # the whole request's, beside compute_ms (the first's was 0)
     assert merge_responses([{}, {}]) == {}
 
 

@@ -365,6 +365,9 @@ def test_http_generate_answers_one_turn_sessions_as_a_stateless_prefill_would(se
     want = reference_greedy(reference_model, conv.prompt("user", question), 12, conv.f["stop_token_ids"])
     assert _ids_of(answer) == want and answer["text_output"] == tokenizer.decode(want)
     assert answer["first_token_ms"] > 0 and answer["compute_ms"] >= answer["first_token_ms"] - answer["queue_ms"]
+    # the phases are the whole request's, beside its compute_ms (decode_ms was the first token's: 0)
+    assert len(want) > 1 and answer["decode_ms"] > 0 and answer["prefill_ms"] > 0
+    assert answer["prefill_ms"] + answer["decode_ms"] + answer["scan_ms"] <= answer["compute_ms"] * 1.01
     # A second one-turn request is a new session: the same question gets the same answer.
     assert _ids_of(_generate(server, {"text_input": question, "max_tokens": 12})[1][0]) == want
 
