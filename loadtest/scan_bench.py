@@ -20,6 +20,7 @@ kernel and the one sync; ``loadtest/gpu_bench.py`` times the kernel on the devic
 without choices unless ``--temperature`` is given.
 
     python loadtest/scan_bench.py --repeats 300 --json out/scan_bench.json
+    python loadtest/scan_bench.py --agreement 20     (sampled tokens against the reference's, by temperature)
 """
 
 from __future__ import annotations
@@ -151,6 +152,44 @@ def run(repeats: int, threads: int, temperature: float) -> dict:
     return results
 
 
+AGREEMENT_TEMPERATURES = (0.85, 5.0, 1000.0)
+AGREEMENT_VOCABS = (49_152, 128_256)
+
+
+def agreement(num_cases: int, threads: int, impls: dict | None = None) -> dict:
+    """How often each CPU implementation's sampled token differs from the reference's: ``num_cases`` draws per
+    temperature of :data:`AGREEMENT_TEMPERATURES` and vocabulary size (logits N(0, 2), a uniform draw, every
+    other one with ``top_p`` 0.9). The float32 running sums round where the reference's float64 do not, and at a
+    high temperature (a nearly flat distribution) that rounding is more than one token's probability."""
+    if impls is None:
+        impls = {name: scan for name, (device, scan) in _implementations(threads, 1.0).items()
+                 if device == "cpu" and name != "numpy" and "whole vocabulary" not in name}
+    rng = np.random.default_rng(1)
+    rows = {name: {t: 0 for t in AGREEMENT_TEMPERATURES} for name in impls}
+    for temperature in AGREEMENT_TEMPERATURES:
+        for vocab in AGREEMENT_VOCABS:
+            for case in range(num_cases):
+                logits = rng.normal(0, 2, vocab).astype(np.float32)
+                kwargs = {"temperature": temperature, "top_p": 0.9 if case % 2 else 1.0, "uniform": float(rng.random())}
+                want = scan_numpy(logits, **kwargs).token_id
+                for name, scan in impls.items():
+                    x = torch.from_numpy(logits) if name.startswith(("torch", "cpu-kernel")) else logits
+                    rows[name][temperature] += scan(x, **kwargs).token_id != want
+    return {"machine": _machine(threads), "cases": num_cases * len(AGREEMENT_VOCABS), "rows": rows}
+
+
+def agreement_table(result: dict) -> str:
+    """Markdown: per implementation, the draws whose token differs from the reference's, by temperature."""
+    lines = [f"Sampled tokens that differ from the reference's ({result['machine']}; of {result['cases']} draws "
+             f"per temperature over {', '.join(f'{v:,}' for v in AGREEMENT_VOCABS)} tokens, logits N(0, 2), half "
+             "with top_p 0.9)", "",
+             "| implementation | " + " | ".join(f"temperature {t:g}" for t in AGREEMENT_TEMPERATURES) + " |",
+             "|" + " --- |" * (len(AGREEMENT_TEMPERATURES) + 1)]
+    for name, row in result["rows"].items():
+        lines.append(f"| {name} | " + " | ".join(str(row[t]) for t in AGREEMENT_TEMPERATURES) + " |")
+    return "\n".join(lines)
+
+
 def _machine(threads: int) -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     used = f"{threads} thread{'s' if threads > 1 else ''} used"
@@ -179,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                    "ONNX Runtime row with as many); the served ONNX Runtime scan uses one (%(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 times greedy scans; > 0 sampling (top_p 0.9)")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--agreement", type=int, default=0, metavar="N",
+                   help="instead of timing: N sampled draws per temperature and vocabulary size, counting the "
+                   "tokens each CPU implementation draws differently from the reference")
     args = p.parse_args(argv)
+    if args.agreement < 0:
+        p.error(f"--agreement: must be >= 0, got {args.agreement}")
     if args.repeats < 1 or args.threads < 1 or not (math.isfinite(args.temperature) and args.temperature >= 0):
         p.error("--repeats and --threads must be >= 1, --temperature a number >= 0")
     if args.json:  # before the run, not after it
@@ -194,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             p.error(f"--json: {problem}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.agreement:
+        torch.set_num_threads(args.threads)
+        results = agreement(args.agreement, args.threads)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        sys.stdout.write(agreement_table(results) + "\n")
+        return 0
     results = run(args.repeats, args.threads, args.temperature)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -108,6 +108,21 @@ def test_a_grpc_port_whose_next_ports_are_held_is_refused_naming_it_before_the_s
             "use by another process; give another --grpc-port") in capsys.readouterr().err
 
 
+def test_scan_bench_agreement_counts_the_draws_that_differ_from_the_reference():
+    from prepos.scan import ScanResult, scan_numpy
+
+    def always_zero(logits, **kwargs):
+        return ScanResult(token_id=0, p_max=1.0, margin=1.0, entropy=0.0, num_allowed=len(logits))
+
+    result = scan_bench.agreement(2, 1, impls={"the reference": scan_numpy, "always token 0": always_zero})
+    assert result["cases"] == 2 * len(scan_bench.AGREEMENT_VOCABS)
+    assert result["rows"]["the reference"] == {t: 0 for t in scan_bench.AGREEMENT_TEMPERATURES}
+    assert result["rows"]["always token 0"] == {t: result["cases"] for t in scan_bench.AGREEMENT_TEMPERATURES}
+    table = scan_bench.agreement_table(result)
+    assert "| implementation | temperature 0.85 | temperature 5 | temperature 1000 |" in table
+    assert "| always token 0 | 4 | 4 | 4 |" in table
+
+
 def test_scan_bench_takes_a_json_file_it_can_write_over(tmp_path, monkeypatch):
     """An existing file is written over: its folder's own permissions are not asked."""
     class Started(Exception):
