@@ -10,8 +10,8 @@ and, when sampling, one uniform draw ``u`` in [0, 1), return a
   margin = top-1 minus top-2 probability, 0 when one token is allowed; entropy
   in nats);
 - ``token_id``: greedy (temperature 0) the allowed token with the largest
-  logit, lowest id on ties (whatever the order the allowed ids are listed in); sampling: the tempered distribution over the
-  allowed set, cut to the ``top_k`` most likely then to the smallest
+  logit, lowest id on ties (whatever the order the allowed ids are listed
+  in); sampling: the tempered distribution over the allowed set, cut to the ``top_k`` most likely then to the smallest
   most-likely prefix whose mass reaches ``top_p`` (order: probability
   descending, id ascending on ties), renormalised, inverted at ``u``.
 
@@ -79,7 +79,8 @@ def _unreadable(values: np.ndarray, ids: Sequence[int]) -> ValueError:
 def allowed_id_array(allowed_ids, vocab: int) -> np.ndarray:
     """``allowed_ids`` as a sorted int64 array (ties go to the lowest id, whatever the order given). Raises
     ValueError for an empty set, an id outside ``[0, vocab)`` or one listed twice."""
-    ids = np.asarray(allowed_ids.cpu() if isinstance(allowed_ids, torch.Tensor) else list(allowed_ids), dtype=np.int64)
+    ids = np.asarray(allowed_ids.cpu() if isinstance(allowed_ids, torch.Tensor) else list(allowed_ids),
+                     dtype=np.int64)
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError("allowed_ids: must be a non-empty list of token ids")
     if ids.min() < 0 or ids.max() >= vocab:

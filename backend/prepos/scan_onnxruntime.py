@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from prepos.scan import ScanResult, unreadable_logits
+from prepos.scan import ScanResult, allowed_id_array, unreadable_logits
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +79,8 @@ class OnnxRuntimeScan:
                 mask.setflags(write=False)
                 self._all_allowed[vocab] = mask
             return mask
-        ids = np.asarray(allowed_ids.cpu() if isinstance(allowed_ids, torch.Tensor) else allowed_ids, dtype=np.int64)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError("allowed_ids: must be a non-empty list of token ids")
-        if ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"allowed_ids: token ids must lie in [0, {vocab})")
         mask = np.zeros(vocab, dtype=bool)
-        mask[ids] = True
-        if int(np.count_nonzero(mask)) != ids.size:
-            raise ValueError("allowed_ids: repeated token ids")
+        mask[allowed_id_array(allowed_ids, vocab)] = True  # refuses what the reference refuses, in its words
         return mask
 
     def __call__(
