@@ -65,7 +65,9 @@ class Residency:
     def open(self, session_id: str | int, *, journaled: bool = True) -> Session:
         """A new session (START); its journal starts empty, replacing any left under the same id. Not
         ``journaled`` (a START+END request: the session ends with the request that opens it, and nothing could
-        resume it), it has none; a journal left under its id is deleted when it closes, as any is."""
+        resume it), it has none; a journal left under its id is deleted when it closes, as any is, if it took a
+        turn: one that took none (a bare START+END, as a client sends to give back the slot of a refused START,
+        or one refused) changed nothing, and leaves that journal as it was."""
         session = self.store.open(session_id, self._clock())
         session.journaled = journaled
         if self._journal is not None and journaled:
@@ -135,7 +137,8 @@ class Residency:
         self.release_kv(session)
         self._record_kept()
         self.store.close(session.session_id)
-        if self._journal is not None and not keep_journal:
+        took_nothing = not session.journaled and not session.token_log  # see open
+        if self._journal is not None and not keep_journal and not took_nothing:
             try:
                 self._journal.delete(session.session_id, only_if_unchanged=journal_if_unchanged)
             except OSError as err:
@@ -197,10 +200,10 @@ class Residency:
 
             if kept is None:
                 entry = JournalEntry(tuple(turn_ids), role, choices)
-                self._write_journal(lambda: self._journal.append(session.session_id, entry))
+                self._write_journal(session, lambda: self._journal.append(session.session_id, entry))
             else:
                 entries = [JournalEntry(tuple(turn), role, choices) for turn in [*kept, turn_ids] if turn]
-                self._write_journal(lambda: self._journal.replace(session.session_id, entries))
+                self._write_journal(session, lambda: self._journal.replace(session.session_id, entries))
         if kept is not None:
             dropped = len(session.turn_starts) - len(kept)
             session.replace_turns(kept)
@@ -209,11 +212,12 @@ class Residency:
         session.append(turn_ids)
         session.last_role, session.last_choices = role, choices
 
-    def _write_journal(self, write: Callable[[], None]) -> None:
+    def _write_journal(self, session: Session, write: Callable[[], None]) -> None:
         try:
             write()
         except OSError as err:
-            log.error("session journal write failed: %s", err)
+            log.error("session %r: its journal write failed, the turn was not accepted: %s (%s)", session.session_id,
+                      err.strerror or err, self._journal.path(session.session_id))
             raise ProtocolError("journal", f"could not write the session journal ({err.strerror or err}); "
                                 "the turn was not accepted", Status.UNAVAILABLE) from None
 

@@ -515,6 +515,33 @@ def test_a_session_opened_and_ended_by_one_request_writes_no_journal(tmp_path):
     assert ("replace", "kept") in journal.writes and ("append", "kept") in journal.writes
 
 
+def test_a_start_and_end_that_took_no_turn_leaves_a_journal_kept_under_its_id(tmp_path, caplog):
+    """A client gives back the slot of a refused START with START and END together and nothing else: that deleted
+    the journal a drain had kept under the id (the refused START had left it, as documented)."""
+    h = Harness(tmp_path, journal=CountingJournal(tmp_path / "journal", fsync=False))
+    journal = h.sched._residency._journal
+    open_session(h, sid="kept")
+    h.sched.store.close("kept")  # as if kept by a drain
+    before = journal.path("kept").read_bytes()
+    bare = h.serve(h.request("kept", None, start=True, end=True, max_tokens=0))
+    assert bare.error is None
+    assert journal.path("kept").read_bytes() == before
+    refused = h.serve(h.request("kept", "hello", start=True, end=True, role="wizard"))  # refused when served
+    assert refused.error is not None and journal.path("kept").read_bytes() == before
+    resumed = h.serve(h.request("kept", "again", start=True, resume=True, max_tokens=2))
+    assert resumed.error is None and resumed.path == "rebuild"  # the session is still there to resume
+    # a turn whose journal cannot be written: the log says which session and file
+    def full(session_id, entry):
+        raise OSError(28, "No space left on device")
+
+    journal.append = full
+    with caplog.at_level("ERROR", logger="prepos.residency"):
+        failed = h.serve(h.request("kept", "more", max_tokens=0))
+    assert failed.error is not None and failed.error.field == "journal"
+    assert (f"session 'kept': its journal write failed, the turn was not accepted: No space left on device "
+            f"({journal.path('kept')})") in caplog.text
+
+
 class BuggyJournal(SessionJournal):
     def recover(self, session_id):
         raise RuntimeError("unexpected")
