@@ -86,8 +86,8 @@ session's bridged request for 17-22 s. So there must be more of them than the br
 
 
 LOST_STUB_STOP_S = 15.0
-"""How long a server that lost a backend stub is given to drain and stop (a dead ``prepos`` stub never reports a
-drain) before it is killed."""
+"""How long a server that lost a backend stub is given to drain (a dead ``prepos`` stub never reports a drain); it
+then gets SIGTERM and :data:`STOP_GRACE_S` more before it is killed: 20 s in all."""
 STUB_CHECK_S = 1.0
 """How often the backend stubs are looked for."""
 
@@ -187,8 +187,9 @@ def server_stack_limit():
 
 def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_timeout_s: float,
                 timeout_s: float | None = None) -> bool:
-    """Stop a running tritonserver within ``timeout_s`` in all (default: ``exit_timeout_s`` and
-    :data:`STOP_GRACE_S` more). Returns whether it was drained.
+    """Stop a running tritonserver within ``timeout_s`` (default: ``exit_timeout_s`` and :data:`STOP_GRACE_S`
+    more), or, where the drain took ``timeout_s`` whole (at most the exit timeout), that and :data:`STOP_GRACE_S`
+    more. Returns whether it was drained.
 
     Triton counts every open session (a live sequence) as an in-flight request: with any session open it would
     wait its whole exit timeout, and while a client still holds a stream to it, Triton 2.51 then does not finish
@@ -343,6 +344,23 @@ def with_region_prefix(args: list[str]) -> tuple[list[str], str]:
     return [*args, backend_config_argument(prefix)], prefix
 
 
+def check_files(environ: Mapping[str, str]) -> None:
+    """Raise ValueError naming the variable when the drain file or the leaving file could not serve a stop: the
+    drain file relative (to the model's folder, which only the model knows) or in a folder this process cannot
+    write in, the leaving file in a folder that does not exist (the preStop hook's touch would fail, and the
+    health port would not fail first). Found only at the stop, they made it go without a drain, the whole exit
+    timeout and more. An empty drain file means no drain, as documented."""
+    drain = environ.get(DRAIN_ENV, "")
+    if drain and not Path(drain).is_absolute():
+        raise ValueError(f"{DRAIN_ENV}={drain!r}: this supervisor writes the drain file, so it must be an absolute "
+                         "path (a relative one is the model folder's, which only the model knows); empty: no drain")
+    for variable, path in ((DRAIN_ENV, drain), (LEAVING_FILE_ENV, environ.get(LEAVING_FILE_ENV, ""))):
+        folder = Path(path).parent
+        if path and Path(path).is_absolute() and not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+            raise ValueError(f"{variable}={path!r}: cannot write in {folder} (not a folder this process can write "
+                             "in)")
+
+
 def drain_file_from(environ: Mapping[str, str]) -> Path | None:
     """The drain file the model watches, when the environment names an absolute one (a relative one is relative
     to the model's folder, which only the model knows)."""
@@ -403,16 +421,21 @@ def _kill_group(pgid: int, timeout_s: float = 5.0) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: python -m prepos.supervise -- tritonserver [ARGS...]"
+    if args[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__.strip()}")
+        return 0
     if args[:1] == ["--"]:
         args = args[1:]
     if not args:
-        print("usage: python -m prepos.supervise -- tritonserver [ARGS...]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     args, prefix = with_region_prefix(with_keepalive_pings(with_bls_threads(args)))
     try:
+        check_files(os.environ)
         health = replica_health_from(os.environ, args)
     except ValueError as err:
         print(f"prepos.supervise: {err}", file=sys.stderr)
@@ -430,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepos.supervise: cannot run {args[0]}: {err.strerror or err}", file=sys.stderr)
         if health is not None:
             health.close()
-        return 127
+        return 127 if isinstance(err, FileNotFoundError) else 126  # as a shell: not found, or found and not run
     init = os.getpid() == 1
     stubs, lost, next_check = StubWatch(child.pid), [], time.monotonic() + STUB_CHECK_S
     while child.poll() is None and not stopping.wait(0.2):

@@ -188,3 +188,43 @@ def test_the_supervisor_refuses_a_bad_health_port_before_it_starts_the_server(tm
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and f"{HEALTH_PORT_ENV}='eighty'" in result.stderr, result.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("variable, value, problem", [
+    ("PREPOS_SCHEDULER_DRAIN_FILE", "prepos-drain", "must be an absolute path"),
+    ("PREPOS_SCHEDULER_DRAIN_FILE", "/nonexistent/dir/prepos-drain", "cannot write in /nonexistent/dir"),
+    (LEAVING_FILE_ENV, "/nonexistent/dir/leaving", "cannot write in /nonexistent/dir"),
+])
+def test_the_supervisor_refuses_a_drain_or_leaving_file_that_could_not_serve_a_stop_before_it_starts(
+        tmp_path, variable, value, problem):
+    """Found only at SIGTERM, a relative or unwritable drain file made the stop go without a drain: the exit
+    timeout and more (105 s with the chart's), and a leaving file in a missing folder kept the health port ready
+    through the preStop hook."""
+    marker = tmp_path / "started"
+    result = subprocess.run(
+        [sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), variable: value},
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"prepos.supervise: {variable}={value!r}: " in result.stderr and problem in result.stderr
+    assert not marker.exists()
+    # an empty drain file is no drain, as documented: the server runs
+    empty = subprocess.run(
+        [sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), "PREPOS_SCHEDULER_DRAIN_FILE": ""},
+        capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 0 and marker.exists(), empty.stderr
+
+
+def test_the_supervisors_help_and_a_server_it_cannot_run_are_told_as_a_shell_would(tmp_path):
+    """--help was run as the server (exit 127); a file that is not executable was 127, a shell's "not found"."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    shown = subprocess.run([sys.executable, "-m", "prepos.supervise", "--help"], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: python -m prepos.supervise -- tritonserver")
+    plain = tmp_path / "not-executable"
+    plain.write_text("echo hi\n")
+    for server, code in ((tmp_path / "missing", 127), (plain, 126), (tmp_path, 126)):
+        ran = subprocess.run([sys.executable, "-m", "prepos.supervise", "--", str(server)], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert ran.returncode == code and f"cannot run {server}: " in ran.stderr, (server, ran.stderr)
