@@ -237,8 +237,8 @@ def request_drain(drain_file: Path, timeout_s: float, alive: Callable[[], bool],
             log.info("drained in %.1f s: %d sessions ended", waited, report.num_ended)
             return report
         if waited > pickup_s and drain_file.exists():
-            log.warning("the model did not take up the drain file %s within %.0f s (not loaded yet?); stopping "
-                        "without a drain", drain_file, pickup_s)
+            log.warning("the model did not take up the drain file %s within %.0f s (not loaded yet, or its backend "
+                        "stub gone?); stopping without a drain", drain_file, pickup_s)
             break
         if waited > timeout_s:
             log.warning("the drain was not done within %.0f s (a request still running?); stopping without it",
