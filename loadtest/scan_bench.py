@@ -125,6 +125,19 @@ def time_scan(scan: Callable, pool: list, kwargs: dict, repeats: int) -> list[fl
     return times
 
 
+def _logits_for(name: str, device: str, logits: np.ndarray):
+    """``logits`` as the implementation ``name`` on ``device`` takes them: a tensor there for the torch-based
+    ones, the NumPy array for the others."""
+    if device == "cuda":
+        return torch.from_numpy(logits).cuda()
+    return torch.from_numpy(logits) if name.startswith(("torch", "cpu-kernel")) else logits
+
+
+def _write_json(path: Path, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def run(repeats: int, threads: int, temperature: float) -> dict:
     torch.set_num_threads(threads)
     bandwidth = read_bandwidth()
@@ -139,12 +152,7 @@ def run(repeats: int, threads: int, temperature: float) -> dict:
         bound_us = vocab * 4 / bandwidth * 1e6
         results["rows"].setdefault("bandwidth bound", {})[vocab] = {"median_us": bound_us, "p99_us": bound_us}
         for name, (device, scan) in impls.items():
-            if device == "cuda":
-                pool = [torch.from_numpy(x).cuda() for x in pool_np]
-            elif name.startswith(("torch", "cpu-kernel")):
-                pool = [torch.from_numpy(x) for x in pool_np]
-            else:
-                pool = pool_np
+            pool = [_logits_for(name, device, x) for x in pool_np]
             times = time_scan(scan, pool, kwargs, repeats)
             row = {"median_us": statistics.median(times) * 1e6, "p99_us": percentile(times, 99) * 1e6}
             results["rows"].setdefault(name, {})[vocab] = row
@@ -173,8 +181,7 @@ def agreement(num_cases: int, threads: int, impls: dict | None = None) -> dict:
                 kwargs = {"temperature": temperature, "top_p": 0.9 if case % 2 else 1.0, "uniform": float(rng.random())}
                 want = scan_numpy(logits, **kwargs).token_id
                 for name, scan in impls.items():
-                    x = torch.from_numpy(logits) if name.startswith(("torch", "cpu-kernel")) else logits
-                    rows[name][temperature] += scan(x, **kwargs).token_id != want
+                    rows[name][temperature] += scan(_logits_for(name, "cpu", logits), **kwargs).token_id != want
     return {"machine": _machine(threads), "cases": num_cases * len(AGREEMENT_VOCABS), "rows": rows}
 
 
@@ -242,13 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         results = agreement(args.agreement, args.threads)
         if args.json:
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            _write_json(args.json, results)
         sys.stdout.write(agreement_table(results) + "\n")
         return 0
     results = run(args.repeats, args.threads, args.temperature)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        _write_json(args.json, results)
     sys.stdout.write(table(results) + "\n")
     return 0
 

@@ -3,6 +3,7 @@ server or load a model."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -121,6 +122,16 @@ def test_scan_bench_agreement_counts_the_draws_that_differ_from_the_reference():
     table = scan_bench.agreement_table(result)
     assert "| implementation | temperature 0.85 | temperature 5 | temperature 1000 |" in table
     assert "| always token 0 | 4 | 4 | 4 |" in table
+
+
+def test_scan_bench_agreement_writes_its_json_into_a_folder_it_makes(tmp_path, monkeypatch, capsys):
+    """The check passes a --json whose folder is yet to be made; the agreement's results were written without
+    making it (FileNotFoundError after the whole run)."""
+    result = {"machine": "test", "cases": 2, "rows": {"x": {t: 0 for t in scan_bench.AGREEMENT_TEMPERATURES}}}
+    monkeypatch.setattr(scan_bench, "agreement", lambda *a: result)
+    target = tmp_path / "new" / "agreement.json"
+    assert scan_bench.main(["--agreement", "1", "--json", str(target)]) == 0
+    assert json.loads(target.read_text())["cases"] == 2 and "| x | 0 | 0 | 0 |" in capsys.readouterr().out
 
 
 def test_scan_bench_takes_a_json_file_it_can_write_over(tmp_path, monkeypatch):
