@@ -254,10 +254,9 @@ def absent_outputs(outputs: Mapping[str, np.ndarray]) -> list[str]:
 
 def merge_responses(responses: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """One response from a request's responses, in order: the text and token ids joined; path, confidence and the
-    first token's timings from the first response; finish reason and engine time (in all and by phase) from
-    the last; outputs no
-    response set left out (:func:`absent_outputs`). Responses with no outputs (a final flag alone) are skipped;
-    none at all gives ``{}``."""
+    first token's timings from the first response; finish reason and engine time (in all and by phase) from the
+    last; outputs no response set left out (:func:`absent_outputs`). Responses with no outputs (a final flag
+    alone) are skipped; none at all gives ``{}``."""
     responses = [r for r in responses if r]
     if not responses:
         return {}
