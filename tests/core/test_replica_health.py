@@ -10,6 +10,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -179,13 +180,20 @@ def test_a_port_in_use_is_refused_naming_it():
             replica_health_from({HEALTH_PORT_ENV: str(sock.getsockname()[1])}, [])
 
 
+def run_supervisor(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -m prepos.supervise ARGS`` with ``env`` beside a bare PATH and this test run's import path."""
+    return subprocess.run([sys.executable, "-m", "prepos.supervise", *args], capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), **env})
+
+
+def marking_server(marker: Path) -> tuple[str, ...]:
+    """A stand-in server that only creates ``marker``: whether the supervisor started it."""
+    return "--", sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"
+
+
 def test_the_supervisor_refuses_a_bad_health_port_before_it_starts_the_server(tmp_path):
     marker = tmp_path / "started"
-    result = subprocess.run(
-        [sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c",
-         f"open({str(marker)!r}, 'w').close()"],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), HEALTH_PORT_ENV: "eighty"},
-        capture_output=True, text=True, timeout=60)
+    result = run_supervisor(*marking_server(marker), **{HEALTH_PORT_ENV: "eighty"})
     assert result.returncode == 2 and f"{HEALTH_PORT_ENV}='eighty'" in result.stderr, result.stderr
     assert not marker.exists()
 
@@ -201,30 +209,21 @@ def test_the_supervisor_refuses_a_drain_or_leaving_file_that_could_not_serve_a_s
     timeout and more (105 s with the chart's), and a leaving file in a missing folder kept the health port ready
     through the preStop hook."""
     marker = tmp_path / "started"
-    result = subprocess.run(
-        [sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), variable: value},
-        capture_output=True, text=True, timeout=60)
+    result = run_supervisor(*marking_server(marker), **{variable: value})
     assert result.returncode == 2, result.stderr
     assert f"prepos.supervise: {variable}={value!r}: " in result.stderr and problem in result.stderr
     assert not marker.exists()
     # an empty drain file is no drain, as documented: the server runs
-    empty = subprocess.run(
-        [sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), "PREPOS_SCHEDULER_DRAIN_FILE": ""},
-        capture_output=True, text=True, timeout=60)
+    empty = run_supervisor(*marking_server(marker), PREPOS_SCHEDULER_DRAIN_FILE="")
     assert empty.returncode == 0 and marker.exists(), empty.stderr
 
 
 def test_the_supervisors_help_and_a_server_it_cannot_run_are_told_as_a_shell_would(tmp_path):
     """--help was run as the server (exit 127); a file that is not executable was 127, a shell's "not found"."""
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
-    shown = subprocess.run([sys.executable, "-m", "prepos.supervise", "--help"], env=env, capture_output=True,
-                           text=True, timeout=60)
+    shown = run_supervisor("--help")
     assert shown.returncode == 0 and shown.stdout.startswith("usage: python -m prepos.supervise -- tritonserver")
     plain = tmp_path / "not-executable"
     plain.write_text("echo hi\n")
     for server, code in ((tmp_path / "missing", 127), (plain, 126), (tmp_path, 126)):
-        ran = subprocess.run([sys.executable, "-m", "prepos.supervise", "--", str(server)], env=env,
-                             capture_output=True, text=True, timeout=60)
+        ran = run_supervisor("--", str(server))
         assert ran.returncode == code and f"cannot run {server}: " in ran.stderr, (server, ran.stderr)
