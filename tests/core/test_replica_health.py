@@ -10,8 +10,8 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from prepos.replica_health import HEALTH_PORT_ENV, LEAVING_FILE_ENV, ReplicaHealth, forget_leaving
