@@ -69,6 +69,16 @@ def test_a_missing_access_token_says_so_and_is_not_unreachable():
     assert error.field == "access token" and "--token" in str(error)
 
 
+def test_a_journal_refusal_is_a_refusal_by_a_reachable_server_not_an_unreachable_one():
+    # UNAVAILABLE in the text is the server's status for a turn it could not journal: the server answered, the
+    # turn was not accepted, and a RoutedClient must not take it for a replica gone and move the session
+    sent = ("[request id: 5] journal: could not write the session journal (No space left on device); "
+            "the turn was not accepted [UNAVAILABLE]")
+    error = from_triton(InferenceServerException(msg=sent))
+    assert type(error) is PreposError
+    assert (error.field, error.code, error.status) == ("journal", "UNAVAILABLE", None)
+
+
 @pytest.mark.parametrize("sent, message, code", [
     ("resume: session 'a' has no journal [NOT_FOUND]", "resume: session 'a' has no journal", "NOT_FOUND"),
     ("[request id: 2] START: past memory.max_sessions (8) [RESOURCE_EXHAUSTED]", "START: past memory.max_sessions (8)",
