@@ -482,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     code = child.returncode
     if not (lost or stopping.is_set()):
         log.log(logging.ERROR if code else logging.WARNING, "tritonserver %s", describe_exit(code))
+    elif code != -signal.SIGKILL:  # a SIGKILL here is stop_server's own, which it logged
+        log.log(logging.WARNING if code else logging.INFO, "tritonserver %s, once asked to stop", describe_exit(code))
     if lost:
         return 1  # not asked to stop: restart it
     if drained:

@@ -176,6 +176,24 @@ def test_a_server_that_exits_by_itself_has_its_status_passed_on(tmp_path):
     assert nothing.returncode == 2 and "usage" in nothing.stderr
 
 
+def test_how_a_server_asked_to_stop_ended_is_logged_and_passed_on(tmp_path):
+    # Triton 2.51 could crash on its way out: the log says how it ended, not only the exit status
+    server = ("import os, signal, sys, time; from pathlib import Path; "
+              "signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGSEGV)); "
+              "Path(sys.argv[1]).write_text('up'); time.sleep(60)")
+    supervisor = subprocess.Popen([sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", server,
+                                   str(tmp_path / "up"), f"--grpc-port={unused_port()}"], stderr=subprocess.PIPE,
+                                  text=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "up").exists():
+        assert time.monotonic() < deadline and supervisor.poll() is None
+        time.sleep(0.05)
+    supervisor.send_signal(signal.SIGTERM)
+    _, log = supervisor.communicate(timeout=30)
+    assert supervisor.returncode == 128 + signal.SIGSEGV, log
+    assert "tritonserver was killed by SIGSEGV (signal 11): it crashed" in log and "once asked to stop" in log, log
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--exit-timeout-secs=100"], 100.0),
     (["--exit-timeout-secs", "7", "--log-verbose=1"], 7.0),
