@@ -23,9 +23,12 @@ can be calibrated in pieces.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -138,10 +141,45 @@ class DecisionRecord:
 
     @classmethod
     def from_json(cls, line: str) -> "DecisionRecord":
+        """The record a line holds; ValueError (or KeyError, TypeError) for a line that holds none: a field
+        missing, unknown or of the wrong type, a count below 0, a probability outside [0, 1]."""
         data = json.loads(line)
+        if not isinstance(data, dict) or not isinstance(data.get("variants"), dict) or not data["variants"]:
+            raise ValueError("not a record")
         data["answer_ids"] = tuple(data["answer_ids"])
         data["variants"] = {k: SpeculativeFeatures(**v) for k, v in data["variants"].items()}
-        return cls(**data)
+        record = cls(**data)
+        _check_record(record)
+        return record
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_share(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0 + 1e-9
+
+
+def _check_record(record: DecisionRecord) -> None:
+    """Raise ValueError naming the first field of ``record`` of the wrong type or outside its range (a record
+    edited by hand, or not written by a replay): the report would fail on it with a traceback, or count it."""
+    checks = [("session", isinstance(record.session, str) and record.session != ""),
+              ("turn", _is_count(record.turn)), ("num_delta_tokens", _is_count(record.num_delta_tokens)),
+              ("num_choices", _is_count(record.num_choices)), ("full_token_id", _is_count(record.full_token_id)),
+              ("answer_ids", all(_is_count(token) for token in record.answer_ids)),
+              ("steps_digest", isinstance(record.steps_digest, str))]
+    for name, features in record.variants.items():
+        checks += [(f"variants.{name}.{field}", ok) for field, ok in (
+            ("token_id", _is_count(features.token_id)), ("num_allowed", _is_count(features.num_allowed)),
+            ("p_max", _is_share(features.p_max)), ("margin", _is_share(features.margin)),
+            ("certainty", _is_share(features.certainty)),
+            ("entropy", isinstance(features.entropy, (int, float)) and not isinstance(features.entropy, bool)
+             and math.isfinite(features.entropy) and features.entropy >= 0),
+            ("agreed", isinstance(features.agreed, bool)))]
+    for name, ok in checks:
+        if not ok:
+            raise ValueError(f"{name}: not a value a replay writes")
 
 
 @dataclass(frozen=True)
@@ -161,29 +199,64 @@ class ReplayInterrupted(KeyboardInterrupt):
         self.summary = summary
 
 
+def records_header(placeholders: dict[str, str]) -> dict:
+    """The header line's content of a records file written with ``placeholders``."""
+    return {"format": RECORDS_FORMAT, "placeholders": dict(placeholders)}
+
+
 def read_records(path: str | Path) -> tuple[dict, list[DecisionRecord]]:
     """The header and the records of a records file (empty when the file does not exist).
 
-    A truncated last line (an interrupted write) is ignored.
+    A truncated last line (an interrupted write: the start of a record, with no newline after it) is ignored. A
+    record found again under its key (session, turn), as it was, counts once (two runs on one file, before
+    :meth:`CalibrationReplay.run` locked it). Raises ValueError naming the line of anything else: a line that
+    is not a record (a field missing, of the wrong type or out of range), a record that differs from the one
+    before it under its key, or one whose speculative deltas are not the file's.
     """
     path = Path(path)
     if not path.is_file():
         return {}, []
-    header, records = {}, []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a calibration records file (not UTF-8 text)") from None
+    lines = text.split("\n")
+    header, records, by_key, num_repeated = {}, [], {}, 0
+    variants = None
     for number, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             if number == 0 and '"header"' in line:
                 header = json.loads(line)["header"]
-            else:
-                records.append(DecisionRecord.from_json(line))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            if number == len(lines) - 1:
+                if not isinstance(header, dict) or not isinstance(header.get("placeholders"), dict):
+                    raise ValueError("not a header")
+                variants = {EMPTY, *header["placeholders"]}
+                continue
+            record = DecisionRecord.from_json(line)
+        except (ValueError, KeyError, TypeError) as error:  # json.JSONDecodeError is a ValueError
+            if number == len(lines) - 1 and line.lstrip().startswith("{"):
                 log.warning("%s: ignoring a truncated last line", path)
                 continue
-            raise ValueError(f"{path}:{number + 1}: not a calibration record") from None
+            said = f" ({error})" if isinstance(error, ValueError) and not isinstance(error, json.JSONDecodeError) \
+                and str(error) != "not a record" else ""
+            raise ValueError(f"{path}:{number + 1}: not a calibration record{said}") from None
+        if variants is None:
+            variants = set(record.variants)
+        if set(record.variants) != variants:
+            raise ValueError(f"{path}:{number + 1}: the record holds the speculative deltas "
+                             f"{', '.join(sorted(record.variants))}, not the file's {', '.join(sorted(variants))}")
+        key = (record.session, record.turn)
+        if key in by_key:
+            if by_key[key] != record:
+                raise ValueError(f"{path}:{number + 1}: session {record.session!r} turn {record.turn} is recorded "
+                                 "again, differently (records of two traces, or of two engines, in one file)")
+            num_repeated += 1
+            continue
+        by_key[key] = record
+        records.append(record)
+    if num_repeated:
+        log.warning("%s: %d records repeated under their session and turn counted once", path, num_repeated)
     return header, records
 
 
@@ -219,6 +292,50 @@ def _check_recorded_from_the_same_steps(sessions: Sequence[SessionLike], done: d
                 raise ValueError(f"records: {records_path} holds session {session.name!r} turn {index} replayed "
                                  "from other steps (another trace, or another seed); use another --out (or "
                                  "--records), or the trace and seed it was recorded from")
+
+
+def check_resumable(records_path: str | Path, sessions: Sequence[SessionLike],
+                    placeholders: dict[str, str]) -> tuple[dict, dict]:
+    """The header of the records file and its records by (session, turn), once it is known that a replay of
+    ``sessions`` with ``placeholders`` can go on in it (what `prepos calibrate` checks before the model loads).
+    Raises ValueError when the file is not a records file (:func:`read_records`), was written with other
+    placeholders, or holds a decision point of one of ``sessions`` replayed from other steps."""
+    records_path = Path(records_path)
+    header, existing = read_records(records_path)
+    if header and header != records_header(placeholders):
+        raise ValueError(f"records: {records_path} was written with {header}, not {records_header(placeholders)}; "
+                         "use another file or the same placeholders")
+    done = {(r.session, r.turn): r for r in existing}
+    _check_recorded_from_the_same_steps(sessions, done, records_path)
+    return header, done
+
+
+def check_not_in_use(records_path: str | Path) -> None:
+    """Raise ValueError when a replay is writing to ``records_path`` now (what `prepos calibrate` checks before
+    the model loads; :meth:`CalibrationReplay.run` holds the lock itself)."""
+    try:
+        with Path(records_path).open("rb") as file:
+            fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except FileNotFoundError:
+        return
+    except BlockingIOError:
+        raise ValueError(_IN_USE.format(path=records_path)) from None
+
+
+_IN_USE = "records: another prepos calibrate run is writing to {path}; wait for it to end, or use another --out " \
+          "(or --records)"
+
+
+@contextlib.contextmanager
+def _locked_for_appending(path: Path):
+    """``path`` opened for appending, with an exclusive lock on it for as long as it is open: two runs appending
+    to one records file would each record the points the other does, and the report would count them twice."""
+    with path.open("a", encoding="utf-8") as out:
+        try:
+            fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(_IN_USE.format(path=path)) from None
+        yield out
 
 
 class _Progress:
@@ -276,37 +393,33 @@ class CalibrationReplay:
         self._max_context = engine.info.max_context
 
     def header(self) -> dict:
-        return {"format": RECORDS_FORMAT, "placeholders": self._placeholders}
+        return records_header(self._placeholders)
 
     def run(self, sessions: Iterable[SessionLike], records_path: str | Path, *,
             max_points: int | None = None, progress_stream=None) -> ReplaySummary:
         """Record every decision point of ``sessions`` not yet in ``records_path`` (at most ``max_points`` in all).
 
-        Raises ``ValueError`` when the file was written with other placeholders, and :class:`ReplayInterrupted`
-        on Ctrl-C (the records written so far stay; a rerun skips them).
+        Raises ``ValueError`` when the file was written with other placeholders or from other steps
+        (:func:`check_resumable`), or another run is writing to it, and :class:`ReplayInterrupted` on Ctrl-C (the
+        records written so far stay; a rerun skips them).
         """
         records_path = Path(records_path)
-        header, existing = read_records(records_path)
-        if header and header != self.header():
-            raise ValueError(f"records: {records_path} was written with {header}, not {self.header()}; "
-                             "use another file or the same placeholders")
-        done = {(r.session, r.turn): r for r in existing}
         sessions = list(sessions)
-        points = [(s.name, i) for s in sessions for i, step in enumerate(s.steps) if is_decision_point(step)]
-        _check_recorded_from_the_same_steps(sessions, done, records_path)
-        if max_points is not None:
-            points = points[:max_points]
-        wanted = set(points)
-        todo = [p for p in points if p not in done]
-        progress = _Progress(len(todo), progress_stream)
         records_path.parent.mkdir(parents=True, exist_ok=True)
-        _end_last_line(records_path)
-        start, num_new = time.monotonic(), 0
-        # Sessions that open with the same turn run one after another: the engine session keeps that prefix.
-        ordered = sorted(sessions, key=lambda s: (s.steps[0].role, s.steps[0].delta) if s.steps else ("", ""))
-        try:
-            with records_path.open("a", encoding="utf-8") as out:
-                if not header:
+        with _locked_for_appending(records_path) as out:
+            _, done = check_resumable(records_path, sessions, self._placeholders)
+            points = [(s.name, i) for s in sessions for i, step in enumerate(s.steps) if is_decision_point(step)]
+            if max_points is not None:
+                points = points[:max_points]
+            wanted = set(points)
+            todo = [p for p in points if p not in done]
+            progress = _Progress(len(todo), progress_stream)
+            _end_last_line(records_path)
+            start, num_new = time.monotonic(), 0
+            # Sessions that open with the same turn run one after another: the engine session keeps that prefix.
+            ordered = sorted(sessions, key=lambda s: (s.steps[0].role, s.steps[0].delta) if s.steps else ("", ""))
+            try:
+                if records_path.stat().st_size == 0:
                     out.write(json.dumps({"header": self.header()}, sort_keys=True) + "\n")
                 for session in ordered:
                     if not any((session.name, i) in wanted and (session.name, i) not in done
@@ -317,12 +430,12 @@ class CalibrationReplay:
                         out.flush()
                         num_new += 1
                         progress.step()
-        except KeyboardInterrupt:
-            raise ReplayInterrupted(ReplaySummary(num_new, len(wanted) - len(todo), time.monotonic() - start)) \
-                from None
-        finally:
-            self._engine.release(ENGINE_SESSION)
-            progress.close()
+            except KeyboardInterrupt:
+                raise ReplayInterrupted(ReplaySummary(num_new, len(wanted) - len(todo), time.monotonic() - start)) \
+                    from None
+            finally:
+                self._engine.release(ENGINE_SESSION)
+                progress.close()
         return ReplaySummary(num_new, len(wanted) - len(todo), time.monotonic() - start)
 
     def _replay_session(self, session: SessionLike, wanted: set, done: dict) -> Iterable[DecisionRecord]:

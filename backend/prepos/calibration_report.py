@@ -69,6 +69,7 @@ class EpsilonResult:
     delta: float
     candidates: tuple[CandidateResult, ...]
     chosen: CandidateResult | None
+    method: str = "bonferroni"  # how each candidate's grid of thresholds was tested (prepos.risk.METHODS)
 
 
 def split_sessions(records: Sequence[DecisionRecord], held_out_fraction: float, seed: str = "prepos") \
@@ -163,8 +164,17 @@ def calibrate(records: Sequence[DecisionRecord], *, epsilons: Sequence[float], d
                                                         [r.variants[variant].agreed for r in cal])))
         open_rows = [r for r in rows if not r.calibration.gate_off]
         chosen = max(open_rows, key=lambda r: r.calibration.coverage, default=None)
-        results.append(EpsilonResult(epsilon, delta, tuple(rows), chosen))
+        results.append(EpsilonResult(epsilon, delta, tuple(rows), chosen, method))
     return results
+
+
+def pbtxt_string(text: str) -> str:
+    """``text`` as the inside of a protobuf text-format string: a backslash, a quote and every control character
+    escaped (a newline left as it is would cut the fragment's line in two, which Triton refuses), the rest kept
+    as it is (protobuf reads UTF-8 there)."""
+    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    return "".join(escapes.get(char) or (f"\\{ord(char):03o}" if ord(char) < 0x20 or ord(char) == 0x7F else char)
+                   for char in text)
 
 
 def config_fragment(result: EpsilonResult, placeholders: dict[str, str]) -> str:
@@ -177,8 +187,7 @@ def config_fragment(result: EpsilonResult, placeholders: dict[str, str]) -> str:
     """
 
     def line(key: str, value: object) -> str:
-        text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-        return f'parameters {{ key: "{key}" value: {{ string_value: "{text}" }} }}'
+        return f'parameters {{ key: "{key}" value: {{ string_value: "{pbtxt_string(str(value))}" }} }}'
 
     head = f"# prepos calibrate: epsilon {result.epsilon:g}, confidence {1 - result.delta:g}"
     where = "# these lines replace the gate lines of config.pbtxt (parameters { ... } fields, after its list)"
@@ -233,7 +242,8 @@ def _write_png(path: Path, results: Sequence[EpsilonResult], title: str) -> None
     ax.set_ylabel("false-accept rate among answered")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
-    ax.set_title(title + "\nsolid: observed; dotted: upper bound (Bonferroni level); star: chosen", fontsize=9)
+    level = "fixed-sequence" if first.method == "fixed_sequence" else "Bonferroni"
+    ax.set_title(title + f"\nsolid: observed; dotted: upper bound ({level} level); star: chosen", fontsize=9)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -261,8 +271,9 @@ def _markdown(results: Sequence[EpsilonResult], records: Sequence[DecisionRecord
                       f"{c.threshold:.6g}: calibration coverage {c.coverage:.3f} ({c.num_accepted}/{c.num_points}), "
                       f"{c.num_errors} false accepts, certified bound {c.bound:.4f}.",
                       f"Held out: {h.num_accepted}/{h.num_points} answered (coverage {h.coverage:.3f}), "
-                      f"{h.num_errors} false accepts, observed rate {h.rate:.4f}, "
-                      f"{conf:.0%} interval [{h.interval[0]:.4f}, {h.interval[1]:.4f}].", ""]
+                      + (f"{h.num_errors} false accepts, observed rate {h.rate:.4f}, "
+                         f"{conf:.0%} interval [{h.interval[0]:.4f}, {h.interval[1]:.4f}]." if h.num_accepted else
+                         "no false-accept rate to observe (--held-out 0, or the threshold answered none)."), ""]
         lines += ["| score | delta | agreement (calibration part, no threshold) | AURC | threshold | coverage | "
                   "false accepts | bound | lowest bound on the grid (its coverage) | held-out coverage | "
                   "held-out rate [interval] |",
@@ -270,7 +281,8 @@ def _markdown(results: Sequence[EpsilonResult], records: Sequence[DecisionRecord
         for cand in res.candidates:
             c, h = cand.calibration, cand.held_out
             thr = "gate off" if c.gate_off else f"{c.threshold:.6g}"
-            held_rate = "-" if c.gate_off else f"{h.rate:.4f} [{h.interval[0]:.4f}, {h.interval[1]:.4f}]"
+            held_rate = "-" if c.gate_off or not h.num_accepted else \
+                f"{h.rate:.4f} [{h.interval[0]:.4f}, {h.interval[1]:.4f}]"
             low = min(c.curve, key=lambda p: (p.bound, -p.coverage))
             lines.append(f"| {cand.score} | {cand.variant} | {cand.agreement_rate:.3f} | {cand.aurc:.4f} | {thr} | "
                          f"{c.coverage:.3f} | "
@@ -278,8 +290,16 @@ def _markdown(results: Sequence[EpsilonResult], records: Sequence[DecisionRecord
                          f"{h.coverage:.3f} | {held_rate} |")
         lines.append("")
     num = len(results[0].candidates) if results else 0
-    lines += [f"Each of the {num} candidates is certified at delta / {num} with Bonferroni over a fixed grid of "
-              "thresholds (prepos.risk), so the chosen one's bound holds at the stated confidence. "
+    if results and results[0].method == "fixed_sequence":
+        how = (f"Each of the {num} candidates is tested at delta / {num}: its thresholds one by one from the highest "
+               "(fixed-sequence testing over a fixed grid, prepos.risk), each at that level, stopping at the first "
+               "not certified: its bound above epsilon, or no answer at or above it. A lower bound past that point "
+               "certifies nothing (the lowest bound on the grid can lie below epsilon where the gate is off), so "
+               "the chosen one's bound holds at the stated confidence. ")
+    else:
+        how = (f"Each of the {num} candidates is certified at delta / {num} with Bonferroni over a fixed grid of "
+               "thresholds (prepos.risk), so the chosen one's bound holds at the stated confidence. ")
+    lines += [how +
               "Agreement: the share of the calibration part's decision points, every one (no threshold), where the "
               "speculative first decision token equals the full path's. AURC: area under the observed "
               "risk–coverage curve on the calibration part, uncertified; it ranks scores and variants even where "
@@ -300,4 +320,9 @@ def write_report(out_dir: str | Path, records: Sequence[DecisionRecord], results
         fragment = out / f"gate_eps{res.epsilon:g}.pbtxt"
         fragment.write_text(config_fragment(res, placeholders), encoding="utf-8")
         paths.append(fragment)
+    for stale in sorted(set(out.glob("gate_eps*.pbtxt")) - set(paths)):
+        # an earlier report's, for an epsilon this one did not certify: it would sit beside this report, from
+        # other records or another method, as if it were one of its own
+        stale.unlink()
+        log.info("removed %s, an earlier report's fragment for an epsilon this report does not cover", stale)
     return paths

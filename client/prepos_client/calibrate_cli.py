@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sessions", type=int, default=None, help="sessions to build from --workload (default: "
                         "the workload's all for bigbench, 100 for others)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
-    parser.add_argument("--max-points", type=int, default=None, help="stop after this many decision points")
+    parser.add_argument("--max-points", type=int, default=None, help="record only the first N decision points "
+                        "of the trace, those already recorded among them included (a rerun with the same N records "
+                        "none); default all")
     parser.add_argument("--epsilon", type=_fraction, action="append", required=True,
                         help="false-accept rate to certify; repeat for several")
     parser.add_argument("--delta", type=_fraction, default=0.1, help="1 - confidence (default %(default)s)")
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(format="prepos calibrate: %(message)s", level=logging.INFO)
-    from prepos.calibration import EMPTY, ReplayInterrupted, read_records
+    from prepos.calibration import EMPTY, ReplayInterrupted, check_not_in_use, check_resumable, read_records
     from prepos.calibration_report import SCORES, calibrate, recorded_variants, write_report
     from prepos.launch_checks import unusable_folder
     from prepos.risk import METHODS
@@ -171,7 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     problem = args.records and not args.report_only and unusable_folder(args.records.parent)
     if problem:
         parser.error(f"--records: {problem}")
+    if args.no_placeholder and args.placeholder:
+        parser.error("--no-placeholder: records only the empty delta; it cannot go with --placeholder")
+    names = [name for name, _ in args.placeholder or ()]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        parser.error(f"--placeholder: {', '.join(map(repr, repeated))} given more than once")
     placeholders = {} if args.no_placeholder else dict(args.placeholder or DEFAULT_PLACEHOLDERS)
+    args.epsilon = list(dict.fromkeys(args.epsilon))  # 0.5 and 5e-1 are one epsilon: one section, one fragment
     recorded = (EMPTY, *placeholders)
     unknown = sorted(set(args.variant or ()) - set(recorded))
     if unknown and not args.report_only:
@@ -185,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.engine_dir = REPO_ROOT / DEFAULT_ENGINE_DIR  # the default is the checkout's, wherever run from
             if not args.engine_dir.is_dir():
                 raise ValueError(f"--engine-dir: {args.engine_dir} is not a directory (make engine builds the default)")
+            check_not_in_use(records_path)  # before the model loads (seconds)
+            check_resumable(records_path, sessions, placeholders)
             summary = replay(args, sessions, placeholders, records_path)
             log.info("recorded %d decision points (%d already there) in %.1f s", summary.num_recorded,
                      summary.num_skipped, summary.elapsed_s)

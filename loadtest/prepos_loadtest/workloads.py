@@ -315,7 +315,9 @@ def _parse_step(line: str, where: str) -> tuple[str, Step]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise TraceFormatError(f"{where}: not valid JSON: {error}") from None
+        # the decoder's own "line 2 column 1" counts the line breaks JSON allows inside a value, not the file's
+        raise TraceFormatError(f"{where}: not valid JSON: {error.msg} at character {error.pos + 1} of the line") \
+            from None
     if not isinstance(record, dict):
         raise TraceFormatError(f"{where}: expected a JSON object per line, got {type(record).__name__}")
     unknown = sorted(set(record) - set(TRACE_FIELDS))
@@ -334,7 +336,8 @@ def _parse_step(line: str, where: str) -> tuple[str, Step]:
     choices, expected = record.get("choices"), record.get("expected")
     check("session", isinstance(session, str) and session != "", "a non-empty string")
     check("delta", isinstance(delta, str), "a string")
-    check("max_tokens", isinstance(max_tokens, int) and not isinstance(max_tokens, bool), "an integer")
+    check("max_tokens", isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+          and -2**31 <= max_tokens < 2**31, "an integer (INT32, as the server's input)")
     if "delay_s" in record:
         check("delay_s", isinstance(delay_s, (int, float)) and not isinstance(delay_s, bool)
               and math.isfinite(delay_s) and delay_s >= 0, "a number of seconds >= 0")

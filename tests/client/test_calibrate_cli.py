@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 
@@ -135,6 +136,8 @@ def test_the_help_names_the_workloads_that_are_accepted(capsys):
     ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--variant", "dots"],
     ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--no-placeholder", "--variant", "placeholder"],
     ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--threads", "-1"],
+    ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--placeholder", "a=hi", "--no-placeholder"],
+    ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", "o", "--placeholder", "a=hi", "--placeholder", "a=ho"],
     ["--trace", "t.jsonl", "--epsilon", "0.1", "--out", __file__],
 ])
 def test_usage_errors_exit_2(argv, tmp_path, monkeypatch, capsys):
@@ -144,7 +147,7 @@ def test_usage_errors_exit_2(argv, tmp_path, monkeypatch, capsys):
     assert exit_info.value.code == 2
     assert not any(tmp_path.iterdir())  # refused before anything was replayed or written
     flag = next((arg for arg in reversed(argv) if arg.startswith("--")), None)
-    if flag in ("--score", "--variant", "--threads"):
+    if flag in ("--score", "--variant", "--threads", "--no-placeholder", "--placeholder"):
         assert flag in capsys.readouterr().err
 
 
@@ -259,3 +262,33 @@ def test_a_variant_not_in_the_records_and_records_that_are_a_directory_are_usage
             calibrate_cli.main(["--report-only", "--epsilon", "0.3", "--out", str(out), *argv])
         assert exit_info.value.code == calibrate_cli.EXIT_USAGE
         assert message in capsys.readouterr().err
+
+
+def test_records_that_cannot_go_on_are_named_before_the_model_loads_and_left_as_they_were(setup, capsys, monkeypatch):
+    """A --records file that was not a records file was taken for one with a truncated line, replayed into, and
+    then refused; records of other placeholders or other steps were told only once the model had loaded."""
+    tmp_path, engine_dir, trace = setup
+    argv = ["--trace", str(trace), "--engine-dir", str(engine_dir), "--epsilon", "0.1", "--out", str(tmp_path / "o")]
+    assert calibrate_cli.main([*argv, "--max-points", "3"]) == 0
+    afile = tmp_path / "afile"
+    afile.write_text("hi\n")
+    monkeypatch.setattr(prepos.core, "create_engine", lambda config, path: pytest.fail("the model was loaded"))
+    capsys.readouterr()
+    for extra, said in ((["--records", str(afile)], "afile:1: not a calibration record"),
+                        (["--placeholder", "dots=..."], "was written with"),):
+        assert calibrate_cli.main([*argv, *extra]) == calibrate_cli.EXIT_INVALID
+        assert said in capsys.readouterr().err
+    assert afile.read_text() == "hi\n"
+    with (tmp_path / "o" / "records.jsonl").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a run writing to it
+        assert calibrate_cli.main(argv) == calibrate_cli.EXIT_INVALID
+        assert "another prepos calibrate run is writing to" in capsys.readouterr().err
+
+
+def test_an_epsilon_given_twice_is_reported_once(setup, capsys):
+    tmp_path, engine_dir, trace = setup
+    argv = ["--trace", str(trace), "--engine-dir", str(engine_dir), "--epsilon", "0.5", "--epsilon", "5e-1",
+            "--epsilon", "0.3", "--out", str(tmp_path / "o")]
+    assert calibrate_cli.main(argv) == 0
+    assert capsys.readouterr().out.count("epsilon 0.5:") == 1
+    assert (tmp_path / "o" / "report.md").read_text().count("## epsilon 0.5,") == 1

@@ -308,3 +308,99 @@ def test_the_fragment_in_place_of_the_shipped_gate_lines_is_a_config_triton_read
         model.mkdir(parents=True)
         (model / "config.pbtxt").write_text(text)
         check_repositories([model.parent], {})
+
+
+def test_a_second_run_on_a_records_file_in_use_is_refused_and_repeated_records_count_once(parts, tmp_path):
+    """Two runs on one --out each recorded every point, and the report counted the points twice: a tighter
+    certificate than the data gives."""
+    import fcntl
+
+    path = tmp_path / "r.jsonl"
+    _, replay = make_replay(parts)
+    with path.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a run writing to it
+        with pytest.raises(ValueError, match="another prepos calibrate run is writing to"):
+            replay.run(SESSIONS, path)
+    assert path.read_text() == ""  # nothing written
+    replay.run(SESSIONS, path)
+    once = read_records(path)
+    header_line, *lines = path.read_text().splitlines(keepends=True)
+    path.write_text(header_line + "".join(lines) + "".join(lines))  # as two unlocked runs left it
+    assert read_records(path) == once
+    changed = json.loads(lines[0])
+    changed["full_token_id"] += 1
+    path.write_text(header_line + "".join(lines) + json.dumps(changed) + "\n")
+    with pytest.raises(ValueError, match=f"r.jsonl:{len(lines) + 2}: session 'a' turn 1 is recorded again"):
+        read_records(path)
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda r: r["variants"]["empty"].update(agreed="yes"), "variants.empty.agreed"),
+    (lambda r: r["variants"]["empty"].update(p_max="0.5"), "variants.empty.p_max"),
+    (lambda r: r["variants"]["empty"].update(p_max=2.0), "variants.empty.p_max"),
+    (lambda r: r.update(session=5), "session"),
+    (lambda r: r.update(turn=-1), "turn"),
+    (lambda r: r["variants"].pop("dots"), "speculative deltas"),
+])
+def test_a_record_edited_out_of_shape_is_refused_naming_its_line_and_field(parts, tmp_path, edit, named):
+    path = tmp_path / "r.jsonl"
+    make_replay(parts)[1].run(SESSIONS, path)
+    header_line, first, *rest = path.read_text().splitlines(keepends=True)
+    record = json.loads(first)
+    edit(record)
+    path.write_text(header_line + "".join(rest) + json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=rf"r.jsonl:{len(rest) + 2}: .*{re.escape(named)}"):
+        read_records(path)
+
+
+def test_a_file_that_is_not_a_records_file_is_refused_and_left_as_it_was(parts, tmp_path):
+    """Its one complete line was taken for a truncated record: the replay appended to the file, then failed."""
+    for text in ("hi\n", "hi", "no\nrecords\n"):
+        path = tmp_path / "afile"
+        path.write_text(text)
+        with pytest.raises(ValueError, match="afile:1: not a calibration record"):
+            make_replay(parts)[1].run(SESSIONS, path)
+        assert path.read_text() == text
+
+
+def test_a_placeholder_with_control_characters_gives_a_fragment_triton_reads_back_as_it_was():
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    placeholder = 'q=He said "ok" \\ é\nnext\t}\r\x01\x7f'
+    features = SpeculativeFeatures(1, 0.999, 0.999, 0.1, 0.999, 2, True)
+    records = [DecisionRecord(f"s{i}", 0, 5, 2, 1, (1,), {EMPTY: features, "q": features}) for i in range(600)]
+    result = calibrate(records, epsilons=[0.05], delta=0.1, variants=["q"])[0]
+    fragment = config_fragment(result, {"q": placeholder})
+    assert len(fragment.splitlines()) == 2 + 7  # two comment lines, one line per parameter
+    parameters = text_format.Parse(fragment, model_config_pb2.ModelConfig()).parameters
+    assert parameters["gate.speculative_delta"].string_value == placeholder
+
+
+def test_the_report_names_the_method_that_certified_and_says_so_of_a_held_out_part_that_answered_none(tmp_path):
+    records = [_record(f"s{i}", 0, 0.999, True) for i in range(300)]
+    # fixed_sequence stops at the grid's highest threshold, above every score: gate off, though lower thresholds
+    # have bounds below epsilon; the report said that it had used Bonferroni
+    results = calibrate(records, epsilons=[0.3], delta=0.1, method="fixed_sequence")
+    assert results[0].chosen is None
+    write_report(tmp_path / "fixed", records, results, title="t", placeholders={"dots": "..."}, held_out_fraction=0.5)
+    report = (tmp_path / "fixed" / "report.md").read_text()
+    assert "fixed-sequence testing" in report and "no answer at or above it" in report and "Bonferroni" not in report
+    results = calibrate(records, epsilons=[0.3], delta=0.1, held_out_fraction=0.0)
+    assert results[0].chosen is not None
+    write_report(tmp_path / "none", records, results, title="t", placeholders={"dots": "..."}, held_out_fraction=0.0)
+    report = (tmp_path / "none" / "report.md").read_text()
+    assert "with Bonferroni" in report
+    assert "Held out: 0/0 answered (coverage 0.000), no false-accept rate to observe" in report
+    assert "[0.0000, 1.0000]" not in report  # a rate and interval over no answer
+
+
+def test_a_report_removes_an_earlier_reports_fragments_for_epsilons_it_does_not_cover(tmp_path):
+    records = [_record(f"s{i}", 0, 0.999, True) for i in range(300)]
+    write_report(tmp_path, records, calibrate(records, epsilons=[0.1, 0.3], delta=0.1), title="t",
+                 placeholders={"dots": "..."}, held_out_fraction=0.5)
+    (tmp_path / "gate_notes.txt").write_text("mine")
+    write_report(tmp_path, records, calibrate(records, epsilons=[0.3], delta=0.1), title="t",
+                 placeholders={"dots": "..."}, held_out_fraction=0.5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gate_eps0.3.pbtxt", "gate_notes.txt", "report.md",
+                                                           "risk_coverage.csv", "risk_coverage.png"]

@@ -158,7 +158,10 @@ def test_read_trace_leaves_value_ranges_to_the_server(tmp_path):
     ('{"session": "", "delta": "x", "max_tokens": 1}', r":1: session: expected a non-empty string"),
     ('{"session": "s", "delta": "x", "max_token": 1}', r":1: max_token: unknown field"),
     ('["s", "x", 1]', r":1: expected a JSON object"),
-    ('{"session": "s", ', r":1: not valid JSON"),
+    ('{"session": "s", ', r":1: not valid JSON: Expecting property name enclosed in double quotes at character 19 "
+                          r"of the line$"),  # the line's end
+    ('{"session": "s"} {"delta": "x"}', r":1: not valid JSON: Extra data at character 18 of the line$"),
+    ('{"session": "s", "delta": "x", "max_tokens": 2147483648}', r":1: max_tokens: expected an integer \(INT32"),
 ])
 def test_read_trace_names_line_and_field_of_a_bad_step(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
