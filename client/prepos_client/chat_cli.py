@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 from .cli import (EXIT_INTERRUPTED, EXIT_OK, EXIT_SERVER_ERROR, add_connection_arguments, add_generation_arguments,
                   add_session_arguments, answer_status, check_session_arguments, connect, dim, generation_options,
-                  open_session, settle_for_message, settled_outcome, stream_answer, update_status)
+                  open_session, settle_for_message, stream_answer, told, update_status)
 from .errors import PreposError, PreposUnavailable
 from .session import Session
 
 CHAT_HELP = """commands:
   /append TEXT   append TEXT without asking for an answer
-  /role ROLE     role of the next delta (user, tool, system)
+  /role ROLE     role of the next delta (user, tool, system); dropped if that line is refused
   /quit          leave, closing the session unless --keep-open (also Ctrl-D, Ctrl-C)
   /help          this text"""
 
@@ -78,18 +78,18 @@ def run(args: argparse.Namespace) -> int:
             # Sessions open at their first request: say now, not after the first line typed (or never, on an
             # empty stdin), that the server cannot be reached or the model is not ready.
             client.ensure_ready()
-        with open_session(client, args, keep_open=args.keep_open) as session:
-            try:
+        try:
+            # Left on Ctrl-C, open_session cancels the answer under way and tries the END once, not waiting for
+            # the server within --timeout (--wait-for-ready), and a failure of that END is not the chat's exit
+            with open_session(client, args, keep_open=args.keep_open) as session:
                 if args.system is not None:
                     session.append(args.system, role="system")
                 if lines.interactive:
                     print(dim(f"session {session.session_id} on {args.url}; /help for commands"), file=sys.stderr)
                 _chat_loop(session, options, lines)
-            except KeyboardInterrupt:
-                sys.stdout.write("\n")
-                interrupted = True
-                if not args.keep_open:
-                    session.cancel()  # the answer under way: the closing END would wait for it to run to its end
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            interrupted = True
     if lines.interactive:
         return EXIT_OK  # Ctrl-C, Ctrl-D and /quit are how a chat at a terminal ends
     if interrupted:
@@ -119,8 +119,8 @@ def _chat_loop(session: Session, options: dict, lines: _Lines) -> None:
                 update = session.append(rest, role=role)
                 role = None
                 print(dim(update_status(update)), file=sys.stderr)
-            elif command.startswith("/"):
-                print(f"unknown command {command}; /help for commands", file=sys.stderr)
+            elif command.startswith("/"):  # a typo of a command: refused, not sent as text, and told in the exit
+                lines.refuse(f"line {lines.num_read}: unknown command {command!r}; /help for commands; not sent")
             elif line.strip():
                 answer = stream_answer(session.generate(line, role=role, **options))
                 role = None
@@ -132,6 +132,7 @@ def _chat_loop(session: Session, options: dict, lines: _Lines) -> None:
                 raise  # --continue of a session the server neither holds nor has a journal of: no line can go on
             settle_for_message(session, error)
             reset = ""
-            if error.field == "role" and role is not None:  # a role the model has no framing for: not kept
+            if role is not None:  # it went with the refused line (a role the model has no framing for, say): the
+                # next line was not written for it
                 role, reset = None, f" [/role {role} dropped: the next turns take the default role]"
-            lines.refuse(f"{error}{settled_outcome(error)}{reset}")
+            lines.refuse(f"{told(error)}{reset}")

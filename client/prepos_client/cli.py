@@ -33,6 +33,7 @@ from .errors import PreposError, PreposTimeout, PreposUnavailable
 from .protocol import Answer, Chunk, Update
 from .deadlines import check_timeout
 from .session import Session
+from .session_requests import UNKNOWN_OUTCOME
 
 logger = logging.getLogger("prepos")
 
@@ -152,7 +153,8 @@ def add_session_arguments(parser: argparse.ArgumentParser, *, required: bool = F
 
 
 def _comma_list(value: str) -> list[str]:
-    items = value.split(",")
+    # "yes, no" meant yes and no: " no", a token of its own, was all but never chosen
+    items = [item.strip() for item in value.split(",")]
     if not all(items):
         raise argparse.ArgumentTypeError(f"an empty entry in {value!r}: give entries separated by single commas")
     return items
@@ -162,7 +164,8 @@ def _comma_list(value: str) -> list[str]:
 # Defaults stay None so that the library's and the server's defaults apply.
 _GENERATION_FLAGS: dict[str, dict] = {
     "--max-tokens": dict(type=int, help="tokens to generate (default: the server's scheduler.default_max_tokens)"),
-    "--choices": dict(type=_comma_list, help="closed answer set, comma-separated: yes,no"),
+    "--choices": dict(type=_comma_list, help="closed answer set, comma-separated, spaces around entries dropped: "
+                      "yes,no"),
     "--temperature": dict(type=float, help="sampling temperature (greedy when unset)"),
     "--top-p": dict(type=float, help="nucleus sampling mass"),
     "--top-k": dict(type=int, help="sample from the k most likely tokens"),
@@ -342,7 +345,15 @@ def _add_close_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_close(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        update = client.session(args.session_id, resume=True).close()
+        try:
+            update = client.session(args.session_id, resume=True).close()
+        except PreposTimeout as error:
+            if error.field == "timeout":  # the server's own deadline error: it stopped the END, which closed nothing
+                raise error.reworded(f"session {args.session_id}: the server stopped the close at its deadline; "
+                                     "the session may still be open: run close again") from None
+            raise PreposTimeout(f"session {args.session_id}: the close was not answered within the time limit; the "
+                                "session may still be open: run close again", field=error.field,
+                                status=error.status, code=error.code) from None
         if update is None:  # the server holds neither the session nor a journal of it
             raise PreposError(f"session {args.session_id} is not open on the server (closed already, ended by its "
                               "idle timeout, or never opened), and no journal of it is left: nothing to close",
@@ -420,12 +431,28 @@ def settle_for_message(session: Session, error: BaseException) -> None:
             session.settle()
 
 
-def settled_outcome(error: PreposError) -> str:
-    """What to add to the message of a call that ran out of the client's time limit, once settled: what the
-    server did with it; "" for other errors."""
+def told(error: PreposError) -> str:
+    """A call's error as the command line tells it: for one that ran out of the client's time limit, what the
+    server did with it once settled, in place of the library's "not known yet (settle() finds out)"."""
+    text = str(error)
     if not isinstance(error, PreposTimeout) or error.field == "timeout":  # the server's own error says it
+        return text
+    outcome = _TIMEOUT_OUTCOMES.get(error.accepted)
+    if outcome is None:
+        return text.replace(UNKNOWN_OUTCOME, "; whether its turn was accepted is not known")
+    return text.replace(UNKNOWN_OUTCOME, "") + outcome
+
+
+def session_hint(error: PreposError, args: argparse.Namespace) -> str:
+    """What to do about a refusal of the session's opening, in the command's flags (the server's own advice names
+    the protocol's START and resume)."""
+    if error.status is not None or not hasattr(args, "resume"):
         return ""
-    return _TIMEOUT_OUTCOMES.get(error.accepted, "")
+    if error.code == "ALREADY_EXISTS" and not args.resume:
+        return " (to go on with that session, add --continue)"
+    if error.field == "resume" and error.code == "NOT_FOUND" and args.resume:
+        return " (without --continue, a new session opens under that id)"
+    return ""
 
 
 def unreachable_hint(error: PreposUnavailable, args: argparse.Namespace) -> str:
@@ -437,6 +464,9 @@ def unreachable_hint(error: PreposUnavailable, args: argparse.Namespace) -> str:
             getattr(args, "tls_ca", None) is not None else "the TLS handshake failed"
     if "ssl" in message or "tls" in message:
         return "a TLS problem (--tls, --tls-ca)?"
+    url = getattr(args, "url", "")
+    if url and ":443" in message and not url.rstrip("]").endswith(":443"):
+        return "--url names no port, so gRPC tried 443; the server's gRPC port is 8001 unless set otherwise"
     return "is `make serve` running?"
 
 
@@ -465,10 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepos: cannot reach prepos at {url}: {unreachable_hint(error, args)} ({error})", file=sys.stderr)
         return EXIT_UNREACHABLE
     except PreposTimeout as error:
-        print(f"prepos: error: {error}{settled_outcome(error)}", file=sys.stderr)
+        print(f"prepos: error: {told(error)}", file=sys.stderr)
         return EXIT_SERVER_ERROR
     except PreposError as error:
-        print(f"prepos: error: {error}", file=sys.stderr)
+        print(f"prepos: error: {error}{session_hint(error, args)}", file=sys.stderr)
         return EXIT_SERVER_ERROR
     except ValueError as error:
         print(f"prepos {args.command}: error: {error}", file=sys.stderr)

@@ -7,9 +7,14 @@ import math
 from .protocol import is_number
 
 
+MAX_TIMEOUT_S = 1e9
+"""A longer time limit (31 years) is none: it is taken as infinity. Past about 1e10 s gRPC's deadline overflowed
+the platform's time_t (a traceback), and past about 1.8e13 s the server's timeout input, in microseconds, its UINT64."""
+
+
 def check_timeout(timeout_s: float, name: str = "timeout_s") -> float:
-    """Return `timeout_s` if it is a time limit: seconds > 0, or infinity for none (`name`: the argument, for the
-    error).
+    """Return `timeout_s` if it is a time limit: seconds > 0, or infinity for none, which any limit past
+    :data:`MAX_TIMEOUT_S` is taken for (`name`: the argument, for the error).
 
     Raises:
         ValueError: zero, negative or NaN (a call would time out before its request was sent, or never compare).
@@ -19,7 +24,7 @@ def check_timeout(timeout_s: float, name: str = "timeout_s") -> float:
         raise TypeError(f"{name}: expected seconds as a number, got {type(timeout_s).__name__}")
     if not timeout_s > 0:  # NaN fails this too
         raise ValueError(f"{name}: expected seconds > 0 (inf for no limit), got {timeout_s!r}")
-    return float(timeout_s)
+    return math.inf if timeout_s > MAX_TIMEOUT_S else float(timeout_s)
 
 
 SERVER_DEADLINE_MARGIN = 0.1

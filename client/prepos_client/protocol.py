@@ -96,9 +96,9 @@ def build_inputs(
     if choices is not None:
         inputs.append(_bytes_input("choices", _str_list("choices", choices, allow_str=False)))
     if temperature is not None:
-        inputs.append(_scalar_input("temperature", np.float32(_number("temperature", temperature))))
+        inputs.append(_scalar_input("temperature", _fp32("temperature", temperature)))
     if top_p is not None:
-        inputs.append(_scalar_input("top_p", np.float32(_number("top_p", top_p))))
+        inputs.append(_scalar_input("top_p", _fp32("top_p", top_p)))
     if top_k is not None:
         inputs.append(_int32_input("top_k", [top_k]))
     if seed is not None:
@@ -108,7 +108,7 @@ def build_inputs(
     if speculate is not None:
         inputs.append(_scalar_input("speculate", np.bool_(_require_bool("speculate", speculate))))
     if gate_threshold is not None:
-        inputs.append(_scalar_input("gate_threshold", np.float32(_number("gate_threshold", gate_threshold))))
+        inputs.append(_scalar_input("gate_threshold", _fp32("gate_threshold", gate_threshold)))
     return inputs
 
 
@@ -128,6 +128,17 @@ def _number(name: str, value: object) -> float:
     if not is_number(value):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     return float(value)
+
+
+def _fp32(name: str, value: object) -> np.float32:
+    """``value`` as the FP32 its input carries; ValueError for a finite number past FP32's range (NumPy made it
+    infinity, with a RuntimeWarning, and the server's refusal then named a value the caller never gave)."""
+    number = _number(name, value)
+    with np.errstate(over="ignore"):
+        cast = np.float32(number)
+    if math.isfinite(number) and not np.isfinite(cast):
+        raise ValueError(f"{name}: {number!r} is past the range of FP32, the input's datatype")
+    return cast
 
 
 def _require_bool(name: str, value: object) -> bool:

@@ -28,6 +28,7 @@ from .stream import ResponseRouter
 logger = logging.getLogger(__name__)
 
 ENDED_ANYWAY = "the request carried END, so the session is closed"  # Triton ends the sequence whatever happens
+UNKNOWN_OUTCOME = "; whether its turn was accepted is not known yet (settle() finds out)"
 
 
 class SessionRequests:
@@ -162,7 +163,7 @@ class SessionRequests:
                     # to come; the next call waits for it, which also tells whether an opening opened the session.
                     self.unsettled.append(inflight)
                     self.unsettled.sort(key=lambda unsettled: unsettled.sent_at)  # settled in the order sent
-                    outcome = "; whether its turn was accepted is not known yet (settle() finds out)"
+                    outcome = UNKNOWN_OUTCOME
                 else:
                     # Triton ends the sequence at an END request whatever becomes of the request: the session is
                     # over on the server once the END reaches it (not cancelled: left to finish), and a later
@@ -208,13 +209,13 @@ class SessionRequests:
         if kind != REOPEN:
             self._stop_stream()
             self.opening.send_again(inflight.opens_session)
+        if inflight is self.ending:  # answered (refused): sent again in its place, or its refusal raised
+            self.ending = None  # before the wait: a Ctrl-C there left close() waiting for its answer to the limit
         if kind == WHEN_READY and not self._wait_until_ready(inflight.deadline, inflight.waits, server_away(error)):
             return None
         left_s = inflight.deadline - time.perf_counter()
         if left_s <= 0:
             return None
-        if inflight is self.ending:  # sent again in its place
-            self.ending = None
         try:
             again = self.send(inflight.inputs, end=inflight.closes_session, timeout_s=left_s,
                                deadline=inflight.deadline)

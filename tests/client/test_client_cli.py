@@ -72,7 +72,7 @@ def test_url_defaults_to_the_environment(monkeypatch):
     "argv",
     [["append", "x"], ["ask"], ["ask", "x", "--max-tokens", "many"], ["ask", "x", "--bogus"], ["bogus"], ["close"],
      ["ask", "x", "--timeout", "0"], ["ask", "x", "--timeout", "-1"], ["ask", "x", "--timeout", "nan"],
-     ["ask", "x", "--choices", "a,,b"], ["ask", "x", "--choices", "a,"]],
+     ["ask", "x", "--choices", "a,,b"], ["ask", "x", "--choices", "a,"], ["ask", "x", "--choices", "a, ,b"]],
 )
 def test_usage_errors_exit_2(argv):
     with pytest.raises(SystemExit) as raised:
@@ -85,6 +85,10 @@ def test_a_bad_timeout_is_named_and_infinity_means_no_limit(capsys):
         cli.main(["ask", "x", "--timeout", "-1"])
     assert "argument --timeout: expected seconds > 0 (inf for no limit), got '-1'" in capsys.readouterr().err
     assert parse(["ask", "x", "--timeout", "inf"]).timeout_s == float("inf")
+    # longer limits are none: 9.3e9 s overflowed gRPC's deadline (a traceback), 1e15 s the server's input
+    for value in ("9.3e9", "1e15", "1e300"):
+        assert parse(["ask", "x", "--timeout", value]).timeout_s == float("inf")
+    assert parse(["ask", "x", "--timeout", "1e9"]).timeout_s == 1e9
 
 
 def test_no_command_exits_2(capsys):
@@ -358,6 +362,15 @@ def test_close_command_sends_end_to_an_existing_session(fake_triton, capsys):
     assert closed["finish_reason"] == "closed" and closed["session_id"] == "s1"
 
 
+def test_a_close_that_ran_out_of_time_says_the_session_may_still_be_open(fake_triton, capsys):
+    fake_triton.responder = lambda request: []  # no answer within the time limit
+    assert cli.main(["close", "--session-id", "s1", "--timeout", "0.2"]) == cli.EXIT_SERVER_ERROR
+    err = capsys.readouterr().err
+    assert "session s1: the close was not answered within the time limit; the session may still be open: run " \
+        "close again" in err
+    assert "turn" not in err  # a close has none
+
+
 def test_chat_continuing_a_session_the_server_has_no_journal_of_says_so_once_and_stops(fake_triton, stdin, capsys):
     fake_triton.responder = lambda request: [InferenceServerException(msg=NO_JOURNAL + " [NOT_FOUND]")]
     stdin("hello\nagain\n")
@@ -380,7 +393,10 @@ def test_closing_a_session_that_is_not_open_says_there_is_nothing_to_close(fake_
 
 def test_chat_loop(fake_triton, stdin, capsys):
     stdin("hello\n/role tool\n/append result=3\n\nnext\n/nope\n/quit\nnever sent\n")
-    assert cli.main(["chat", "--system", "be brief", "--session-id", "c1", "--max-tokens", "5"]) == cli.EXIT_OK
+    # the unknown command is a refused line: not sent, and a piped chat exits 1 at its end (it exited 0, so a
+    # script could not tell that a mistyped /append's text was never sent)
+    assert cli.main(["chat", "--system", "be brief", "--session-id", "c1", "--max-tokens", "5"]) == \
+        cli.EXIT_SERVER_ERROR
     requests = fake_triton[-1].requests
     sent = [
         (
@@ -403,7 +419,7 @@ def test_chat_loop(fake_triton, stdin, capsys):
     assert "[path=prefix confidence=0.50 ttft=" in captured.err
     assert "server_first_token=-]" in captured.err
     assert "[path=append total=" in captured.err
-    assert "unknown command /nope" in captured.err
+    assert "error: line 6: unknown command '/nope'; /help for commands; not sent" in captured.err
 
 
 def refusing(name: str, value: bytes, message: str):
@@ -442,6 +458,16 @@ def test_chat_drops_a_role_the_server_refused(fake_triton, stdin, capsys):
     assert captured.out.endswith("again\n")
 
 
+def test_chat_drops_a_role_whose_line_was_refused_for_any_reason(fake_triton, stdin, capsys):
+    """The role went on to the next line, written for the default role, without a word."""
+    fake_triton.responder = refusing("text_input", b"too long", "text_input: too long")
+    stdin("/role tool\ntoo long\nWhat is 2+2?\n")
+    assert cli.main(["chat"]) == cli.EXIT_SERVER_ERROR
+    assert "/role tool dropped" in capsys.readouterr().err
+    last = fake_triton[-1].requests[-2]  # before the closing END
+    assert last.inputs["text_input"][0] == b"What is 2+2?" and "role" not in last.inputs
+
+
 def test_chat_says_what_became_of_a_question_that_ran_out_of_time_and_goes_on(fake_triton, stdin, capsys):
     rules = fake_triton.responder = SessionRules()
     threading.Timer(0.4, lambda: rules.finish_held(fake_triton[-1], accepted=False)).start()
@@ -450,6 +476,7 @@ def test_chat_says_what_became_of_a_question_that_ran_out_of_time_and_goes_on(fa
     captured = capsys.readouterr()
     assert "no complete response to request 1 within 0.2 s" in captured.err
     assert "[settled: the server stopped it; its turn was not accepted]" in captured.err
+    assert "not known" not in captured.err and "settle()" not in captured.err  # it said both, and a Python call
     assert captured.out.endswith("good\n") and rules.accepted[0] == "good"
 
 
@@ -631,3 +658,29 @@ def test_a_module_command_that_is_not_installed_exits_2(monkeypatch, capsys):
 
 def test_serve_and_build_are_registered():
     assert cli.COMMANDS["serve"].forwards_argv and cli.COMMANDS["build"].forwards_argv
+
+
+def test_an_opening_refused_says_which_flag_would_do(fake_triton, capsys):
+    """The server's advice names START and resume, which a shell user does not send."""
+    fake_triton.responder = lambda request: [InferenceServerException(
+        msg="START: session 's' is already open [ALREADY_EXISTS]")]
+    assert cli.main(["ask", "hi", "--session-id", "s"]) == cli.EXIT_SERVER_ERROR
+    assert "(to go on with that session, add --continue)" in capsys.readouterr().err
+    fake_triton.responder = lambda request: [InferenceServerException(msg=NO_JOURNAL + " [NOT_FOUND]")]
+    assert cli.main(["ask", "hi", "--session-id", "s", "--continue"]) == cli.EXIT_SERVER_ERROR
+    assert "(without --continue, a new session opens under that id)" in capsys.readouterr().err
+
+
+def test_an_address_without_a_port_is_said_to_have_been_dialled_on_443():
+    from prepos_client import PreposUnavailable
+
+    error = PreposUnavailable("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:443: "
+                              "Failed to connect to remote host: Connection refused")
+    assert "--url names no port, so gRPC tried 443" in cli.unreachable_hint(error, parse(["ask", "x", "--url",
+                                                                                          "127.0.0.1"]))
+    assert cli.unreachable_hint(error, parse(["ask", "x", "--url", "127.0.0.1:443"])) == "is `make serve` running?"
+
+
+def test_spaces_around_choices_are_dropped():
+    # "yes, no" sent " no", a token of its own that was all but never chosen
+    assert parse(["ask", "x", "--choices", "yes, no ,maybe so"]).choices == ["yes", "no", "maybe so"]

@@ -293,3 +293,14 @@ def test_text_that_is_no_utf8_is_refused_naming_its_input(given):
     # What a command line or pipe holds when its bytes were not UTF-8 (read with surrogateescape).
     with pytest.raises(ValueError, match=r"not valid UTF-8 text \(surrogates not allowed: '\\udc"):
         build_inputs(**given)
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "gate_threshold"])
+def test_a_number_past_fp32s_range_is_refused_naming_its_input_not_sent_as_infinity(name):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # NumPy's overflow warning was printed, and the server told of "inf"
+        with pytest.raises(ValueError, match=rf"^{name}: 1e\+39 is past the range of FP32"):
+            build_inputs("hi", **{name: 1e39})
+        assert by_name(build_inputs("hi", **{name: float("inf")}))[name].datatype() == "FP32"  # the server's to refuse

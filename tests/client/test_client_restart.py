@@ -192,3 +192,26 @@ def test_a_model_name_the_server_does_not_serve_is_refused_at_once(fake_triton, 
     with pytest.raises(PreposError, match="is not found"):
         session.ask("hello")
     assert fake_triton[0].num_ready_checks == 0
+
+
+def test_a_ctrl_c_while_a_request_carrying_end_waits_for_the_server_leaves_close_nothing_to_wait_for(
+        fake_triton, server, monkeypatch):
+    """The refused request was still taken for one in flight: close() waited for its answer, which could not come,
+    to the end of the time limit (10 s after a Ctrl-C in `prepos ask --wait-for-ready`)."""
+    import prepos_client.session_requests as session_requests
+
+    server.stop("down", "up")
+    session = open_session(fake_triton, server, session_id="s", timeout_s=10.0)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session_requests, "wait_until_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.ask("hello", end=True)
+    session.wait_for_ready = False  # as the command line leaves: the END is tried once
+    began = time.monotonic()
+    with pytest.raises(PreposUnavailable):  # the END, tried once, finds the server still down
+        session.close()
+    assert time.monotonic() - began < 2 and session.closed
+    assert server.rules.accepted == []  # nothing was taken
