@@ -343,6 +343,55 @@ def test_the_supervisor_drains_tritonserver_on_sigterm_and_exits_cleanly(tmp_pat
             client.close()
 
 
+def _can_make_a_pid_namespace() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_make_a_pid_namespace(), reason="needs unshare --pid (root, or user namespaces)")
+def test_the_supervisor_as_pid_1_reaps_orphans_drains_and_exits_cleanly(tmp_path):
+    """A container without an init of its own runs the supervisor as PID 1: orphans in the container are its to
+    reap, and SIGTERM comes to it alone (PID 1 gets no default signal handling)."""
+    http, grpc, metrics = free_loopback_ports(3)
+    options = ServerOptions(model_repositories=(REPO_ROOT / "model_repository",), http_port=http, grpc_port=grpc,
+                            metrics_port=metrics, run_dir=tmp_path, exit_timeout_s=EXIT_TIMEOUT_S)
+    command = server_command(options, prepare_backend_dir(tmp_path))
+    env = {**server_environment(), "PREPOS_ENGINE_DIR": str(ENGINE_DIR),
+           "PREPOS_JOURNAL_DIR": str(tmp_path / "journal"), DRAIN_ENV: str(tmp_path / "drain")}
+    as_pid_1 = "import os, sys; from prepos.supervise import main; assert os.getpid() == 1; sys.exit(main())"
+    with open(tmp_path / "supervised.log", "wb") as out:
+        namespace = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", as_pid_1,
+                                      "--", *command], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    client = None
+    try:
+        wait_until_ready(http, namespace, lambda: (tmp_path / "supervised.log").read_text()[-3000:])
+        (supervisor,) = psutil.Process(namespace.pid).children()
+        # an orphan in the namespace: `sleep` outlives the shell that started it, and PID 1 inherits it
+        subprocess.run(["nsenter", "--target", str(supervisor.pid), "--pid", "--", "sh", "-c", "sleep 0.2 &"],
+                       check=True, timeout=10)
+        time.sleep(1.5)
+        zombies = [p for p in supervisor.children() if p.status() == psutil.STATUS_ZOMBIE]
+        assert not zombies, zombies
+        client = Client(f"127.0.0.1:{grpc}")
+        held = client.session("held")
+        held.append(SYSTEM, role="system")
+        held.ask("Name a colour.", max_tokens=3, speculate=False)
+        processes = alive_processes(supervisor.pid)
+        supervisor.send_signal(signal.SIGTERM)
+        code = namespace.wait(EXIT_TIMEOUT_S + STOP_GRACE_S + 10)
+        log = (tmp_path / "supervised.log").read_text()
+        assert code == 0 and "drained in" in log, log[-3000:]
+        assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert len(list((tmp_path / "journal").iterdir())) == 1
+        held.detach()
+    finally:
+        end_if_running(namespace)
+        if client is not None:
+            client.close()
+
+
 def serve_ready(tmp_path, **popen) -> tuple[subprocess.Popen, int]:
     """``make serve``'s launcher on free loopback ports, its output in ``serve.log``, once it says it is ready; and
     its gRPC port."""
