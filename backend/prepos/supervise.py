@@ -388,8 +388,9 @@ def _reap_orphans(child_pid: int) -> None:
             return
 
 
-def _live_members(pgid: int) -> list[int]:
-    """The processes of group ``pgid`` that have not exited (zombies left out), from /proc."""
+def _live_members(pgid: int, states: str | None = None) -> list[int]:
+    """The processes of group ``pgid`` that have not exited (zombies left out), from /proc; only those in one of
+    ``states`` (``ps``'s letters: ``"Tt"``, stopped) where given."""
     members = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -400,9 +401,21 @@ def _live_members(pgid: int) -> list[int]:
         except OSError:
             continue  # gone meanwhile
         state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]  # after "pid (comm) "
-        if int(pgrp) == pgid and state not in "ZX":
+        if int(pgrp) == pgid and state not in "ZX" and (states is None or state in states):
             members.append(int(entry))
     return members
+
+
+def continue_if_stopped(pgid: int) -> list[int]:
+    """Send SIGCONT to the group ``pgid`` where any of its processes is stopped (SIGSTOP, ^Z), and return those:
+    stopped, tritonserver could neither drain nor exit, and its stop took the exit timeout and a SIGKILL."""
+    stopped = _live_members(pgid, states="Tt")
+    if stopped:
+        log.warning("tritonserver's processes %s are stopped (SIGSTOP, or a debugger holds them); continuing them "
+                    "so that they can drain and exit", ", ".join(map(str, stopped)))
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGCONT)
+    return stopped
 
 
 def _kill_group(pgid: int, timeout_s: float = 5.0) -> None:
@@ -469,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     if health is not None:
         health.leave()  # before the drain: a router stops placing sessions here
     if child.poll() is None:
+        continue_if_stopped(child.pid)
         drain_file = drain_file_from(os.environ)
         log.info("stopping tritonserver (pid %d)%s", child.pid, " after a drain" if drain_file else "")
         drained = stop_server(child, drain_file=drain_file, exit_timeout_s=exit_timeout_of(args),

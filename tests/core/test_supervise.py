@@ -109,6 +109,20 @@ def test_a_drained_server_that_does_not_exit_is_killed_soon_with_its_stubs_and_t
     assert not running(stub)  # the stub went with its server's process group
 
 
+def test_a_stopped_server_is_continued_so_that_it_drains_and_exits_cleanly(tmp_path):
+    """SIGSTOPped, it neither took up the drain nor exited on SIGTERM: the stop took its exit timeout and more,
+    and ended in a SIGKILL (35 s and status 137 for the real server, its exit timeout 30 s)."""
+    supervisor, _ = supervise(tmp_path, str(tmp_path / "drain"), "--exit-timeout-secs=60")
+    (server,) = [child for child in psutil.Process(supervisor.pid).children() if child.pid != supervisor.pid]
+    server.suspend()
+    began = time.monotonic()
+    supervisor.send_signal(signal.SIGTERM)
+    _, log = supervisor.communicate(timeout=90)
+    took = time.monotonic() - began
+    assert supervisor.returncode == 0 and "drained in" in log, log
+    assert f"tritonserver's processes {server.pid} are stopped" in log and took < ENDED_EXIT_S + 5, (took, log)
+
+
 def test_a_server_whose_backend_stub_died_is_drained_and_stopped_and_the_exit_is_an_error(tmp_path):
     """Triton 2.51 does not restart a dead stub: its model refuses every request while the server reports itself
     ready. The supervisor stops such a server (draining the models still there) so that it is restarted."""

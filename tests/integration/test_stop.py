@@ -345,12 +345,13 @@ def test_the_supervisor_drains_tritonserver_on_sigterm_and_exits_cleanly(tmp_pat
 
 def _can_make_a_pid_namespace() -> bool:
     try:
-        return subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=10).returncode == 0
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True,
+                              timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
 
-@pytest.mark.skipif(not _can_make_a_pid_namespace(), reason="needs unshare --pid (root, or user namespaces)")
+@pytest.mark.skipif(not _can_make_a_pid_namespace(), reason="needs unshare --pid --mount-proc (root)")
 def test_the_supervisor_as_pid_1_reaps_orphans_drains_and_exits_cleanly(tmp_path):
     """A container without an init of its own runs the supervisor as PID 1: orphans in the container are its to
     reap, and SIGTERM comes to it alone (PID 1 gets no default signal handling)."""
@@ -362,8 +363,10 @@ def test_the_supervisor_as_pid_1_reaps_orphans_drains_and_exits_cleanly(tmp_path
            "PREPOS_JOURNAL_DIR": str(tmp_path / "journal"), DRAIN_ENV: str(tmp_path / "drain")}
     as_pid_1 = "import os, sys; from prepos.supervise import main; assert os.getpid() == 1; sys.exit(main())"
     with open(tmp_path / "supervised.log", "wb") as out:
-        namespace = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", as_pid_1,
-                                      "--", *command], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        # --mount-proc: its /proc is the namespace's, as a container's is (it finds its server's group there)
+        namespace = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", as_pid_1, "--",
+             *command], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     client = None
     try:
         wait_until_ready(http, namespace, lambda: (tmp_path / "supervised.log").read_text()[-3000:])
