@@ -133,6 +133,24 @@ def pod_owners(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] in ("StatefulSet", "Deployment")]
 
 
+def comment_above(path: Path, line: str) -> str:
+    """The comment right above the first line of the values file `path` that is `line`, in one line, without the
+    '#' and '-- ' marks."""
+    lines = path.read_text().splitlines()
+    index = lines.index(line)
+    comment: list[str] = []
+    while index > 0 and lines[index - 1].lstrip().startswith("#"):
+        index -= 1
+        comment.insert(0, lines[index].strip().removeprefix("#").strip().removeprefix("-- "))
+    return " ".join(comment)
+
+
+def validate_all(objects: list[dict[str, Any]]) -> None:
+    for obj in objects:
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
 # --- lint and validation ------------------------------------------------------------------
 
 
@@ -246,6 +264,14 @@ def test_notes_say_what_becomes_of_a_removed_replicas_sessions(chart, journal, s
                                               "are lost")) == 1
 
 
+@pytest.mark.parametrize("build", [True, False], ids=["build", "no-build"])
+def test_notes_say_how_the_engine_gets_there(chart, build):
+    """The NOTES said "The first start builds the engine" with engineBuild off too, where nothing builds it."""
+    notes = render_files(chart, with_minimal(engineBuild={"enabled": build}))["prepos/templates/NOTES.txt"]
+    assert ("builds the engine" in notes) == build
+    assert ("checks that /opt/prepos/engines/smollm2-135m-instruct holds an engine" in notes) == (not build)
+
+
 @pytest.mark.parametrize(("release", "values"), [
     ("r" * 53, MINIMAL), (RELEASE, with_minimal(fullnameOverride="f" * 63))], ids=["long-release", "long-override"])
 def test_long_names_still_give_pods_and_distinct_objects(chart, release, values):
@@ -267,11 +293,8 @@ def test_long_names_still_give_pods_and_distinct_objects(chart, release, values)
         ({}, "at '/image': missing property 'repository'"),
         (with_minimal(replicaCount=-1), "at '/replicaCount': minimum: got -1, want 1"),
         (with_minimal(router={"lbPolicy": "ROUND_ROBIN"}), "at '/router/lbPolicy': value must be one of 'RING_HASH', 'MAGLEV'"),
-        (with_minimal(router={"tls": {"enabled": True}}), "at '/router/tls/secretName': minLength"),
-        (with_minimal(auth={"enabled": True}), "at '/auth/existingSecret': minLength"),
         (with_minimal(resources={"gpu": -1}), "at '/resources/gpu': minimum"),
         (with_minimal(prepos={"env": {"GATE_THRESHOLD": "0.8"}}), "invalid propertyName 'GATE_THRESHOLD'"),
-        (with_minimal(prepos={"env": {"PREPOS_HEALTH_PORT": "9000"}}), "invalid propertyName 'PREPOS_HEALTH_PORT'"),
         (with_minimal(image={"repository": "reg/prepos@sha256:" + "ab" * 32}), "at '/image/repository'"),
         (with_minimal(image={"digest": "ab" * 32}), "at '/image/digest'"),
         (with_minimal(fullnameOverride="MyPrepos"), "at '/fullnameOverride'"),
@@ -283,11 +306,22 @@ def test_long_names_still_give_pods_and_distinct_objects(chart, release, values)
         # null removes a default in Helm's merge: the router container would have no memory request
         (with_minimal(router={"resources": {"requests": {"memory": None}}}),
          "at '/router/resources/requests': missing property 'memory'"),
+        # the API server refuses negative quantities and empty volumes
+        (with_minimal(resources={"requests": {"cpu": -2}}), "at '/resources/requests/cpu': minimum: got -2, want 0"),
+        (with_minimal(router={"resources": {"limits": {"memory": "-1Gi"}}}), "at '/router/resources/limits/memory'"),
+        (with_minimal(journal={"size": "0"}), "at '/journal/size': '0' does not match pattern"),
+        (with_minimal(storage={"volumeClaimTemplate": {"size": "0Gi"}}),
+         "at '/storage/volumeClaimTemplate/size': '0Gi' does not match pattern"),
+        (with_minimal(journal={"size": "0.0Mi"}), "at '/journal/size'"),
+        (with_minimal(triton={"shmSize": "00"}), "at '/triton/shmSize'"),
+        (with_minimal(autoscaling={"enabled": True, "targetAverageValue": -1}),
+         "at '/autoscaling/targetAverageValue': minimum: got -1, want 0"),
     ],
-    ids=["no-image-repository", "negative-replicas", "unknown-lb-policy", "tls-without-secret",
-         "auth-without-secret", "negative-gpus", "env-without-prefix", "env-health-port", "digest-in-repository",
-         "digest-without-algorithm", "uppercase-fullname", "dotted-name", "pdb-over-100-percent", "too-many-replicas", "duration-units-out-of-order",
-         "no-memory-request"],
+    ids=["no-image-repository", "negative-replicas", "unknown-lb-policy", "negative-gpus", "env-without-prefix",
+         "digest-in-repository", "digest-without-algorithm", "uppercase-fullname", "dotted-name",
+         "pdb-over-100-percent", "too-many-replicas", "duration-units-out-of-order", "no-memory-request",
+         "negative-cpu-request", "negative-memory-limit", "zero-journal-size", "zero-engine-volume-size",
+         "zero-decimal-journal-size", "zero-shm-size", "negative-autoscaling-target"],
 )
 def test_bad_values_fail_with_the_schema_message(chart, values, message):
     with pytest.raises(helm.HelmValuesError) as raised:
@@ -324,13 +358,88 @@ def test_bad_values_fail_with_the_schema_message(chart, values, message):
          "router.maglev.tableSize (4915073) must be a prime (it divides by 2213)"),
         (with_minimal(router={"terminationGracePeriodSeconds": 15}),
          "router.terminationGracePeriodSeconds (15) must exceed preStopSleepSeconds (15)"),
+        # the schema refused these with only the path: the templates name what to set
+        (with_minimal(router={"tls": {"enabled": True}}),
+         "router.tls.secretName is required when router.tls.enabled: the name of a Secret of type kubernetes.io/tls"),
+        (with_minimal(auth={"enabled": True}),
+         "auth.existingSecret is required when auth.enabled: the name of a Secret holding the token"),
+        (with_minimal(auth={"enabled": True, "existingSecret": ""}),
+         "auth.existingSecret is required when auth.enabled"),
+        (with_minimal(auth={"enabled": True, "existingSecret": "token"},
+                      triton={"extraArgs": ["--grpc-restricted-protocol=trace:admin-key=secret"]}),
+         "triton.extraArgs has --grpc-restricted-protocol=trace:admin-key=secret while auth.enabled restricts"),
+        (with_minimal(auth={"enabled": True, "existingSecret": "token"},
+                      triton={"extraArgs": ["--log-info=true", "--http-restricted-api=logging:k=v"]}),
+         "triton.extraArgs has --http-restricted-api=logging:k=v while auth.enabled restricts"),
+        (with_minimal(resources={"gpu": 0}),
+         "resources.gpu is 0 but prepos.env.PREPOS_ENGINE_DEVICE is cuda (values.yaml sets cuda): the engine cannot "
+         "start without a GPU; set prepos.env.PREPOS_ENGINE_DEVICE: cpu"),
+        (with_minimal(resources={"gpu": 0}, prepos={"env": {"PREPOS_ENGINE_DEVICE": "cuda:1"}}),
+         "prepos.env.PREPOS_ENGINE_DEVICE is cuda:1"),
+        (with_minimal(resources={"requests": {"cpu": "16", "memory": "96Gi"}}),
+         "resources.requests.cpu (16) must not exceed resources.limits.cpu (8)"),
+        (with_minimal(resources={"requests": {"memory": "96Gi"}}),
+         "resources.requests.memory (96Gi) must not exceed resources.limits.memory (64Gi)"),
+        (with_minimal(router={"resources": {"requests": {"cpu": 2.5}}}),
+         "router.resources.requests.cpu (2.5) must not exceed router.resources.limits.cpu (2)"),
+        (with_minimal(router={"resources": {"requests": {"memory": "513Mi"}}}),
+         "router.resources.requests.memory (513Mi) must not exceed router.resources.limits.memory (512Mi)"),
+        (with_minimal(engineBuild={"resources": {"limits": {"memory": "7.5Gi"}}}),
+         "engineBuild.resources.requests.memory (8Gi) must not exceed engineBuild.resources.limits.memory (7.5Gi)"),
+        (with_minimal(resources={"requests": {"memory": "1e9", "ephemeral-storage": "2G"},
+                                 "limits": {"memory": "900M", "ephemeral-storage": "1Gi"}}),
+         "resources.requests.memory (1e9) must not exceed resources.limits.memory (900M)"),
+        (with_minimal(resources={"requests": {"ephemeral-storage": "2G"}, "limits": {"ephemeral-storage": "1Gi"}}),
+         "resources.requests.ephemeral-storage (2G) must not exceed resources.limits.ephemeral-storage (1Gi)"),
+        (with_minimal(resources={"requests": {"cpu": "8001m"}}),
+         "resources.requests.cpu (8001m) must not exceed resources.limits.cpu (8)"),
+        (with_minimal(autoscaling={"enabled": True, "targetAverageValue": "0"}),
+         "autoscaling.targetAverageValue (0) must be above 0"),
+        (with_minimal(autoscaling={"enabled": True, "targetAverageValue": 0}),
+         "autoscaling.targetAverageValue (0) must be above 0"),
+        (with_minimal(autoscaling={"enabled": True, "targetAverageValue": "0m"}),
+         "autoscaling.targetAverageValue (0m) must be above 0"),
+        (with_minimal(autoscaling={"enabled": True}, metrics={"enabled": False}),
+         "autoscaling.enabled needs metrics.enabled: the autoscaler scales on prepos_sessions"),
+        (with_minimal(metrics={"enabled": False, "serviceMonitor": {"enabled": True}}),
+         "metrics.serviceMonitor.enabled needs metrics.enabled"),
+        (with_minimal(journal={"mountPath": "/opt/prepos/engines"}),
+         "storage.mountPath and journal.mountPath would both be mounted at /opt/prepos/engines in the Triton "
+         "container"),
+        (with_minimal(journal={"mountPath": "/opt/prepos/engines/"}),
+         "storage.mountPath and journal.mountPath would both be mounted at /opt/prepos/engines"),
+        (with_minimal(journal={"mountPath": "/dev/shm"}),
+         "/dev/shm (triton.shmSize's volume) and journal.mountPath would both be mounted at /dev/shm"),
+        (with_minimal(storage={"mountPath": "/dev/shm/"}, prepos={"engineDir": "/dev/shm/engine"}),
+         "storage.mountPath and /dev/shm (triton.shmSize's volume) would both be mounted at /dev/shm"),
+        (with_minimal(securityContext={"readOnlyRootFilesystem": True}, journal={"mountPath": "/tmp"}),
+         "journal.mountPath and /tmp (the writable folder of the drain and leaving files"),
+        (with_minimal(image={"repository": "reg/prepos:0.1.0"}),
+         "image.repository (reg/prepos:0.1.0) holds a tag: the chart appends image.tag (default: the chart's "
+         "appVersion) itself, which would give reg/prepos:0.1.0:0.1.0; set the repository alone and the tag in "
+         "image.tag"),
+        (with_minimal(image={"repository": "reg:5000/ml/prepos:latest", "tag": "0.2.0"}),
+         "image.repository (reg:5000/ml/prepos:latest) holds a tag"),
+        (with_minimal(podDisruptionBudget={"maxUnavailable": 0}),
+         "podDisruptionBudget.maxUnavailable (0) lets no pod go, so that every node drain waits forever"),
+        (with_minimal(podDisruptionBudget={"maxUnavailable": "0%"}), "podDisruptionBudget.maxUnavailable (0%)"),
+        (with_minimal(router={"podDisruptionBudget": {"maxUnavailable": 0}}),
+         "router.podDisruptionBudget.maxUnavailable (0) lets no pod go"),
     ],
     ids=["stream-idle-below-session-idle", "exit-timeout-above-grace", "exit-timeout-and-stop-grace-above-grace",
          "engine-outside-volume", "hpa-min-above-max", "ring-min-above-max", "prestop-shorter-than-leaving",
          "health-port-taken",
          "health-interval-longer-than-prestop", "triton-ports-clash", "read-only-without-claim",
          "source-ranges-on-cluster-ip", "source-ranges-on-node-port", "traffic-policy-on-cluster-ip", "router-admin-port-clash",
-         "router-health-port-clash", "maglev-even-table", "maglev-odd-composite-table", "router-grace-within-prestop"],
+         "router-health-port-clash", "maglev-even-table", "maglev-odd-composite-table", "router-grace-within-prestop",
+         "tls-without-secret", "auth-without-secret", "auth-with-empty-secret", "auth-and-grpc-restriction-in-args",
+         "auth-and-http-restriction-in-args", "no-gpu-on-cuda", "no-gpu-on-cuda-n", "cpu-request-above-default-limit",
+         "memory-request-above-default-limit", "router-cpu-request-above-limit",
+         "router-memory-request-above-limit", "build-memory-limit-below-request", "decimal-si-memory-above-limit",
+         "ephemeral-storage-above-limit", "millicpu-above-limit", "hpa-target-zero", "hpa-target-number-zero",
+         "hpa-target-zero-milli", "hpa-without-metrics", "service-monitor-without-metrics", "journal-on-engines",
+         "journal-on-engines-trailing-slash", "journal-on-shm", "engines-on-shm", "journal-on-read-only-tmp",
+         "tag-in-repository", "tag-in-repository-with-port", "pdb-zero", "pdb-zero-percent", "router-pdb-zero"],
 )
 def test_inconsistent_values_fail_in_the_templates(chart, values, message):
     with pytest.raises(helm.HelmRenderError) as raised:
@@ -351,7 +460,8 @@ def test_triton_container_limits_and_requests_gpus(chart):
     ]
     assert resources["limits"]["nvidia.com/mig-3g.40gb"] == 2 and "nvidia.com/gpu" not in resources["limits"]
 
-    resources = triton(render(chart, with_minimal(resources={"gpu": 0})))["resources"]
+    cpu_only = with_minimal(resources={"gpu": 0}, prepos={"env": {"PREPOS_ENGINE_DEVICE": "cpu"}})
+    resources = triton(render(chart, cpu_only))["resources"]
     assert not any("gpu" in key for key in {**resources["requests"], **resources["limits"]})
 
 
@@ -437,6 +547,110 @@ def test_prepos_env_overrides_the_charts_own_defaults_with_one_entry_each(chart)
         rendered = env_of(c)
         assert rendered["PREPOS_SCHEDULER_DRAIN_FILE"] == env.get("PREPOS_SCHEDULER_DRAIN_FILE", "/tmp/prepos-drain")
         assert rendered["PREPOS_LEAVING_FILE"] == env.get("PREPOS_LEAVING_FILE", "/tmp/prepos-leaving")
+
+
+@pytest.mark.parametrize(("name", "instead"), [
+    ("PREPOS_ENGINE_DIR", "set from prepos.engineDir"),
+    ("PREPOS_JOURNAL_DIR", "set from journal.mountPath"),
+    ("PREPOS_HEALTH_PORT", "set from triton.healthPort"),
+    ("PREPOS_ACCESS_TOKEN", "set auth.enabled true and auth.existingSecret"),
+])
+def test_prepos_env_refuses_the_names_the_chart_sets_naming_the_value_to_use(chart, name, instead):
+    """The schema refused the first three with "invalid propertyName ... 'not' failed" and no path, and let
+    PREPOS_ACCESS_TOKEN through, though nothing in the pod reads it: the endpoints stayed open while the user
+    believed them protected, and the token sat in the pod spec in plain text."""
+    with pytest.raises(helm.HelmRenderError) as raised:
+        render(chart, with_minimal(prepos={"env": {name: "x"}}))
+    message = str(raised.value)
+    assert f"prepos.env.{name} is not allowed: " in message and instead in message
+    assert "propertyName" not in message
+
+
+def test_restrictions_of_ones_own_in_extra_args_pass_with_auth_off(chart):
+    """With auth on, the chart's restriction and one in triton.extraArgs name protocols twice (refused above)."""
+    arg = "--grpc-restricted-protocol=trace:admin-key=secret"
+    assert arg in triton(render(chart, with_minimal(triton={"extraArgs": [arg]})))["args"]
+
+
+def test_without_gpus_the_pods_tolerate_no_gpu_taint(chart):
+    """With resources.gpu 0 the default toleration of the GPU node taint stayed: CPU replicas took GPU nodes."""
+    gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    mig_taint = {"key": "nvidia.com/mig-1g.10gb", "operator": "Exists", "effect": "NoSchedule"}
+    own = {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}
+    cpu = {"gpu": 0, "gpuResourceName": "nvidia.com/mig-1g.10gb"}
+    objects = render(chart, with_minimal(resources=cpu, prepos={"env": {"PREPOS_ENGINE_DEVICE": "cpu"}}))
+    assert "tolerations" not in one(objects, "StatefulSet")["spec"]["template"]["spec"]
+    validate_all(objects)
+    for gpus, kept in ((0, [own]), (1, [gpu_taint, own, mig_taint])):
+        values = with_minimal(resources={**cpu, "gpu": gpus}, tolerations=[gpu_taint, own, mig_taint],
+                              prepos={"env": {"PREPOS_ENGINE_DEVICE": "cpu"}})
+        assert one(render(chart, values), "StatefulSet")["spec"]["template"]["spec"]["tolerations"] == kept
+
+
+@pytest.mark.parametrize(("smaller", "larger"), [
+    ("999m", "1"), ("1e9", "1Gi"), ("1k", "1Ki"), ("1M", "1Mi"), ("1G", "1Gi"), ("1T", "1Ti"), ("1P", "1Pi"),
+    ("1.5", "1501m"), (0.5, "1"), ("1023Mi", "1Gi"), ("1Ki", "1.1k"), ("2", 2.5), ("1E", "1Ei"), ("1e3", "1001"),
+])
+def test_a_request_above_its_limit_is_refused_in_any_unit(chart, smaller, larger):
+    """A request merged with the chart's default limits (requests cpu 16 over the default limit 8) rendered a
+    StatefulSet the API server refuses; the chart compares the quantities, whatever their units."""
+    def router_resources(request, limit):
+        return with_minimal(router={"resources": {"requests": {"cpu": request, "memory": request},
+                                                  "limits": {"cpu": limit, "memory": limit}}})
+
+    envoy = container(one(render(chart, router_resources(smaller, larger)), "Deployment"), "envoy")
+    assert envoy["resources"]["requests"]["cpu"] == smaller
+    with pytest.raises(helm.HelmRenderError) as raised:
+        render(chart, router_resources(larger, smaller))
+    assert f"router.resources.requests.cpu ({larger}) must not exceed router.resources.limits.cpu ({smaller})" in str(
+        raised.value)
+
+
+@pytest.mark.parametrize(("request_", "limit"), [
+    ("8000m", "8"), ("2048Mi", "2Gi"), ("1Gi", "1073741824"), ("1.5", "1500m"), (4, "4"), ("1k", "1000"),
+])
+def test_a_request_equal_to_its_limit_in_other_units_renders(chart, request_, limit):
+    for values in ({"resources": {"requests": {"cpu": request_, "memory": request_},
+                                  "limits": {"cpu": limit, "memory": limit}}},
+                   {"engineBuild": {"resources": {"requests": {"cpu": limit, "memory": limit},
+                                                  "limits": {"cpu": request_, "memory": request_}}}}):
+        assert one(render(chart, with_minimal(**values)), "StatefulSet")
+
+
+def test_a_read_only_root_filesystem_keeps_the_drain_and_leaving_files_writable(chart):
+    """prepos.supervise exits 2 at start where it cannot write in the folder of the drain file or of the leaving
+    file, which the chart puts in /tmp: over a read-only root filesystem, the Triton container gets an emptyDir
+    there."""
+    from pathlib import PurePosixPath
+
+    values = with_minimal(securityContext={"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False})
+    objects = render(chart, values)
+    statefulset = one(objects, "StatefulSet")
+    c = container(statefulset, "triton")
+    volumes = {v["name"]: v for v in statefulset["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    env = env_of(c)
+    for variable in ("PREPOS_SCHEDULER_DRAIN_FILE", "PREPOS_LEAVING_FILE"):
+        mount = mounts[str(PurePosixPath(env[variable]).parent)]
+        assert not mount.get("readOnly") and volumes[mount["name"]]["emptyDir"] == {}, variable
+    validate_all(objects)
+    # a writable root keeps its pod template as it was (no roll of running replicas)
+    plain = container(one(render(chart, MINIMAL), "StatefulSet"), "triton")
+    assert "/tmp" not in {m["mountPath"] for m in plain["volumeMounts"]}
+
+
+def test_the_exit_timeout_comment_counts_the_supervisors_stop_grace(chart):
+    """values.yaml said the exit timeout must be below the grace period less the preStop sleep; the templates also
+    count the supervisor's stop grace (110 s is refused with the defaults, 130 s and 15 s)."""
+    from prepos.supervise import STOP_GRACE_S
+
+    comment = comment_above(CHART_DIR / "values.yaml", "  exitTimeoutSeconds: 100")
+    assert f"It plus the supervisor's {STOP_GRACE_S:g} s stop grace" in comment
+    assert "must be below terminationGracePeriodSeconds minus preStopSleepSeconds" in comment
+    limit = 130 - 15 - int(STOP_GRACE_S)
+    assert one(render(chart, with_minimal(triton={"exitTimeoutSeconds": limit - 1})), "StatefulSet")
+    with pytest.raises(helm.HelmRenderError):
+        render(chart, with_minimal(triton={"exitTimeoutSeconds": limit}))
 
 
 def test_a_new_chart_version_alone_leaves_the_pod_templates_as_they_are(chart, tmp_path):
@@ -688,6 +902,37 @@ def test_production_values_spread_the_replicas_of_a_release_of_any_name(chart, p
     assert rule["labelSelector"]["matchLabels"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
 
 
+def test_a_disruption_budget_lets_at_least_one_pod_go(chart):
+    """maxUnavailable 0 (refused above) blocks node drains for good; the smallest share, 1%, rounds up to a pod."""
+    objects = render(chart, with_minimal(podDisruptionBudget={"maxUnavailable": "1%"}))
+    assert one(objects, "PodDisruptionBudget", "prepos-triton")["spec"]["maxUnavailable"] == "1%"
+    assert not find(render(chart, with_minimal(podDisruptionBudget={"enabled": False, "maxUnavailable": 0})),
+                    "PodDisruptionBudget", "prepos-triton")
+
+
+def test_production_replica_count_is_said_to_be_ignored_under_the_autoscaler(chart, production_values):
+    """values-production.yaml called replicaCount 3 the "starting size": with the autoscaler on the chart renders
+    autoscaling.minReplicas whatever it is."""
+    assert production_values["autoscaling"]["enabled"]
+    comment = comment_above(PRODUCTION_VALUES, "replicaCount: 3")
+    assert comment.startswith("Ignored while autoscaling.enabled") and "autoscaling.minReplicas" in comment
+    for count in (1, 3, 9):
+        statefulset = one(render(chart, {**production_values, "replicaCount": count}), "StatefulSet")
+        assert statefulset["spec"]["replicas"] == production_values["autoscaling"]["minReplicas"]
+
+
+def test_production_values_say_which_sessions_their_per_replica_journals_lose(chart, production_values):
+    """values-production.yaml keeps one journal volume per replica under an autoscaler of 3 to 12 replicas: the
+    NOTES warn that a removed replica's sessions go with it, where the README's "Nothing is lost" needs a shared
+    journal; the file now says so where it chooses the journal."""
+    assert not production_values["journal"].get("existingClaim") and production_values["autoscaling"]["enabled"]
+    notes = render_files(chart, production_values)["prepos/templates/NOTES.txt"]
+    assert "a replica removed for good takes its sessions with it" in notes
+    comment = comment_above(PRODUCTION_VALUES, "journal:")
+    for phrase in ("lost", "scale-down", "rolling update", "journal.existingClaim", "ReadWriteMany"):
+        assert phrase in comment, phrase
+
+
 def test_a_replica_stays_ready_a_while_before_the_rolling_update_takes_the_next(chart):
     assert one(render(chart, MINIMAL), "StatefulSet")["spec"]["minReadySeconds"] == 15
 
@@ -738,6 +983,14 @@ def test_a_scrape_timeout_past_its_interval_is_refused(chart, interval, timeout,
     with pytest.raises(helm.HelmRenderError) as raised:
         render(chart, values)
     assert f"metrics.serviceMonitor.scrapeTimeout ({timeout}) must not exceed metrics.serviceMonitor.interval ({interval})" in str(raised.value)
+
+
+def test_a_registry_port_in_the_repository_is_no_tag(chart):
+    """A tag in image.repository rendered reg/prepos:0.1.0:0.1.0 (refused above); a port is no tag."""
+    values = with_minimal(image={"repository": "reg.example.com:5000/ml/prepos", "tag": "0.2.0"})
+    assert triton(render(chart, values))["image"] == "reg.example.com:5000/ml/prepos:0.2.0"
+    assert triton(render(chart, with_minimal(image={"repository": "localhost:5000/prepos"})))["image"] == (
+        "localhost:5000/prepos:0.1.0")
 
 
 def test_service_monitor_off_by_default(chart):
@@ -792,6 +1045,37 @@ def test_the_ring_lists_every_replica_there_may_be(chart, values, num_names):
             for e in ring_endpoints(envoy_config(render(chart, with_minimal(**values))))]
     assert len(keys) == len(set(keys)) == num_names
     assert keys[-1].startswith(f"{RELEASE}-triton-{num_names - 1}.")
+
+
+@pytest.mark.parametrize("release", ["prepos", "llm"])
+def test_the_replica_slots_comment_names_the_replicas_as_the_router_lists_them(chart, release):
+    """values.yaml showed <release>-triton-0, but a release whose name lacks "prepos" lists
+    <release>-prepos-triton-0."""
+    files = chart.render(values=MINIMAL, name=release, namespace=NAMESPACE, is_install=True)
+    (config_map,) = [doc for doc in yaml.safe_load_all(files["prepos/templates/router-configmap.yaml"]) if doc]
+    address = ring_endpoints(yaml.safe_load(config_map["data"]["envoy.yaml"]))[0]["endpoint"]["address"]
+    first = address["socket_address"]["address"].split(".")[0]
+    assert first.replace(release, "<release>", 1) in comment_above(CHART_DIR / "values.yaml", "  replicaSlots: 16")
+
+
+LONG_CLUSTER_DOMAIN = "k8s.prod.eu-west-1.internal.example.com"
+
+
+def test_a_router_config_past_a_configmaps_1_mib_fails_the_render(chart):
+    """With a 53-character release, a 63-character namespace and a long clusterDomain, 1024 replica names gave an
+    envoy.yaml of 1,055,714 bytes, which Kubernetes refuses in a ConfigMap (1 MiB of data, keys included)."""
+    def render_long(num_replicas):
+        values = with_minimal(replicaCount=num_replicas, clusterDomain=LONG_CLUSTER_DOMAIN)
+        return chart.render(values=values, name="r" * 53, namespace="n" * 63, is_install=True)
+
+    (config_map,) = [doc for doc in yaml.safe_load_all(render_long(1000)["prepos/templates/router-configmap.yaml"])
+                     if doc]
+    size = sum(len(key) + len(value.encode()) for key, value in config_map["data"].items())
+    assert 1_000_000 < size <= 1024 * 1024
+    with pytest.raises(helm.HelmRenderError) as raised:
+        render_long(1024)
+    assert ("the router's ConfigMap (its key envoy.yaml and the config) would be 1055724 bytes, past the 1 MiB "
+            "(1048576 bytes) Kubernetes allows a ConfigMap: it lists 1024 replica names") in str(raised.value)
 
 
 def test_images_pinned_by_tag_or_digest(chart):

@@ -74,6 +74,10 @@ app.kubernetes.io/component: router
 {{/* Triton image reference; image.repository has no default. */}}
 {{- define "prepos.image" -}}
 {{- $repository := required "image.repository is required: the prepos Triton image built from docker/Dockerfile" .Values.image.repository }}
+{{- /* A colon after the last "/" starts a tag (one before it is a registry's port, as in reg:5000/prepos). */}}
+{{- if regexMatch ":[^/]*$" $repository }}
+{{- fail (printf "image.repository (%s) holds a tag: the chart appends image.tag (default: the chart's appVersion) itself, which would give %s:%s; set the repository alone and the tag in image.tag (or pin with image.digest)" $repository $repository (default .Chart.AppVersion .Values.image.tag)) }}
+{{- end }}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" $repository .Values.image.digest }}
 {{- else }}
@@ -150,3 +154,33 @@ TRITON_ACCESS_TOKEN
 {{- end -}}
 {{- $total -}}
 {{- end -}}
+
+{{/* A Kubernetes quantity (the schema's pattern: 500m, 4, 1.5, 16Gi, 1e9, or a number) as a plain number. */}}
+{{- define "prepos.quantity" -}}
+{{- $text := toString . -}}
+{{- $factors := dict "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18
+  "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 -}}
+{{- $suffix := regexFind "[a-zA-Z]+$" $text -}}
+{{- if hasKey $factors $suffix -}}
+{{- mulf (float64 (trimSuffix $suffix $text)) (get $factors $suffix) -}}
+{{- else -}}
+{{- float64 $text -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Fails where a container's request passes its limit, which the API server refuses (the whole StatefulSet or
+Deployment): (list PATH RESOURCES), PATH the values' path of RESOURCES, e.g. "resources". A user's requests merge
+with the chart's default limits, so that a larger request alone is such a case. */}}
+{{- define "prepos.checkRequests" -}}
+{{- $path := index . 0 }}
+{{- $resources := index . 1 }}
+{{- range $name := list "cpu" "memory" "ephemeral-storage" }}
+{{- $request := dig "requests" $name nil $resources }}
+{{- $limit := dig "limits" $name nil $resources }}
+{{- if and (not (kindIs "invalid" $request)) (not (kindIs "invalid" $limit)) }}
+{{- if gt (include "prepos.quantity" $request | float64) (include "prepos.quantity" $limit | float64) }}
+{{- fail (printf "%s.requests.%s (%v) must not exceed %s.limits.%s (%v): Kubernetes refuses a request above its limit; raise the limit too (or set it to null)" $path $name $request $path $name $limit) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
