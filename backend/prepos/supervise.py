@@ -344,6 +344,31 @@ def with_region_prefix(args: list[str]) -> tuple[list[str], str]:
     return [*args, backend_config_argument(prefix)], prefix
 
 
+RESTRICTION_FLAGS = ("--grpc-restricted-protocol", "--http-restricted-api")
+
+
+def with_tokens_trimmed(args: list[str]) -> list[str]:
+    """tritonserver's ``args`` with the access token of each restriction (``FLAG=PROTOCOLS:HEADER=TOKEN``) taken
+    without the whitespace around it, with a warning: the chart puts a Secret's value there as it is, and one made
+    from a file ending in a newline made Triton want a header value no client can send (every call refused).
+    Raises ValueError for a token that is empty, or blank."""
+    trimmed = []
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        protocols, colon, setting = value.partition(":")
+        header, eq2, token = setting.partition("=")
+        if flag in RESTRICTION_FLAGS and eq and colon and eq2:
+            if not token.strip():
+                raise ValueError(f"{flag}: the access token for header {header!r} is empty (the Secret that holds "
+                                 "it is empty, or its key is another)")
+            if token != token.strip():
+                log.warning("%s: the access token for header %r has whitespace around it (a Secret made from a file "
+                            "that ends in a newline, say); it is taken without it", flag, header)
+                arg = f"{flag}={protocols}:{header}={token.strip()}"
+        trimmed.append(arg)
+    return trimmed
+
+
 def check_files(environ: Mapping[str, str]) -> None:
     """Raise ValueError naming the variable when the drain file or the leaving file could not serve a stop: the
     drain file relative (to the model's folder, which only the model knows) or in a folder this process cannot
@@ -446,8 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
-    args, prefix = with_region_prefix(with_keepalive_pings(with_bls_threads(args)))
     try:
+        args, prefix = with_region_prefix(with_keepalive_pings(with_bls_threads(with_tokens_trimmed(args))))
         check_files(os.environ)
         health = replica_health_from(os.environ, args)
     except ValueError as err:

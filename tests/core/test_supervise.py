@@ -358,3 +358,25 @@ def test_an_exit_is_described_by_its_status_or_its_signal(code, said):
 
     assert describe_exit(code).startswith(said)
     assert ("crashed" in describe_exit(code)) == (code in (-signal.SIGSEGV, -signal.SIGABRT))
+
+
+def test_an_access_token_with_whitespace_around_it_is_trimmed_and_an_empty_one_refused(tmp_path, caplog):
+    """The chart puts the Secret's value in tritonserver's arguments as it is: a Secret made from a file ending in
+    a newline made Triton want a header value no client can send, and every call was refused."""
+    from prepos.supervise import with_tokens_trimmed
+
+    args = ["tritonserver", "--grpc-restricted-protocol=inference,health:prepos-access-token=abc=def\n",
+            "--http-restricted-api=inference:prepos-access-token= tok ", "--log-verbose=0"]
+    with caplog.at_level("WARNING", logger="prepos.supervise"):
+        assert with_tokens_trimmed(args) == ["tritonserver",
+                                             "--grpc-restricted-protocol=inference,health:prepos-access-token=abc=def",
+                                             "--http-restricted-api=inference:prepos-access-token=tok",
+                                             "--log-verbose=0"]
+    assert caplog.text.count("has whitespace around it") == 2 and "abc" not in caplog.text  # the token unsaid
+    assert with_tokens_trimmed(args[3:]) == args[3:]
+    result = subprocess.run([sys.executable, "-m", "prepos.supervise", "--", sys.executable, "-c", "exit(0)",
+                             "--grpc-restricted-protocol=inference:prepos-access-token=\n",
+                             f"--grpc-port={unused_port()}"], capture_output=True, text=True, timeout=30,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    assert result.returncode == 2, result.stderr
+    assert "--grpc-restricted-protocol: the access token for header 'prepos-access-token' is empty" in result.stderr
