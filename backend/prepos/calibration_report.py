@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -307,6 +308,9 @@ def _markdown(results: Sequence[EpsilonResult], records: Sequence[DecisionRecord
     return "\n".join(lines)
 
 
+_FRAGMENT_NAME = re.compile(r"gate_eps(\d+(\.\d*)?|\.\d+)(e-?\d+)?\.pbtxt")  # as written: f"{epsilon:g}"
+
+
 def write_report(out_dir: str | Path, records: Sequence[DecisionRecord], results: Sequence[EpsilonResult], *,
                  title: str, placeholders: dict[str, str], held_out_fraction: float) -> list[Path]:
     """Write the report files (see the module docstring); return their paths."""
@@ -322,7 +326,10 @@ def write_report(out_dir: str | Path, records: Sequence[DecisionRecord], results
         paths.append(fragment)
     for stale in sorted(set(out.glob("gate_eps*.pbtxt")) - set(paths)):
         # an earlier report's, for an epsilon this one did not certify: it would sit beside this report, from
-        # other records or another method, as if it were one of its own
+        # other records or another method, as if it were one of its own (a file of the user's, named otherwise,
+        # stays)
+        if not _FRAGMENT_NAME.fullmatch(stale.name):
+            continue
         stale.unlink()
         log.info("removed %s, an earlier report's fragment for an epsilon this report does not cover", stale)
     return paths

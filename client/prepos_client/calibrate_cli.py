@@ -232,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"epsilon {res.epsilon:g}: score {chosen.score}, {chosen.variant} delta, threshold {c.threshold:.6g}: "
                   f"coverage {c.coverage:.3f} ({c.num_accepted}/{c.num_points}), {c.num_errors} false accepts, "
                   f"bound {c.bound:.4f} at confidence {1 - res.delta:g} over {len(res.candidates)} candidates; "
-                  f"held out {h.num_errors}/{h.num_accepted} false accepts, rate {h.rate:.4f} "
-                  f"[{h.interval[0]:.4f}, {h.interval[1]:.4f}]")
+                  + (f"held out {h.num_errors}/{h.num_accepted} false accepts, rate {h.rate:.4f} "
+                     f"[{h.interval[0]:.4f}, {h.interval[1]:.4f}]" if h.num_accepted else
+                     "held out: none answered, no false-accept rate to observe"))
     print("report: " + ", ".join(str(p) for p in paths))
     return EXIT_OK
 

@@ -23,6 +23,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -465,7 +466,7 @@ def unreachable_hint(error: PreposUnavailable, args: argparse.Namespace) -> str:
     if "ssl" in message or "tls" in message:
         return "a TLS problem (--tls, --tls-ca)?"
     url = getattr(args, "url", "")
-    if url and ":443" in message and not url.rstrip("]").endswith(":443"):
+    if url and re.search(r":443(?!\d)", message) and not re.search(r":\d+$", url.rsplit("]", 1)[-1]):
         return "--url names no port, so gRPC tried 443; the server's gRPC port is 8001 unless set otherwise"
     return "is `make serve` running?"
 

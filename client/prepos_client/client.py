@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Mapping
 
@@ -105,10 +106,12 @@ class Client:
         timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         if self._health is None:
             self._health = triton_client(self.url, self.tls)
+        # No limit is no deadline: gRPC takes an infinite one (or one past about 7.5e9 s) as expired already
+        client_timeout = timeout_s if math.isfinite(timeout_s) else None
         try:
-            if not self._health.is_server_live(headers=self.headers, client_timeout=timeout_s):
+            if not self._health.is_server_live(headers=self.headers, client_timeout=client_timeout):
                 raise PreposUnavailable(f"the server at {self.url} is not live")
-            if not self._health.is_model_ready(self.model, headers=self.headers, client_timeout=timeout_s):
+            if not self._health.is_model_ready(self.model, headers=self.headers, client_timeout=client_timeout):
                 raise PreposError(f"model {self.model!r} is not ready at {self.url}")
         except InferenceServerException as error:
             failure = from_triton(error)

@@ -8,8 +8,9 @@ from .protocol import is_number
 
 
 MAX_TIMEOUT_S = 1e9
-"""A longer time limit (31 years) is none: it is taken as infinity. Past about 1e10 s gRPC's deadline overflowed
-the platform's time_t (a traceback), and past about 1.8e13 s the server's timeout input, in microseconds, its UINT64."""
+"""A longer time limit (31 years) is none: it is taken as infinity. Past about 7.5e9 s gRPC takes a deadline as
+expired already, past 9.2e9 s Python's waits on a queue raise OverflowError (a traceback), and past about 1.8e13 s
+the server's timeout input, in microseconds, overflows its UINT64."""
 
 
 def check_timeout(timeout_s: float, name: str = "timeout_s") -> float:

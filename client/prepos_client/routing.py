@@ -87,7 +87,7 @@ from dataclasses import dataclass
 
 from .channel import Tls, check_headers, check_url, tls_of
 from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER, Client
-from .deadlines import check_timeout
+from .deadlines import MAX_TIMEOUT_S, check_timeout
 from .errors import PreposError
 from .protocol import is_number
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
@@ -182,7 +182,8 @@ class RoutedClient:
         self._drain_readmit_after_s = float(drain_readmit_after_s)
         self._health_timeout_s = check_timeout(health_timeout_s, "health_timeout_s")
         if not math.isfinite(self._health_timeout_s):  # a hung replica would hold up every placement for good
-            raise ValueError(f"health_timeout_s: expected finite seconds, got {health_timeout_s!r}")
+            raise ValueError(f"health_timeout_s: expected finite seconds, at most {MAX_TIMEOUT_S:g}, got "
+                             f"{health_timeout_s!r}")
         self._weights = self._ring.weights  # every replica on the ring, in the order given
         self._left: dict[str, _Left] = {}  # replicas that left the ring and may rejoin it
         self._lock = threading.Lock()

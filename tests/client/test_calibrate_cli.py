@@ -292,3 +292,18 @@ def test_an_epsilon_given_twice_is_reported_once(setup, capsys):
     assert calibrate_cli.main(argv) == 0
     assert capsys.readouterr().out.count("epsilon 0.5:") == 1
     assert (tmp_path / "o" / "report.md").read_text().count("## epsilon 0.5,") == 1
+
+
+def test_a_held_out_part_that_answered_none_prints_no_rate(tmp_path, capsys):
+    from prepos.calibration import EMPTY, DecisionRecord, SpeculativeFeatures, records_header
+
+    features = SpeculativeFeatures(1, 0.999, 0.999, 0.1, 0.999, 2, True)
+    records = [DecisionRecord(f"s{i}", 0, 5, 2, 1, (1,), {EMPTY: features}) for i in range(300)]
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "records.jsonl").write_text(json.dumps({"header": records_header({})}) + "\n" + "".join(
+        record.to_json() + "\n" for record in records))
+    argv = ["--report-only", "--epsilon", "0.3", "--held-out", "0", "--out", str(tmp_path / "o")]
+    assert calibrate_cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "held out: none answered, no false-accept rate to observe" in printed, printed
+    assert "[0.0000, 1.0000]" not in printed  # a rate and interval over no answer

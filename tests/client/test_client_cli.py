@@ -85,7 +85,7 @@ def test_a_bad_timeout_is_named_and_infinity_means_no_limit(capsys):
         cli.main(["ask", "x", "--timeout", "-1"])
     assert "argument --timeout: expected seconds > 0 (inf for no limit), got '-1'" in capsys.readouterr().err
     assert parse(["ask", "x", "--timeout", "inf"]).timeout_s == float("inf")
-    # longer limits are none: 9.3e9 s overflowed gRPC's deadline (a traceback), 1e15 s the server's input
+    # longer limits are none: 9.3e9 s overflowed a queue's wait (a traceback), 1e15 s the server's input
     for value in ("9.3e9", "1e15", "1e300"):
         assert parse(["ask", "x", "--timeout", value]).timeout_s == float("inf")
     assert parse(["ask", "x", "--timeout", "1e9"]).timeout_s == 1e9
@@ -679,6 +679,9 @@ def test_an_address_without_a_port_is_said_to_have_been_dialled_on_443():
     assert "--url names no port, so gRPC tried 443" in cli.unreachable_hint(error, parse(["ask", "x", "--url",
                                                                                           "127.0.0.1"]))
     assert cli.unreachable_hint(error, parse(["ask", "x", "--url", "127.0.0.1:443"])) == "is `make serve` running?"
+    other = PreposUnavailable("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:4430: "
+                              "Failed to connect to remote host: Connection refused")
+    assert cli.unreachable_hint(other, parse(["ask", "x", "--url", "127.0.0.1:4430"])) == "is `make serve` running?"
 
 
 def test_spaces_around_choices_are_dropped():

@@ -98,6 +98,10 @@ def test_an_answer_streamed_from_a_session_no_one_else_holds_is_read_to_its_end(
 def test_is_ready(server):
     assert Client(server.url).is_ready()
     assert not Client(server.url, model="nope").is_ready()
+    # no limit is no deadline: gRPC took an infinite one as expired, and the server as unreachable
+    for timeout_s in (float("inf"), 2e9):
+        assert Client(server.url, timeout_s=timeout_s).is_ready()
+        Client(server.url).ensure_ready(timeout_s=timeout_s)
 
 
 def run_script(script: str) -> subprocess.CompletedProcess:

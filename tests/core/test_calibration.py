@@ -327,10 +327,18 @@ def test_a_second_run_on_a_records_file_in_use_is_refused_and_repeated_records_c
     header_line, *lines = path.read_text().splitlines(keepends=True)
     path.write_text(header_line + "".join(lines) + "".join(lines))  # as two unlocked runs left it
     assert read_records(path) == once
+    scores_apart = json.loads(lines[0])  # replayed with other prefix reuse: the scores' last bits differ
+    scores_apart["variants"]["empty"]["p_max"] *= 1 - 1e-7
+    path.write_text(header_line + "".join(lines) + json.dumps(scores_apart) + "\n")
+    assert read_records(path) == once
     changed = json.loads(lines[0])
     changed["full_token_id"] += 1
     path.write_text(header_line + "".join(lines) + json.dumps(changed) + "\n")
-    with pytest.raises(ValueError, match=f"r.jsonl:{len(lines) + 2}: session 'a' turn 1 is recorded again"):
+    with pytest.raises(ValueError, match=f"r.jsonl:{len(lines) + 2}: session 'a' turn 1 is recorded again, with "
+                       f"another outcome .* remove line {len(lines) + 2}"):
+        read_records(path)
+    path.write_text("".join(lines))  # records with no header line: not written by a replay
+    with pytest.raises(ValueError, match="r.jsonl:1: not a calibration records file"):
         read_records(path)
 
 
@@ -351,11 +359,14 @@ def test_a_record_edited_out_of_shape_is_refused_naming_its_line_and_field(parts
     path.write_text(header_line + "".join(rest) + json.dumps(record) + "\n")
     with pytest.raises(ValueError, match=rf"r.jsonl:{len(rest) + 2}: .*{re.escape(named)}"):
         read_records(path)
+    path.write_text(header_line + "".join(rest) + json.dumps(record))  # without its newline: no truncated write
+    with pytest.raises(ValueError, match=rf"r.jsonl:{len(rest) + 2}: .*{re.escape(named)}"):
+        read_records(path)
 
 
 def test_a_file_that_is_not_a_records_file_is_refused_and_left_as_it_was(parts, tmp_path):
     """Its one complete line was taken for a truncated record: the replay appended to the file, then failed."""
-    for text in ("hi\n", "hi", "no\nrecords\n"):
+    for text in ("hi\n", "hi", "no\nrecords\n", '{"a": 1}', '{"a": 1}\n'):
         path = tmp_path / "afile"
         path.write_text(text)
         with pytest.raises(ValueError, match="afile:1: not a calibration record"):
@@ -400,7 +411,9 @@ def test_a_report_removes_an_earlier_reports_fragments_for_epsilons_it_does_not_
     write_report(tmp_path, records, calibrate(records, epsilons=[0.1, 0.3], delta=0.1), title="t",
                  placeholders={"dots": "..."}, held_out_fraction=0.5)
     (tmp_path / "gate_notes.txt").write_text("mine")
+    (tmp_path / "gate_eps0.1_edited.pbtxt").write_text("mine")
     write_report(tmp_path, records, calibrate(records, epsilons=[0.3], delta=0.1), title="t",
                  placeholders={"dots": "..."}, held_out_fraction=0.5)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gate_eps0.3.pbtxt", "gate_notes.txt", "report.md",
-                                                           "risk_coverage.csv", "risk_coverage.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gate_eps0.1_edited.pbtxt", "gate_eps0.3.pbtxt",
+                                                           "gate_notes.txt", "report.md", "risk_coverage.csv",
+                                                           "risk_coverage.png"]
