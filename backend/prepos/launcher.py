@@ -339,7 +339,7 @@ class TritonServer:
             try:
                 ready = self._ready or self._reports_ready()
                 drained = stop_server(self.process, drain_file=self.drain_file if ready else None,
-                                      exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s)
+                                      exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s).drained
             except BaseException:  # a second Ctrl-C, say: stop now, stubs too, rather than leave them running
                 self.process.kill()
                 _kill(stubs.values())

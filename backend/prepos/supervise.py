@@ -32,7 +32,12 @@ from typing import Mapping
 
 from prepos.drain import request_drain
 from prepos.replica_health import HEALTH_PORT_ENV, LEAVING_FILE_ENV, ReplicaHealth, forget_leaving
-from prepos.shm_regions import PREFIX_OPTION, backend_config_argument, region_prefix, remove_left_regions
+from prepos.shm_regions import remove_left_regions
+from prepos.triton_args import (BLS_THREADS, KEEPALIVE_PING_ARGUMENTS, RESTRICTION_FLAGS,  # noqa: F401 (API)
+                                THREAD_POOL_OPTION, TRITON_EXIT_TIMEOUT_S, TRITON_GRPC_PORT, TRITON_HTTP_PORT,
+                                bls_threads_argument, configured_prefix, exit_timeout_of, grpc_port_of,
+                                http_port_of, keepalive_ping_arguments, with_bls_threads, with_keepalive_pings,
+                                with_region_prefix, with_tokens_trimmed)
 
 log = logging.getLogger("prepos.supervise")
 
@@ -59,30 +64,7 @@ still counts their sequences as in flight (the drain ends them within the model,
 waits for them until their idle timeout or its exit timeout, and while a client still holds a stream, Triton 2.51
 does not finish unloading the model: it never exits by itself sooner (it took the whole 3 s it was given in every
 stop measured), and nothing is in flight."""
-TRITON_EXIT_TIMEOUT_S = 30.0
-"""tritonserver's ``--exit-timeout-secs`` when its arguments do not set it."""
-TRITON_GRPC_PORT = 8001
-"""tritonserver's ``--grpc-port`` when its arguments do not set it."""
-TRITON_HTTP_PORT = 8000
-"""tritonserver's ``--http-port`` when its arguments do not set it."""
 DRAIN_ENV = "PREPOS_SCHEDULER_DRAIN_FILE"
-KEEPALIVE_PING_ARGUMENTS = {
-    "--grpc-keepalive-permit-without-calls": "1",
-    "--grpc-http2-min-recv-ping-interval-without-data": "1000",
-}
-"""tritonserver's gRPC keepalive settings: a peer may ping a connection once a second, streams open or not.
-gRPC's defaults count a ping that comes less than 5 minutes after the last one, while the server sends nothing, as
-abuse, and close the connection at the third (GOAWAY ``too_many_pings``), so a proxy or client that keeps its
-connection alive (Envoy's 30 s keepalive in the Helm chart) lost every session stream on it after about 90 s of
-think time. A ping costs the server next to nothing."""
-THREAD_POOL_OPTION = "thread-pool-size"
-"""The Python backend's setting (``--backend-config=python,<it>=<n>``): its threads for Business Logic Scripting."""
-BLS_THREADS = 288
-"""The Python backend's threads for Business Logic Scripting calls, per model instance (Triton's default is 32).
-Every request the HTTP bridge relays holds one of them until ``prepos`` answers it, and requests queued behind
-another's answer in their session wait there too: with 32, 150 queued requests on one session held up every other
-session's bridged request for 17-22 s. So there must be more of them than the bridge relays at once (its
-``bridge.max_streams``, 256)."""
 
 
 LOST_STUB_STOP_S = 15.0
@@ -185,8 +167,16 @@ def server_stack_limit():
         resource.setrlimit(resource.RLIMIT_STACK, (soft, hard))
 
 
+@dataclass(frozen=True)
+class ServerStop:
+    """How :func:`stop_server` went."""
+
+    drained: bool  # the drain ended every session: nothing was in flight
+    killed: bool  # tritonserver had not exited in its time and was sent SIGKILL
+
+
 def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_timeout_s: float,
-                timeout_s: float | None = None) -> bool:
+                timeout_s: float | None = None) -> ServerStop:
     """Stop a running tritonserver within ``timeout_s`` (default: ``exit_timeout_s`` and :data:`STOP_GRACE_S`
     more), or, where the drain took ``timeout_s`` whole (at most the exit timeout), that and :data:`STOP_GRACE_S`
     more. Returns whether it was drained.
@@ -210,7 +200,7 @@ def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_time
         log.warning("the drain left %d sessions open (%d ENDs refused); stopping as without a drain",
                     report.num_open, report.num_failed)
     if process.poll() is not None:
-        return drained
+        return ServerStop(drained, killed=False)
     if drained:
         wait_s = ENDED_EXIT_S if report.num_ended else DRAINED_EXIT_S
     else:
@@ -228,49 +218,8 @@ def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_time
                         "stay in their journals", wait_s, exit_timeout_s)
         process.kill()
         process.wait()
-    return drained
-
-
-def _values(args: list[str], flag: str) -> list[str]:
-    """The values of ``flag`` among tritonserver's arguments (``--flag=value`` or ``--flag value``), in order."""
-    values = []
-    for i, arg in enumerate(args):
-        if arg.startswith(f"{flag}="):
-            values.append(arg.partition("=")[2])
-        elif arg == flag and i + 1 < len(args):
-            values.append(args[i + 1])
-    return values
-
-
-def _last_value(args: list[str], flag: str) -> str | None:
-    """The last value of ``flag`` (the one Triton keeps), else None."""
-    values = _values(args, flag)
-    return values[-1] if values else None
-
-
-def exit_timeout_of(args: list[str]) -> float:
-    """The ``--exit-timeout-secs`` among tritonserver's arguments, else Triton's default."""
-    try:
-        return float(_last_value(args, "--exit-timeout-secs") or TRITON_EXIT_TIMEOUT_S)
-    except ValueError:
-        return TRITON_EXIT_TIMEOUT_S
-
-
-def grpc_port_of(args: list[str]) -> int:
-    """The ``--grpc-port`` among tritonserver's arguments, else Triton's default."""
-    return _port_of(args, "--grpc-port", TRITON_GRPC_PORT)
-
-
-def http_port_of(args: list[str]) -> int:
-    """The ``--http-port`` among tritonserver's arguments, else Triton's default."""
-    return _port_of(args, "--http-port", TRITON_HTTP_PORT)
-
-
-def _port_of(args: list[str], option: str, default: int) -> int:
-    try:
-        return int(_last_value(args, option) or default)
-    except ValueError:
-        return default  # tritonserver refuses it itself
+        return ServerStop(drained, killed=True)
+    return ServerStop(drained, killed=False)
 
 
 def replica_health_from(environ: Mapping[str, str], args: list[str]) -> ReplicaHealth | None:
@@ -295,78 +244,6 @@ def replica_health_from(environ: Mapping[str, str], args: list[str]) -> ReplicaH
         return ReplicaHealth(port, http_port_of(args), Path(leaving) if leaving else None)
     except OSError as err:
         raise ValueError(f"{HEALTH_PORT_ENV}={value}: cannot listen on it ({err.strerror or err})") from None
-
-
-def _python_setting(args: list[str], option: str) -> str | None:
-    """The value tritonserver's ``args`` give the Python backend's ``option`` (``--backend-config=python,
-    <option>=<value>``; the last one), else None."""
-    setting = f"python,{option}="
-    values = [value[len(setting):] for value in _values(args, "--backend-config") if value.startswith(setting)]
-    return values[-1] if values else None
-
-
-def configured_prefix(args: list[str]) -> str | None:
-    """The Python backend's region prefix tritonserver's ``args`` set (the last one), else None."""
-    return _python_setting(args, PREFIX_OPTION)
-
-
-def bls_threads_argument(num_threads: int = BLS_THREADS) -> str:
-    """tritonserver's argument that gives the Python backend ``num_threads`` threads for Business Logic Scripting."""
-    return f"--backend-config=python,{THREAD_POOL_OPTION}={int(num_threads)}"
-
-
-def with_bls_threads(args: list[str]) -> list[str]:
-    """tritonserver's ``args`` with :data:`BLS_THREADS` threads for Business Logic Scripting, unless they set a
-    number."""
-    if _python_setting(args[1:], THREAD_POOL_OPTION) is not None:
-        return args
-    return [*args, bls_threads_argument()]
-
-
-def keepalive_ping_arguments() -> list[str]:
-    """tritonserver's arguments for :data:`KEEPALIVE_PING_ARGUMENTS`."""
-    return [f"{flag}={value}" for flag, value in KEEPALIVE_PING_ARGUMENTS.items()]
-
-
-def with_keepalive_pings(args: list[str]) -> list[str]:
-    """tritonserver's ``args`` with :data:`KEEPALIVE_PING_ARGUMENTS` each, unless they set it."""
-    return [*args, *(argument for argument in keepalive_ping_arguments()
-                     if _last_value(args[1:], argument.partition("=")[0]) is None)]
-
-
-def with_region_prefix(args: list[str]) -> tuple[list[str], str]:
-    """tritonserver's ``args`` with the Python backend's shared-memory regions named after the gRPC port
-    (:mod:`prepos.shm_regions`), unless they name them already; and their prefix."""
-    prefix = configured_prefix(args[1:])
-    if prefix:
-        return args, prefix
-    prefix = region_prefix(grpc_port_of(args[1:]))
-    return [*args, backend_config_argument(prefix)], prefix
-
-
-RESTRICTION_FLAGS = ("--grpc-restricted-protocol", "--http-restricted-api")
-
-
-def with_tokens_trimmed(args: list[str]) -> list[str]:
-    """tritonserver's ``args`` with the access token of each restriction (``FLAG=PROTOCOLS:HEADER=TOKEN``) taken
-    without the whitespace around it, with a warning: the chart puts a Secret's value there as it is, and one made
-    from a file ending in a newline made Triton want a header value no client can send (every call refused).
-    Raises ValueError for a token that is empty, or blank."""
-    trimmed = []
-    for arg in args:
-        flag, eq, value = arg.partition("=")
-        protocols, colon, setting = value.partition(":")
-        header, eq2, token = setting.partition("=")
-        if flag in RESTRICTION_FLAGS and eq and colon and eq2:
-            if not token.strip():
-                raise ValueError(f"{flag}: the access token for header {header!r} is empty (the Secret that holds "
-                                 "it is empty, or its key is another)")
-            if token != token.strip():
-                log.warning("%s: the access token for header %r has whitespace around it (a Secret made from a file "
-                            "that ends in a newline, say); it is taken without it", flag, header)
-                arg = f"{flag}={protocols}:{header}={token.strip()}"
-        trimmed.append(arg)
-    return trimmed
 
 
 def check_files(environ: Mapping[str, str]) -> None:
@@ -503,15 +380,15 @@ def main(argv: list[str] | None = None) -> int:
             if lost:
                 log.error("%s; stopping it, to be restarted (sessions resume from their journals)", describe_lost(lost))
                 break
-    drained = False
+    stop = ServerStop(drained=False, killed=False)
     if health is not None:
         health.leave()  # before the drain: a router stops placing sessions here
     if child.poll() is None:
         continue_if_stopped(child.pid)
         drain_file = drain_file_from(os.environ)
         log.info("stopping tritonserver (pid %d)%s", child.pid, " after a drain" if drain_file else "")
-        drained = stop_server(child, drain_file=drain_file, exit_timeout_s=exit_timeout_of(args),
-                              timeout_s=LOST_STUB_STOP_S if lost else None)
+        stop = stop_server(child, drain_file=drain_file, exit_timeout_s=exit_timeout_of(args),
+                           timeout_s=LOST_STUB_STOP_S if lost else None)
     _kill_group(child.pid)  # returns once they have exited: zombies, for init to reap
     if health is not None:
         health.close()
@@ -521,11 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     code = child.returncode
     if not (lost or stopping.is_set()):
         log.log(logging.ERROR if code else logging.WARNING, "tritonserver %s", describe_exit(code))
-    elif code != -signal.SIGKILL:  # a SIGKILL here is stop_server's own, which it logged
+    elif not stop.killed:  # stop_server's own SIGKILL it logged; another (the OOM killer, in the drain) is told
         log.log(logging.WARNING if code else logging.INFO, "tritonserver %s, once asked to stop", describe_exit(code))
     if lost:
         return 1  # not asked to stop: restart it
-    if drained:
+    if stop.drained:
         return 0  # stopped as asked, nothing in flight lost, even if it had to be killed
     return 128 - code if code < 0 else code
 

@@ -208,6 +208,20 @@ def test_how_a_server_asked_to_stop_ended_is_logged_and_passed_on(tmp_path):
     assert "tritonserver was killed by SIGSEGV (signal 11): it crashed" in log and "once asked to stop" in log, log
 
 
+def test_a_sigkill_from_elsewhere_during_the_stop_is_told_as_such(tmp_path):
+    """Only the supervisor's own SIGKILL goes untold (it says so when it sends it): one from the out-of-memory
+    killer during a drain was taken for it."""
+    supervisor, _ = supervise(tmp_path, None, "--exit-timeout-secs=60")
+    (server,) = [child for child in psutil.Process(supervisor.pid).children() if child.pid != supervisor.pid]
+    supervisor.send_signal(signal.SIGTERM)
+    time.sleep(1.0)  # the stand-in ignores SIGTERM: the supervisor waits for it
+    server.kill()
+    _, log = supervisor.communicate(timeout=30)
+    assert supervisor.returncode == 128 + signal.SIGKILL, log
+    assert "tritonserver was killed by SIGKILL (signal 9): the kernel's out-of-memory killer, or someone, killed it" \
+        ", once asked to stop" in log, log
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--exit-timeout-secs=100"], 100.0),
     (["--exit-timeout-secs", "7", "--log-verbose=1"], 7.0),
@@ -363,11 +377,11 @@ def test_an_exit_is_described_by_its_status_or_its_signal(code, said):
 def test_an_access_token_with_whitespace_around_it_is_trimmed_and_an_empty_one_refused(tmp_path, caplog):
     """The chart puts the Secret's value in tritonserver's arguments as it is: a Secret made from a file ending in
     a newline made Triton want a header value no client can send, and every call was refused."""
-    from prepos.supervise import with_tokens_trimmed
+    from prepos.triton_args import with_tokens_trimmed
 
     args = ["tritonserver", "--grpc-restricted-protocol=inference,health:prepos-access-token=abc=def\n",
             "--http-restricted-api=inference:prepos-access-token= tok ", "--log-verbose=0"]
-    with caplog.at_level("WARNING", logger="prepos.supervise"):
+    with caplog.at_level("WARNING", logger="prepos.triton_args"):
         assert with_tokens_trimmed(args) == ["tritonserver",
                                              "--grpc-restricted-protocol=inference,health:prepos-access-token=abc=def",
                                              "--http-restricted-api=inference:prepos-access-token=tok",

@@ -372,11 +372,13 @@ def test_the_supervisor_as_pid_1_reaps_orphans_drains_and_exits_cleanly(tmp_path
         wait_until_ready(http, namespace, lambda: (tmp_path / "supervised.log").read_text()[-3000:])
         (supervisor,) = psutil.Process(namespace.pid).children()
         # an orphan in the namespace: `sleep` outlives the shell that started it, and PID 1 inherits it
-        subprocess.run(["nsenter", "--target", str(supervisor.pid), "--pid", "--", "sh", "-c", "sleep 0.2 &"],
+        subprocess.run(["nsenter", "--target", str(supervisor.pid), "--pid", "--", "sh", "-c", "sleep 1 &"],
                        check=True, timeout=10)
-        time.sleep(1.5)
-        zombies = [p for p in supervisor.children() if p.status() == psutil.STATUS_ZOMBIE]
-        assert not zombies, zombies
+        orphans = [p for p in supervisor.children() if p.name() == "sleep"]
+        assert len(orphans) == 1, supervisor.children()  # it is the supervisor's to reap
+        orphans[0].wait(5)  # and gone once it exits: reaped (psutil would see a zombie it left)
+        time.sleep(0.5)
+        assert not [p for p in supervisor.children() if p.status() == psutil.STATUS_ZOMBIE]
         client = Client(f"127.0.0.1:{grpc}")
         held = client.session("held")
         held.append(SYSTEM, role="system")
