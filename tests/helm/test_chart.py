@@ -633,6 +633,11 @@ def test_a_read_only_root_filesystem_keeps_the_drain_and_leaving_files_writable(
     for variable in ("PREPOS_SCHEDULER_DRAIN_FILE", "PREPOS_LEAVING_FILE"):
         mount = mounts[str(PurePosixPath(env[variable]).parent)]
         assert not mount.get("readOnly") and volumes[mount["name"]]["emptyDir"] == {}, variable
+    # the caches under ~ (OpenAI Triton's compiled scan kernel, the CPU kernels) go under /tmp too, and the engine
+    # build (a checkpoint's caches) gets /tmp as well
+    assert env["TRITON_CACHE_DIR"].startswith("/tmp/") and env["XDG_CACHE_HOME"].startswith("/tmp/")
+    build = next(c for c in statefulset["spec"]["template"]["spec"]["initContainers"] if c["name"] == "engine-build")
+    assert "/tmp" in {m["mountPath"] for m in build["volumeMounts"]} and env_of(build)["XDG_CACHE_HOME"] == "/tmp/cache"
     validate_all(objects)
     # a writable root keeps its pod template as it was (no roll of running replicas)
     plain = container(one(render(chart, MINIMAL), "StatefulSet"), "triton")
@@ -1292,3 +1297,11 @@ def test_readme_gpu_node_pool_example_renders_and_validates(chart):
     for obj in objects:
         if obj["kind"] != "ServiceMonitor":
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_an_autoscaler_on_another_exporters_metric_needs_no_prepos_metrics(chart):
+    # only prepos's own metrics (prepos_*) go away with metrics.enabled false; a GPU exporter's stay
+    values = with_minimal(autoscaling={"enabled": True, "metricName": "DCGM_FI_DEV_GPU_UTIL",
+                                       "targetAverageValue": "80"}, metrics={"enabled": False})
+    hpa = one(render(chart, values), "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "DCGM_FI_DEV_GPU_UTIL"
