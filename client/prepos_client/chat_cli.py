@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .cli import (EXIT_INTERRUPTED, EXIT_OK, EXIT_SERVER_ERROR, add_connection_arguments, add_generation_arguments,
                   add_session_arguments, answer_status, check_session_arguments, connect, dim, generation_options,
-                  open_session, settle_for_message, stream_answer, told, update_status)
+                  open_session, session_hint, settle_for_message, stream_answer, told, update_status)
 from .errors import PreposError, PreposUnavailable
 from .session import Session
 
@@ -23,7 +23,8 @@ CHAT_HELP = """commands:
   /append TEXT   append TEXT without asking for an answer
   /role ROLE     role of the next delta (user, tool, system); dropped if that line is refused
   /quit          leave, closing the session unless --keep-open (also Ctrl-D, Ctrl-C)
-  /help          this text"""
+  /help          this text
+a line that starts with / is a command (an unknown one is refused); start it with a space to send it as text"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                     session.append(args.system, role="system")
                 if lines.interactive:
                     print(dim(f"session {session.session_id} on {args.url}; /help for commands"), file=sys.stderr)
-                _chat_loop(session, options, lines)
+                _chat_loop(session, options, lines, args)
         except KeyboardInterrupt:
             sys.stdout.write("\n")
             interrupted = True
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_SERVER_ERROR if lines.num_refused else EXIT_OK
 
 
-def _chat_loop(session: Session, options: dict, lines: _Lines) -> None:
+def _chat_loop(session: Session, options: dict, lines: _Lines, args: argparse.Namespace) -> None:
     """Run the chat's lines, counting those refused in ``lines``."""
     role = None
     while (line := lines.read()) is not None:
@@ -135,4 +136,4 @@ def _chat_loop(session: Session, options: dict, lines: _Lines) -> None:
             if role is not None:  # it went with the refused line (a role the model has no framing for, say): the
                 # next line was not written for it
                 role, reset = None, f" [/role {role} dropped: the next turns take the default role]"
-            lines.refuse(f"{told(error)}{reset}")
+            lines.refuse(f"{told(error)}{session_hint(error, args)}{reset}")

@@ -284,9 +284,9 @@ def read_trace(path: str | Path) -> list[SessionTrace]:
     ``user``), ``choices`` (list of str or null) and ``expected`` (str or
     null) are optional. Steps of one session may be interleaved with other
     sessions' steps; each session keeps its steps in file order, and sessions
-    come in the order they first appear. Values are checked for type only:
-    whether the server accepts them (a negative ``max_tokens``, say) is the
-    server's to decide.
+    come in the order they first appear. Values are checked for type only (and
+    ``max_tokens`` for the INT32 the server's input is): whether the server
+    accepts them (a negative ``max_tokens``, say) is the server's to decide.
 
     Raises:
         TraceFormatError: a line is not UTF-8 text or not a JSON object, a

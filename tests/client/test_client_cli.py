@@ -687,3 +687,14 @@ def test_an_address_without_a_port_is_said_to_have_been_dialled_on_443():
 def test_spaces_around_choices_are_dropped():
     # "yes, no" sent " no", a token of its own that was all but never chosen
     assert parse(["ask", "x", "--choices", "yes, no ,maybe so"]).choices == ["yes", "no", "maybe so"]
+
+
+def test_chat_says_which_flag_would_do_and_sends_a_line_with_a_leading_space_as_text(fake_triton, stdin, capsys):
+    stdin(" /etc/hosts is a file\n")
+    assert cli.main(["chat", "--max-tokens", "3"]) == cli.EXIT_OK
+    assert fake_triton[-1].requests[0].inputs["text_input"][0] == b" /etc/hosts is a file"
+    fake_triton.responder = lambda request: [InferenceServerException(
+        msg="START: session 's' is already open [ALREADY_EXISTS]")]
+    stdin("hi\n")
+    assert cli.main(["chat", "--session-id", "s"]) == cli.EXIT_SERVER_ERROR
+    assert "(to go on with that session, add --continue)" in capsys.readouterr().err
