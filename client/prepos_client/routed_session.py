@@ -201,6 +201,10 @@ class RoutedSession:
         try:
             replica = self._client.owner(self.session_id)
         except LookupError:
+            if send_again and self.wait_for_ready and not session.wait_for_ready:
+                # Its replica was not the last on the ring when the call went out, and is now (another session's
+                # call took the others off it meanwhile): sent again, the call waits for it, as it would have.
+                return
             raise error from None
         try:
             session.detach()

@@ -51,7 +51,9 @@ was under way) may have been accepted there before the connection broke: it
 is not sent again (the new owner, reopening the session from the shared
 journal, may hold its turn already). The session moves all the same, and the
 call raises the `PreposUnavailable`, as `Session` does; the next call goes on
-on the new owner. Only refusals that changed nothing (no server to connect
+on the new owner. (A stream that broke after the answer's first chunk raises
+as it is, and the session moves at its next call, which finds the replica
+gone.) Only refusals that changed nothing (no server to connect
 to, a drain, a model no longer served) are sent again, so a turn is taken
 once across a failover too.
 

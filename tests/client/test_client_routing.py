@@ -395,6 +395,28 @@ def test_with_wait_for_ready_a_session_still_moves_while_another_replica_is_on_t
     assert session.ask("again").text == "again" and session.replica == REPLICAS[1]
 
 
+def test_with_wait_for_ready_a_call_that_finds_its_replica_the_last_one_only_when_it_fails_waits_too(replicas):
+    """A full outage, two sessions' calls at once: one went out while the other replica was still on the ring (so
+    without waiting), and failed after the other call had taken that replica off it. It raised at once."""
+    rules = SessionRules()
+    client = RoutedClient(REPLICAS[:2], timeout_s=10, wait_for_ready=True)
+    (session_id,) = session_ids_on(REPLICAS[1], client.ring, 1)
+    session = client.session(session_id)
+    session.append("system", role="system")
+    replicas.dead.update(REPLICAS[:2])
+
+    def respond(url, request):
+        if url in replicas.dead:
+            client.lose_replica(REPLICAS[0])  # the other session's call, meanwhile
+            return [unavailable()]
+        return rules(request)
+
+    replicas.respond = respond
+    back_after(replicas, REPLICAS[1], 2)
+    assert session.ask("hello").text == "hello"
+    assert session.replica == REPLICAS[1] and not session.failovers
+
+
 def test_with_wait_for_ready_a_replica_back_since_is_asked_before_the_session_waits_for_its_own(replicas):
     """A rolling update with no placement between its steps: the other replica left the ring and came back, but
     nothing asked it since. The session's replica going down moves the session there, rather than waiting."""
