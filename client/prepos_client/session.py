@@ -111,7 +111,8 @@ class Session:
 
     @property
     def closed(self) -> bool:
-        """True once the session was closed (END acknowledged) or detached."""
+        """True once the session was closed (END acknowledged), detached, or its `close` raised (released here,
+        whatever became of the END)."""
         return self._requests.closed
 
     @property
@@ -256,7 +257,11 @@ class Session:
         sequence is left behind (the server opens and closes the session at once).
         If that timed-out request carried END itself and the server accepted it,
         nothing more is sent and None is returned. The connection is released
-        even when END fails; the error is raised after that.
+        even when END fails; the error is raised after that, and this object
+        counts as closed (a second `close` sends nothing). Where the END did not
+        reach the server (it was down), the server ends the session at its idle
+        timeout, keeping its journal until `journal.expire_s`; to end it sooner,
+        open it again (`Client.session(session_id, resume=True)`) and close that.
         """
         requests = self._requests
         if requests.closed:
