@@ -196,6 +196,10 @@ class RoutedSession:
         """Move the session off `session`'s replica; raise `error` when its request is not to be sent again, or
         when no replica is left (the session then stays on its replica, to resume there once it is back)."""
         why, send_again = moves
+        if self._session is not session:  # a request sent before this one's failure moved the session already
+            if not send_again:
+                raise error
+            return
         lost = session.url
         self._client.lose_replica(lost, draining=says_draining(error))
         try:

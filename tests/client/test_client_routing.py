@@ -655,3 +655,17 @@ def test_a_routed_session_cancels_on_its_replica(replicas):
     session._session.cancel = lambda: stopped.append(session.replica)
     session.cancel()
     assert stopped == [session.replica]
+
+
+def test_pipelined_requests_on_a_replica_that_died_move_the_session_once(replicas):
+    """Each of three requests sent before any was read failed over again: three moves listed for one, a new
+    session opened on the new owner each time, and the stream of the request sent again there left open."""
+    client = RoutedClient(REPLICAS[:2], timeout_s=10)
+    (session_id,) = session_ids_on(REPLICAS[0], client.ring, 1)
+    session = client.session(session_id)
+    session.append("system", role="system")
+    replicas.dead.add(REPLICAS[0])
+    pipelined = [session.generate(text) for text in ("one", "two", "three")]
+    assert ["".join(chunk.text for chunk in chunks) for chunks in pipelined] == ["one", "two", "three"]
+    assert [(f.from_replica, f.to_replica) for f in session.failovers] == [(REPLICAS[0], REPLICAS[1])]
+    assert len([fake for fake in replicas.created if fake.url == REPLICAS[1]]) == 1  # one session opened there
