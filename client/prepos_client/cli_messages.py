@@ -61,6 +61,12 @@ def unreachable_hint(error: PreposUnavailable, args: argparse.Namespace) -> str:
             getattr(args, "tls_ca", None) is not None else "the TLS handshake failed"
     if "ssl" in message or "tls" in message:
         return "a TLS problem (--tls, --tls-ca)?"
+    if "expected settings frame" in message or "failed parsing http/2" in message:
+        return ("the server there does not speak gRPC (HTTP/1: Triton's HTTP port, 8000 by default?); --url takes "
+                "the gRPC port, 8001 by default")
+    if message.endswith("socket closed"):  # what Triton's HTTP and metrics ports do with a gRPC connection
+        return ("the server there closed the connection at once: is --url its gRPC port (8001 by default), not its "
+                "HTTP (8000) or metrics (8002) one?")
     url = getattr(args, "url", "")
     if url and re.search(r":443(?!\d)", message) and not re.search(r":\d+$", url.rsplit("]", 1)[-1]):
         return "--url names no port, so gRPC tried 443; the server's gRPC port is 8001 unless set otherwise"

@@ -698,3 +698,16 @@ def test_chat_says_which_flag_would_do_and_sends_a_line_with_a_leading_space_as_
     stdin("hi\n")
     assert cli.main(["chat", "--session-id", "s"]) == cli.EXIT_SERVER_ERROR
     assert "(to go on with that session, add --continue)" in capsys.readouterr().err
+
+
+def test_an_http_port_given_as_the_grpc_address_is_said_to_be_one():
+    from prepos_client import PreposUnavailable
+
+    error = PreposUnavailable("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:8000: "
+                              "Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame, got frame type 72)")
+    hint = cli.unreachable_hint(error, parse(["ask", "x", "--url", "127.0.0.1:8000"]))
+    assert "does not speak gRPC" in hint and "8001" in hint
+    # Triton's own HTTP and metrics ports close a gRPC connection at once
+    closed = PreposUnavailable("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:8000: "
+                               "Socket closed")
+    assert "not its HTTP (8000) or metrics (8002) one?" in cli.unreachable_hint(closed, parse(["ask", "x"]))
