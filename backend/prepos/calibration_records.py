@@ -73,11 +73,12 @@ class DecisionRecord:
 
     @classmethod
     def from_json(cls, line: str) -> "DecisionRecord":
-        """The record a line holds; ValueError (or KeyError, TypeError) for a line that holds none: a field
-        missing, unknown or of the wrong type, a count below 0, a probability outside [0, 1]."""
+        """The record a line holds. For a line that holds none: ValueError naming a value out of its type or
+        range (a count below 0, a probability outside [0, 1]), KeyError or TypeError for a field missing or
+        unknown, or JSON that is not a record's shape."""
         data = json.loads(line)
         if not isinstance(data, dict) or not isinstance(data.get("variants"), dict) or not data["variants"]:
-            raise ValueError("not a record")
+            raise TypeError("not a record")
         data["answer_ids"] = tuple(data["answer_ids"])
         data["variants"] = {k: SpeculativeFeatures(**v) for k, v in data["variants"].items()}
         record = cls(**data)
@@ -112,7 +113,6 @@ def _check_record(record: DecisionRecord) -> None:
     for name, ok in checks:
         if not ok:
             raise ValueError(f"{name}: not a value a replay writes")
-
 
 
 def _decision(record: DecisionRecord) -> tuple:
@@ -163,8 +163,9 @@ def read_records(path: str | Path) -> tuple[dict, list[DecisionRecord]]:
             if number == len(lines) - 1 and isinstance(error, json.JSONDecodeError) and line.startswith("{"):
                 log.warning("%s: ignoring a truncated last line", path)
                 continue
+            # a value out of its type or range is named (ValueError); a line of another shape is not a record
             said = f" ({error})" if isinstance(error, ValueError) and not isinstance(error, json.JSONDecodeError) \
-                and str(error) != "not a record" else ""
+                else ""
             raise ValueError(f"{path}:{number + 1}: not a calibration record{said}") from None
         if not header:  # every records file starts with one: this one was not written by a replay
             raise ValueError(f"{path}:{number + 1}: not a calibration records file (no header line before it)")

@@ -8,7 +8,8 @@ client commands never pay for the server's imports).
 
 Exit codes: 0 ok, 1 the server rejected a request (the message names the
 field), its model is not ready, or a call ran out of --timeout (or the output
-could not be written), 2 usage, 3 the server cannot be reached, 130 interrupted, 141 the reader of the output went away. `chat` reading lines
+could not be written), 2 usage, 3 the server cannot be reached, 130
+interrupted, 141 the reader of the output went away. `chat` reading lines
 from a pipe or file goes on after a refused line (or one that is not UTF-8)
 and exits 1 at the end when any was refused, 130 when interrupted; at a
 terminal it exits 0.
