@@ -1081,6 +1081,9 @@ def test_a_router_config_past_a_configmaps_1_mib_fails_the_render(chart):
         render_long(1024)
     assert ("the router's ConfigMap (its key envoy.yaml and the config) would be 1055724 bytes, past the 1 MiB "
             "(1048576 bytes) Kubernetes allows a ConfigMap: it lists 1024 replica names") in str(raised.value)
+    # the README's bound: 1024 names fit with the longest release and namespace under a 30-character clusterDomain
+    values = with_minimal(replicaCount=1024, clusterDomain="c" * 25 + ".test")
+    assert chart.render(values=values, name="r" * 53, namespace="n" * 63, is_install=True)
 
 
 def test_images_pinned_by_tag_or_digest(chart):
