@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 from prepos_client import Client, PreposError, PreposTimeout
 
 from .conftest import start_server
-from .test_server import eventually, wait_positioned
+from .test_server import eventually, settled, wait_positioned
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +78,7 @@ def test_an_update_queued_behind_a_cancelled_answer_is_cancelled_too(server):
     want = open_with_twin(server, "queued")
 
     cancelled_before = server.metric("prepos_requests_abandoned_total", reason="cancelled")
-    appended_before = server.metric("prepos_requests_total", path="append")
+    appended_before = settled(lambda: server.metric("prepos_requests_total", path="append"))  # the opening's too
     results: queue.Queue = queue.Queue()
     raw = grpcclient.InferenceServerClient(server.grpc_url)
     raw.start_stream(lambda result, error: results.put((result, error)))

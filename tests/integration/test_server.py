@@ -41,6 +41,20 @@ def eventually(condition, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def settled(read, quiet_s: float = 0.5, timeout_s: float = 10.0):
+    """The value of ``read()`` once it stayed the same for ``quiet_s``: a count recorded for a request just answered
+    is published only when the server's engine loop next goes idle, so a baseline read at once may miss it."""
+    deadline = time.monotonic() + timeout_s
+    value, since = read(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, "the value never settled"
+        time.sleep(0.05)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
+
+
 def wait_positioned(server, completed_before: float, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while server.metric("prepos_prepositionings_total", result="completed") <= completed_before:
@@ -423,8 +437,9 @@ def test_http_bad_values_are_named_before_they_reach_the_session(server, engine_
     def refusals(model):
         return [server.metric("prepos_request_errors_total", model=model, field=field) for field in fields]
 
-    bridge_before, prepos_before = refusals("prepos_http"), refusals("prepos")
-    deadlines_before = server.metric("prepos_requests_abandoned_total", model="prepos", reason="deadline")
+    bridge_before, prepos_before = refusals("prepos_http"), settled(lambda: refusals("prepos"))
+    deadlines_before = settled(lambda: server.metric("prepos_requests_abandoned_total", model="prepos",
+                                                     reason="deadline"))
     for body, status_want, start in (
             # a whole number INT32 cannot hold: named by the bridge (Triton alone would store 4294967299 as 3)
             ({"max_tokens": 4294967299}, 400, "max_tokens: 4294967299 does not fit INT32"),
