@@ -181,7 +181,7 @@ class Steady(User):
     wait_time = constant(0.02)
 
     def on_start(self):
-        (MARKS / "started").touch()
+        (MARKS / f"started-{id(self)}").touch()  # one mark per user
 
     def on_stop(self):
         (MARKS / "stopped").touch()
@@ -223,7 +223,7 @@ def _start_interruptible(tmp_path, stuck: bool, loadtests) -> subprocess.Popen:
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     loadtests.append(process)
     deadline = time.monotonic() + 60
-    while not (tmp_path / "started").exists():
+    while len(list(tmp_path.glob("started-*"))) < 2:  # both users: each one's END is counted below
         assert process.poll() is None, process.communicate()[0]
         assert time.monotonic() < deadline, "the users never started"
         time.sleep(0.1)
