@@ -169,9 +169,12 @@ class RequestServer:
         self._reject(request, sink, closed_all_the_same(err) if request.end and not request.start else err)
 
     def _abandon(self, session: Session, request: Request, sink: ResponseSink, abandoned: _Abandoned) -> None:
+        """Answer a request stopped by its deadline or its client with that error; one carrying END (not START)
+        closes its session all the same (:meth:`serve`), and says so: "its turn was not accepted" alone read as
+        "nothing changed", and an END sent again found no session."""
         self._metrics.request_abandoned(abandoned.reason)
         log.info("session %r request %r stopped: %s", session.session_id, request.request_id, abandoned)
-        sink.send_error(abandoned.error)
+        sink.send_error(closed_all_the_same(abandoned.error) if request.end and not request.start else abandoned.error)
 
     def _check_alive(self, request: Request, sink: ResponseSink, cancel_check: bool = True) -> None:
         """Raise _Abandoned when the request's deadline has passed or (``cancel_check``) its client went away."""

@@ -183,8 +183,9 @@ class SessionRequests:
                     inflight = again
                     continue
                 error = self._settle(inflight, delivery.error) or delivery.error
-                if isinstance(error, PreposTimeout) and inflight.closes_session:  # stopped at the server's deadline
-                    raise error.reworded(f"{error.message}; {ENDED_ANYWAY}")  # accepted: False, as the server said
+                if isinstance(error, PreposTimeout) and inflight.closes_session and ENDED_ANYWAY not in error.message:
+                    # stopped at the server's deadline (where its error does not say so itself); accepted: False
+                    raise error.reworded(f"{error.message}; {ENDED_ANYWAY}")
                 raise error
             chunk = parse_chunk(
                 delivery.result,

@@ -856,16 +856,19 @@ def test_pipelined_requests_refused_as_not_open_leave_the_reopening_to_the_next_
     assert [r.sequence_start for r in fake_triton[0].requests] == [True, False, False, True]
 
 
-
-
-def test_the_servers_deadline_error_for_a_request_that_carried_end_says_it_was_not_accepted(fake_triton):
+@pytest.mark.parametrize("says_closed", [False, True])
+def test_the_servers_deadline_error_for_a_request_that_carried_end_says_it_was_not_accepted(fake_triton,
+                                                                                              says_closed):
+    """The server's own error says the session closed all the same (an older one's did not): said once."""
     session = open_session(session_id="s")
+    closed = "; the request carried END, so the session is closed all the same" if says_closed else ""
     deadline = InferenceServerException(msg="timeout: the request's deadline passed before it finished; its turn "
-                                            "was not accepted [DEADLINE_EXCEEDED]")
+                                            f"was not accepted{closed} [DEADLINE_EXCEEDED]")
     fake_triton[0].responder = lambda request: [deadline] if request.sequence_end else echo_responder(request)
     session.append("context")
     with pytest.raises(PreposTimeout, match="carried END, so the session is closed") as raised:
         session.ask("hi", end=True)
+    assert str(raised.value).count("carried END") == 1
     assert raised.value.accepted is False and raised.value.field == "timeout" and session.closed
 
 

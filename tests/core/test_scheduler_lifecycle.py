@@ -104,6 +104,24 @@ def test_a_request_past_its_deadline_stops_with_a_deadline_error(tmp_path):
     assert len(h.engine.calls) == calls  # expired before it started: no engine work
 
 
+def test_an_end_whose_deadline_passed_says_that_it_closed_the_session_all_the_same(tmp_path):
+    """Triton ends the sequence at END whatever the model answers: an END whose answer ran past its deadline
+    closed the session while its error said only "its turn was not accepted"."""
+    h = Harness(tmp_path, token_time_s=0.001, step_time_s=0.005, logits_fn=endless_logits)
+    open_session(h)
+    request = dataclasses.replace(h.request("s1", "count to fifty", max_tokens=50, end=True),
+                                  deadline_s=h.clock() + 0.05)
+    sink = run_until(h, h.submit(request))
+    assert sink.error.status is Status.DEADLINE_EXCEEDED and sink.error.field == "timeout"
+    assert sink.error.problem.endswith("its turn was not accepted; the request carried END, so the session is "
+                                       "closed all the same")
+    assert h.sched.store.get("s1") is None
+    one_turn = dataclasses.replace(h.request("s2", "count to fifty", max_tokens=50, start=True, end=True),
+                                   deadline_s=h.clock() + 0.05)
+    sink = run_until(h, h.submit(one_turn))  # opened by the request itself: nothing to say of a session
+    assert sink.error.status is Status.DEADLINE_EXCEEDED and "carried END" not in str(sink.error)
+
+
 def test_a_request_waiting_behind_a_long_answer_is_answered_when_its_deadline_passes(tmp_path):
     """A request queued behind its session's long answer gets its deadline error once the deadline passes, while
     that answer still streams, not when its turn comes; the requests behind it keep their order."""
