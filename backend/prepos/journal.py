@@ -39,6 +39,7 @@ directory as long as only one of them serves a given session at a time.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -165,7 +166,12 @@ class SessionJournal:
                     if self._left_as.get(path) == _identity(before):
                         self._left_as[path] = _identity(os.fstat(fd))
                 raise
-            self._left_as[path] = _identity(os.fstat(fd))
+            # This server's note follows its own write, unless another server had written the journal since this
+            # one last did (a turn of the session's client taken there meanwhile): then the note stays behind, and
+            # change_elsewhere() says CHANGED, so this server goes on from the journal, where both turns are.
+            after, noted = os.fstat(fd), self._left_as.get(path)
+            if noted is None or (noted == _identity(before) and after.st_size == before.st_size + len(record)):
+                self._left_as[path] = _identity(after)
         finally:
             os.close(fd)
 
@@ -189,7 +195,8 @@ class SessionJournal:
         return expired
 
     def delete(self, session_id: str | int, *, only_if_unchanged: bool = False) -> bool:
-        """Delete the session's journal (closing: END or idle timeout); no error when there is none. With
+        """Delete the session's journal (closing: END or idle timeout); no error when there is none, but
+        FileNotFoundError when the directory is gone too (its volume may come back, the journal with it). With
         ``only_if_unchanged`` (an idle timeout), not when another server has reopened or written it since this one
         last did: that server holds the session now (replicas sharing the directory). Returns whether it was
         deleted."""
@@ -204,7 +211,11 @@ class SessionJournal:
                 log.info("journal of session %r changed since this server last wrote it: another server holds "
                          "the session now; kept", session_id)
                 return False
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            if not self.directory.is_dir():  # a volume gone for a moment: the journal may come back with it
+                raise FileNotFoundError(errno.ENOENT, "the journal directory is gone", str(self.directory)) from None
         return True
 
     def change_elsewhere(self, session_id: str | int) -> str | None:

@@ -43,6 +43,17 @@ KEPT_PREFIXES = ("kept prefixes",)
 """The ledger's entry for the engine's kept prefixes (closed sessions' opening turns); no session id is a tuple."""
 
 
+def foreign_token(turns: Sequence[Sequence[int]], vocab_size: int) -> str:
+    """The first token id of ``turns`` outside ``[0, vocab_size)``, described (``turn 3 holds token id 50000,
+    outside this model's vocabulary [0, 49152)``); empty when there is none."""
+    for index, turn in enumerate(turns):
+        for token_id in turn:
+            if not 0 <= token_id < vocab_size:
+                return (f"turn {index + 1} holds token id {token_id}, outside this model's vocabulary "
+                        f"[0, {vocab_size})")
+    return ""
+
+
 class Residency:
     """Open sessions, their KV bytes against the budget, and their journals."""
 
@@ -109,6 +120,12 @@ class Residency:
                                 "which replaces it", Status.INTERNAL) from None
         if recovered is None:
             return None
+        problem = foreign_token(recovered.turns, self._engine.info.vocab_size)
+        if problem:  # every answer would fail on it: refused now, naming the journal, as an unreadable one is
+            log.error("session %r: its journal cannot reopen it: %s", session_id, problem)
+            raise ProtocolError("journal", f"the session journal cannot reopen it ({problem}: written by a server "
+                                "with another model?); it is left as it is on the server, for inspection; send START "
+                                "without resume to begin a new session, which replaces it", Status.INTERNAL)
         session = self.store.open(session_id, self._clock())
         for turn in recovered.turns:
             session.append(turn)

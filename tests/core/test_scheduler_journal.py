@@ -332,6 +332,27 @@ def test_a_journal_with_a_damaged_header_fails_its_resume_naming_the_journal_not
     assert SessionJournal(journal_dir, fsync=False).recover("s1").token_log == h2.log("s1")
 
 
+def test_a_journal_holding_token_ids_outside_the_vocabulary_fails_its_resume_naming_the_journal(tmp_path):
+    """A journal another model's server wrote (replicas on one directory, a model changed between restarts) reads
+    back fine: its resume succeeded, and every answer after failed as an internal error."""
+    from prepos.journal import JournalEntry
+
+    journal_dir = tmp_path / "journal"
+    h = restarted(tmp_path, journal_dir)
+    open_session(h)
+    h.serve(h.request("s1", "first question", max_tokens=2))
+    vocab = h.engine.info.vocab_size
+    journal = SessionJournal(journal_dir, fsync=False)
+    journal.append("s1", JournalEntry(token_ids=(1, vocab), role="user", choices=None))  # the third turn
+    before = journal.path("s1").read_bytes()
+    h2 = restarted(tmp_path, journal_dir)
+    refused = h2.serve(h2.request("s1", "again?", max_tokens=2, start=True, resume=True))
+    assert refused.error.field == "journal" and refused.error.status is Status.INTERNAL
+    assert f"turn 3 holds token id {vocab}, outside this model's vocabulary [0, {vocab})" in str(refused.error)
+    assert journal.path("s1").read_bytes() == before and h2.sched.store.get("s1") is None
+    assert h2.serve(h2.request("s1", "anew", max_tokens=2, start=True)).error is None  # replaces it
+
+
 def test_a_session_ended_on_another_server_is_no_longer_held_here(tmp_path):
     """Its client moved to a second server and ended the session there (the journal deleted). The first server's
     copy is stale: a request to it is refused as not open (not failed as a journal write), a resume finds no
@@ -345,6 +366,45 @@ def test_a_session_ended_on_another_server_is_no_longer_held_here(tmp_path):
     assert first.metrics.sink.get("prepos_request_errors_total", field="journal") == 0
     resumed = first.serve(first.request("moved", "still here?", max_tokens=2, start=True, resume=True))
     assert resumed.error.field == "resume" and resumed.error.status is Status.NOT_FOUND
+
+
+def test_a_turn_taken_on_another_server_while_this_one_answered_is_not_missed(tmp_path):
+    """The other server's write landed while this one served a request of the session; this server's own append
+    then noted the journal's new state as its own, and it answered from then on without the other's turn (while
+    the journal, and any restart, had both)."""
+    from prepos.journal import JournalEntry
+
+    first, second = moved_to_a_second_server(tmp_path)
+    first.serve(first.request("moved", "back here", start=True, resume=True, max_tokens=2))  # moved back
+    elsewhere = second.tok.encode("taken elsewhere meanwhile")
+    journal = SessionJournal(tmp_path / "journal", fsync=False)
+
+    def taken_elsewhere():
+        first.engine.on_compute = None
+        journal.append("moved", JournalEntry(token_ids=tuple(elsewhere), role="user", choices=None))
+
+    first.engine.on_compute = taken_elsewhere
+    assert first.serve(first.request("moved", "a question", max_tokens=2)).error is None
+    again = first.serve(first.request("moved", "and now?", max_tokens=2))
+    assert again.error is None and again.path == "rebuild"  # it went on from the journal
+    log = first.log("moved")
+    assert any(log[i:i + len(elsewhere)] == elsewhere for i in range(len(log)))  # the other server's turn too
+    assert [t for turn in journal.recover("moved").turns for t in turn] == log
+
+
+def test_a_session_ended_while_its_journal_directory_was_gone_does_not_come_back_with_it(tmp_path):
+    """A missing journal counted as deleted: the END was answered, and once the directory was back (a volume
+    remounted) a resume reopened the ended session from it."""
+    journal_dir = tmp_path / "journal"
+    h = restarted(tmp_path, journal_dir)
+    open_session(h)
+    h.serve(h.request("s1", "first question", max_tokens=2))
+    journal_dir.rename(tmp_path / "away")
+    assert h.serve(h.request("s1", None, end=True, max_tokens=0)).error is None  # the session is over
+    (tmp_path / "away").rename(journal_dir)
+    resumed = h.serve(h.request("s1", "again?", max_tokens=2, start=True, resume=True))
+    assert resumed.error.field == "resume" and resumed.error.status is Status.NOT_FOUND
+    assert not SessionJournal(journal_dir, fsync=False).path("s1").exists()  # deleted at that resume
 
 
 def test_a_new_session_may_take_the_id_of_one_ended_on_another_server(tmp_path):
