@@ -84,6 +84,12 @@ bench-prefill-batch: $(ENGINE)
 bench-stream: $(ENGINE)
 	$(PY) loadtest/batch_bench.py --mode stream $(BATCH_BENCH_ARGS)
 
+# long prefills: scheduler.max_prefill_batch_tokens 512 (a longer prefill in pieces, other sessions' decodes between
+# them) against 65536 (one step), while other sessions stream (out/batch_bench/pieces_bench.md)
+.PHONY: bench-pieces
+bench-pieces: $(ENGINE)
+	$(PY) loadtest/batch_bench.py --mode pieces $(BATCH_BENCH_ARGS)
+
 # KV residency: 300 short sessions under a 1 GiB KV budget, engine.page_tokens 64 against 256
 # (out/residency_bench/block_bench.md), about a minute and a half here; --mode eviction: next_use against lru
 RESIDENCY_BENCH_ARGS ?=

@@ -13,8 +13,14 @@ of every session pays. With ``--mode stream``: ``scheduler.stream_interval`` 8
 (``prepos_stream8``: after the first token, one response per 8 tokens) against 1
 (``prepos_stream1``: one response per token), decode batching on in both. With
 ``--mode block``: ``engine.page_tokens`` 64 (``prepos_block64``) against 256
-(``prepos_block256``), the step a session's KV grows by on CPU.
-Pre-positioning is off in both, so every answer is a ``prefix`` prefill
+(``prepos_block256``), the step a session's KV grows by on CPU. With
+``--mode pieces``: ``scheduler.max_prefill_batch_tokens`` 512 (``prepos_pieces``:
+a longer prefill goes in pieces of 512 new tokens, the other sessions' decode
+steps between them) against 65536 (``prepos_whole``: one step); in each wave
+the sessions but one stream answers, and the last one, once they stream, sends
+a long turn (``--long-tokens``, about 3,000 tokens by default); reported: the
+longest wait between two tokens of each streamed answer, and the long turn's
+first token. Pre-positioning is off in both, so every answer is a ``prefix`` prefill
 (followed by its decode) and the two differ only in how the one setting's
 steps run. A wave opens ``users`` sessions (a system turn each), asks every one
 a free-form question at the same moment (``--max-tokens`` greedy tokens at
@@ -23,7 +29,8 @@ and number of users: the answers' tokens per second over the wave's wall time
 (median of the waves), and the p50 / p99 of each request's total time, as the
 client sees it.
 
-    python loadtest/batch_bench.py [--mode decode|prefill|scan|stream|block] [--users 1,4,8] [--waves 3] [--max-tokens 48]
+    python loadtest/batch_bench.py [--mode decode|prefill|scan|stream|block|pieces] [--users 1,4,8] [--waves 3]
+        [--max-tokens 48] [--long-tokens 3000]
 """
 
 from __future__ import annotations
@@ -56,10 +63,11 @@ MODES = {  # the setting each mode compares, and the two models: the new way fir
     "scan": ("engine.scan", {"prepos_scan_cpu": "cpu", "prepos_scan_torch": "torch"}),
     "stream": ("scheduler.stream_interval", {"prepos_stream8": "8", "prepos_stream1": "1"}),
     "block": ("engine.page_tokens", {"prepos_block64": "64", "prepos_block256": "256"}),
+    "pieces": ("scheduler.max_prefill_batch_tokens", {"prepos_pieces": "512", "prepos_whole": "65536"}),
 }
 OUTPUTS = {"decode": "batch_bench.md", "prefill": "prefill_batch_bench.md", "scan": "scan_batch_bench.md",
-           "stream": "stream_bench.md", "block": "block_bench.md"}
-DEFAULT_MAX_TOKENS = {"decode": 48, "prefill": 1, "scan": 48, "stream": 48, "block": 48}
+           "stream": "stream_bench.md", "block": "block_bench.md", "pieces": "pieces_bench.md"}
+DEFAULT_MAX_TOKENS = {"decode": 48, "prefill": 1, "scan": 48, "stream": 48, "block": 48, "pieces": 64}
 
 
 def variants(mode: str) -> dict[str, dict[str, str]]:
@@ -108,6 +116,73 @@ def wave(url: str, model: str, users: int, max_tokens: int) -> dict:
     return {"wall_s": wall_s, "tokens": sum(r[2] for r in results), "total_ms": [r[3] for r in results]}
 
 
+def long_turn(num_tokens: int) -> str:
+    """A user turn of about ``num_tokens`` tokens: numbered lines of a log to summarize."""
+    lines = [f"{i:05d} sensor {i % 7} read {i * 37 % 1000} at step {i}" for i in range(num_tokens // 19 + 1)]
+    return "Summarize this log in one sentence.\n" + "\n".join(lines)
+
+
+def pieces_wave(url: str, model: str, users: int, max_tokens: int, long_tokens: int) -> dict:
+    """``users - 1`` sessions stream answers; once each has its first token, the last session sends a turn of
+    about ``long_tokens`` tokens. Returns each streamed answer's longest wait between two tokens, and the long
+    turn's first-token time (ms, as the client sees them)."""
+    streaming = threading.Barrier(users)
+    gaps: list[float] = []
+    long_first: list[float] = []
+    errors: list[BaseException] = []
+
+    def streamer(i: int) -> None:
+        try:
+            with Client(url, model=model) as client, client.session() as session:
+                session.append(SYSTEM, role="system")
+                times = []
+                for chunk in session.generate(QUESTIONS[i % len(QUESTIONS)], max_tokens=max_tokens):
+                    times.append(time.perf_counter())
+                    if len(times) == 1:
+                        streaming.wait(timeout=120)
+                gaps.append(max((b - a for a, b in zip(times, times[1:])), default=0.0) * 1e3)
+        except BaseException as err:  # reported below
+            errors.append(err)
+            streaming.abort()
+
+    def reader() -> None:
+        try:
+            with Client(url, model=model) as client, client.session() as session:
+                session.append(SYSTEM, role="system")
+                streaming.wait(timeout=120)
+                long_first.append(session.ask(long_turn(long_tokens), max_tokens=1, speculate=False).ttft_ms)
+        except BaseException as err:
+            errors.append(err)
+            streaming.abort()
+
+    threads = [threading.Thread(target=streamer, args=(i,)) for i in range(users - 1)]
+    threads.append(threading.Thread(target=reader))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{model}: {len(errors)} of {users} sessions failed: {errors[0]!r}")
+    return {"gap_ms": gaps, "long_first_ms": long_first}
+
+
+def summarize_pieces(runs: dict, args: argparse.Namespace, machine: str) -> str:
+    key, values = MODES[args.mode]
+    lines = [f"`{key}` {' / '.join(values.values())} ({machine}; pre-positioning off in both; the other sessions "
+             f"stream at most {args.max_tokens} tokens while one sends a turn of about {args.long_tokens} tokens; "
+             f"{args.waves} alternating waves per row)", "",
+             "| users | model | longest wait between two streamed tokens p50 / max (ms) | long turn's first token "
+             "median (ms) |", "| --- | --- | --- | --- |"]
+    for users in args.users:
+        for model in values:
+            waves = runs[users][model]
+            gaps = [ms for w in waves for ms in w["gap_ms"]]
+            firsts = [ms for w in waves for ms in w["long_first_ms"]]
+            lines.append(f"| {users} | {model} | {percentile(gaps, 50):.0f} / {max(gaps):.0f} | "
+                         f"{statistics.median(firsts):.0f} |")
+    return "\n".join(lines)
+
+
 def summarize(runs: dict, args: argparse.Namespace, machine: str) -> str:
     key, values = MODES[args.mode]
     new, base = values
@@ -143,19 +218,25 @@ def user_counts(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--users", type=user_counts, default=[1, 4, 8],
-                        help="comma-separated numbers of sessions asking at once")
+    parser.add_argument("--users", type=user_counts, default=None,
+                        help="comma-separated numbers of sessions asking at once (1,4,8; pieces: 2,4)")
     parser.add_argument("--waves", type=int, default=3, help="waves per model and number of users")
     parser.add_argument("--mode", choices=sorted(MODES), default="decode", help="which setting to compare")
-    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer at most (decode: 48, prefill: 1)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens per answer at most (decode: 48, prefill: 1, pieces: 64)")
+    parser.add_argument("--long-tokens", type=int, default=3000, help="pieces: about how many tokens the long turn has")
     parser.add_argument("--engine-dir", type=Path, default=ROOT / "engines" / "smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "batch_bench")
     parser.add_argument("--grpc-port", type=int, default=8121)
     args = parser.parse_args(argv)
     if args.max_tokens is None:
         args.max_tokens = DEFAULT_MAX_TOKENS[args.mode]
-    if args.waves < 1 or args.max_tokens < 1:
-        parser.error("--waves and --max-tokens must be at least 1")
+    if args.users is None:
+        args.users = [2, 4] if args.mode == "pieces" else [1, 4, 8]
+    if args.waves < 1 or args.max_tokens < 1 or args.long_tokens < 1:
+        parser.error("--waves, --max-tokens and --long-tokens must be at least 1")
+    if args.mode == "pieces" and min(args.users) < 2:
+        parser.error("--mode pieces needs at least 2 users (one sends the long turn while the others stream)")
     check_engine_dir(parser, args.engine_dir)
     check_out_dir(parser, args.out)
     check_grpc_port(parser, args.grpc_port)
@@ -172,10 +253,15 @@ def main(argv: list[str] | None = None) -> int:
             for index in range(args.waves):
                 order = list(models) if index % 2 == 0 else list(reversed(models))
                 for model in order:
-                    result = wave(server.grpc_url, model, users, args.max_tokens)
+                    if args.mode == "pieces":
+                        result = pieces_wave(server.grpc_url, model, users, args.max_tokens, args.long_tokens)
+                        log.info("%d users, %s: longest waits %s ms, long turn's first token %.0f ms", users, model,
+                                 [round(ms) for ms in result["gap_ms"]], result["long_first_ms"][0])
+                    else:
+                        result = wave(server.grpc_url, model, users, args.max_tokens)
+                        log.info("%d users, %s: %d tokens in %.2f s", users, model, result["tokens"], result["wall_s"])
                     runs[users][model].append(result)
-                    log.info("%d users, %s: %d tokens in %.2f s", users, model, result["tokens"], result["wall_s"])
-    table = summarize(runs, args, machine())
+    table = (summarize_pieces if args.mode == "pieces" else summarize)(runs, args, machine())
     table_file, runs_file = args.out / OUTPUTS[args.mode], args.out / f"runs_{args.mode}.json"
     table_file.write_text(table + "\n")
     runs_file.write_text(json.dumps(runs, indent=1))

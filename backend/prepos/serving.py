@@ -71,10 +71,12 @@ class EngineStep:
 @dataclass(kw_only=True)
 class PrefillStep(EngineStep):
     """Make the session's KV hold ``token_ids`` (:meth:`prepos.engines.base.Engine.prefill_batch`); ``new_tokens``
-    of them are past what it holds now."""
+    of them are past what it holds now. ``later_piece``: a piece after the first of a prefill too long for one step
+    (``scheduler.max_prefill_batch_tokens``), which lets waiting decodes go first."""
 
     token_ids: Sequence[int]
     new_tokens: int
+    later_piece: bool = False
 
 
 @dataclass(kw_only=True)
@@ -82,6 +84,13 @@ class DecodeStep(EngineStep):
     """Append ``token_id`` to the session's KV (:meth:`prepos.engines.base.Engine.decode_batch`)."""
 
     token_id: int
+
+
+def prefill_piece_ends(held: int, total: int, max_new: int) -> list[int]:
+    """Where each piece of a prefill of ``total`` tokens ends when the KV holds ``held`` of them: every ``max_new``
+    new tokens, the last piece at ``total`` (one piece when the KV holds them all: its last token is computed
+    again for its logits)."""
+    return [*range(held + max_new, total, max_new), total]
 
 
 class ServedPath(str, enum.Enum):
@@ -376,13 +385,17 @@ class RequestServer:
 
     def _prefill(self, session: Session, token_ids: Sequence[int], request: Request, sink: ResponseSink,
                  clock: RequestClock) -> Generator[PrefillStep, None, torch.Tensor]:
-        # A prefix another session holds (a system prompt they share) is copied now: only the rest is prefilled.
-        new = max(1, len(token_ids) - self._engine.share_prefix(session.session_id, token_ids))
-        step = PrefillStep(session_id=session.session_id, token_ids=token_ids, new_tokens=new,
-                           wanted=lambda: self._alive(request, sink))
-        logits = yield from self._engine_step(step, "prefill", request, sink, clock)
-        self._metrics.prefilled("foreground", new)
-        self._residency.note_kv(session)
+        # A prefix another session holds (a system prompt they share) is copied now: only the rest is prefilled,
+        # in pieces of at most max_prefill_batch_tokens new tokens, each an engine step of its own: other sessions'
+        # steps run between them, and the request's deadline and cancellation are checked before each.
+        held = self._engine.share_prefix(session.session_id, token_ids)
+        for piece, end in enumerate(prefill_piece_ends(held, len(token_ids), self._config.max_prefill_batch_tokens)):
+            step = PrefillStep(session_id=session.session_id, token_ids=token_ids[:end], new_tokens=max(1, end - held),
+                               later_piece=piece > 0, wanted=lambda: self._alive(request, sink))
+            logits = yield from self._engine_step(step, "prefill", request, sink, clock)
+            self._metrics.prefilled("foreground", step.new_tokens)
+            self._residency.note_kv(session)
+            held = end
         return logits
 
     def _engine_step(self, step: EngineStep, phase: str, request: Request, sink: ResponseSink,

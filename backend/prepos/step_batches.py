@@ -52,6 +52,7 @@ class StepBatches:
         self._done = done
         self.waiting: list[tuple[Session, EngineStep]] = []  # requests waiting for the next batch of engine steps
         self._round_left = 0  # steps of other ready sessions still due before that batch runs
+        self._last_kind = ""  # what the last batch ran: "prefill" or "decode"
 
     def add(self, session: Session, step: EngineStep, ready: deque[Session]) -> None:
         """The session's request waits for its step to run; the sessions ready now get one step each first."""
@@ -71,21 +72,25 @@ class StepBatches:
         """Run the next batch of waiting engine steps and hand each of its requests its logits, or the error that
         made its step impossible (the request's own error handling answers its client): the first waiting
         prefills (at most ``max_prefill_batch`` sessions and ``max_prefill_batch_tokens`` new tokens), else every
-        waiting decode (in batches of at most ``max_decode_batch``). The sessions whose requests resume go back to
-        ``ready``, and each takes a step (a prefill's first token goes out) before the next batch runs; steps no
-        longer wanted are not run, and their requests stop when resumed."""
+        waiting decode (in batches of at most ``max_decode_batch``); the decodes go first where the last batch was
+        a prefill and every waiting prefill is a later piece of a long one (:class:`PrefillStep`). The sessions
+        whose requests resume go back to ``ready``, and each takes a step (a prefill's first token goes out) before
+        the next batch runs; steps no longer wanted are not run, and their requests stop when resumed."""
         waiting, resumed = [], []
         for session, step in self.waiting:
             (waiting if step.wanted() else resumed).append((session, step))
         prefills = [step for _, step in waiting if isinstance(step, PrefillStep)]
         config = self._config
+        if prefills and len(prefills) < len(waiting) and self._last_kind == "prefill" \
+                and all(step.later_piece for step in prefills):
+            prefills = []  # a long prefill's pieces and the waiting decodes take turns: no answer stalls behind it
         if prefills:
             chosen = next(batches(prefills, config.max_prefill_batch, config.max_prefill_batch_tokens))
             self._run_steps("prefill", [chosen],
                             lambda steps: self._engine.prefill_batch([st.session_id for st in steps],
                                                                      [st.token_ids for st in steps]))
         else:
-            chosen = [step for _, step in waiting]
+            chosen = [step for _, step in waiting if not isinstance(step, PrefillStep)]
             self._run_steps("decode", batches(chosen, config.max_decode_batch),
                             lambda steps: self._engine.decode_batch([st.session_id for st in steps],
                                                                     [st.token_id for st in steps]))
@@ -113,3 +118,4 @@ class StepBatches:
             for step in steps:
                 step.seconds = seconds
             self._metrics.engine_batch(kind, len(steps))
+            self._last_kind = kind

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from prepos.engines.base import KVCapacityError
@@ -181,7 +183,10 @@ def test_prefill_batches_are_cut_by_sessions_and_by_new_tokens(tmp_path):
     texts = {"a": "x" * 10, "b": "y" * 50, "c": "z" * 10}  # b's turn alone is past 40 new tokens
     sinks = [h.submit(h.request(sid, text, max_tokens=2)) for sid, text in texts.items()]
     run_all(h, sinks)
-    assert h.engine.prefill_batches == [("a",), ("b",), ("c",)]
+    # Each prefill (with the opening turn, 61 tokens for a and c, 101 for b) goes in pieces of at most 40 new
+    # tokens, one step each, the sessions taking turns: a, b, c, then a's and c's last pieces and b's second.
+    assert h.engine.prefill_batches == [("a",), ("b",), ("c",), ("a",), ("b",), ("c",), ("b",)]
+    assert [n for call, _, n in h.engine.calls if call == "prefill"] == [40, 40, 40, 21, 40, 21, 21]
     assert all(s.error is None for s in sinks)
 
 
@@ -220,6 +225,42 @@ def test_a_long_prefill_does_not_hold_up_the_short_ones_that_came_before_it(tmp_
     first_tokens_out = []
     h.engine.on_compute = lambda: first_tokens_out.append(sum(bool(s.chunks) for s in sinks.values()))
     run_all(h, sinks.values())
-    assert h.engine.prefill_batches == [("a", "b"), ("c",)]
+    assert h.engine.prefill_batches == [("a", "b"), ("c",), ("c",)]  # c's in pieces of at most 512 new tokens
     assert first_tokens_out[2] == 2  # computes: a's prefill, b's, then c's, with a and b answered already
     assert all(s.error is None for s in sinks.values())
+
+
+def test_a_long_prefill_goes_in_pieces_with_other_sessions_steps_between_and_stops_at_its_deadline(tmp_path):
+    """A prefill past ``max_prefill_batch_tokens`` new tokens ran as one engine step: every other session's answer
+    stopped streaming until it ended (a long prompt: seconds on a CPU), and its own deadline or cancellation was
+    seen only after it. It goes in pieces now, one step each."""
+    h = Harness(tmp_path, logits_fn=endless_logits, max_prefill_batch_tokens=16, preposition=False)
+    for sid in ("talker", "reader"):
+        open_session(h, sid)
+    talker = h.submit(h.request("talker", "go", max_tokens=40))
+    while not talker.chunks:  # the talker's answer streams ...
+        h.sched.run_once()
+    h.engine.calls.clear()
+    reader = h.submit(h.request("reader", "w" * 100, max_tokens=2))  # ... when a long turn comes in
+    run_all(h, [talker, reader])
+    calls = [(call, sid) for call, sid, _ in h.engine.calls]
+    pieces = [i for i, (call, sid) in enumerate(calls) if sid == "reader" and call == "prefill"]
+    assert len(pieces) >= 7 and all(n <= 16 for call, sid, n in h.engine.calls if call == "prefill")
+    # the talker decodes between every two pieces of the reader's prefill
+    assert all(("decode", "talker") in calls[i:j] for i, j in zip(pieces, pieces[1:]))
+    assert talker.error is None and reader.error is None and len(reader.ids) == 2
+    (tmp_path / "whole").mkdir()
+    want = Harness(tmp_path / "whole", logits_fn=endless_logits, preposition=False)
+    for sid in ("talker", "reader"):
+        open_session(want, sid)
+    assert want.serve(want.request("reader", "w" * 100, max_tokens=2)).ids == reader.ids  # as one prefill gives
+
+    # A deadline that passes during the pieces stops the prefill there, and the turn is not accepted.
+    log_before = h.log("reader")
+    request = dataclasses.replace(h.request("reader", "v" * 100, max_tokens=2), deadline_s=h.clock() + 0.05)
+    h.engine.calls.clear()
+    late = h.submit(request)
+    run_all(h, [late])
+    assert late.error is not None and late.error.status is Status.DEADLINE_EXCEEDED and not late.chunks
+    assert 0 < len(h.engine.calls) < 7  # stopped after the pieces its time allowed (0.021 s each)
+    assert h.log("reader") == log_before

@@ -30,3 +30,16 @@ def test_each_mode_compares_its_own_setting_with_pre_positioning_off():
     for mode, (key, _) in batch_bench.MODES.items():
         assert all(m["scheduler.preposition"] == "false" and set(m) == {"scheduler.preposition", key}
                    for m in batch_bench.variants(mode).values())
+
+
+def test_the_pieces_table_gives_the_longest_waits_p50_and_max_and_the_long_turns_median_first_token():
+    runs = {2: {"prepos_pieces": [{"gap_ms": [100.0], "long_first_ms": [5000.0]},
+                                  {"gap_ms": [300.0], "long_first_ms": [7000.0]},
+                                  {"gap_ms": [200.0], "long_first_ms": [6000.0]}],
+                "prepos_whole": [{"gap_ms": [4000.0], "long_first_ms": [4500.0]},
+                                 {"gap_ms": [4200.0], "long_first_ms": [4400.0]},
+                                 {"gap_ms": [3900.0], "long_first_ms": [4600.0]}]}}
+    args = argparse.Namespace(users=[2], waves=3, max_tokens=64, long_tokens=3000, mode="pieces")
+    rows = [line for line in batch_bench.summarize_pieces(runs, args, "test machine").splitlines()
+            if line.startswith("| 2 |")]
+    assert rows == ["| 2 | prepos_pieces | 200 / 300 | 6000 |", "| 2 | prepos_whole | 4000 / 4200 | 4500 |"]
