@@ -135,11 +135,11 @@ def pieces_wave(url: str, model: str, users: int, max_tokens: int, long_tokens: 
         try:
             with Client(url, model=model) as client, client.session() as session:
                 session.append(SYSTEM, role="system")
-                times = []
-                for chunk in session.generate(QUESTIONS[i % len(QUESTIONS)], max_tokens=max_tokens):
-                    times.append(time.perf_counter())
-                    if len(times) == 1:
+                times: list[float] = []
+                for _ in session.generate(QUESTIONS[i % len(QUESTIONS)], max_tokens=max_tokens):
+                    if not times:  # the first token: wait for the others, then time from the long turn's start
                         streaming.wait(timeout=120)
+                    times.append(time.perf_counter())
                 gaps.append(max((b - a for a, b in zip(times, times[1:])), default=0.0) * 1e3)
         except BaseException as err:  # reported below
             errors.append(err)

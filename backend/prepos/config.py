@@ -127,10 +127,12 @@ class SchedulerConfig:
     """Most sessions one foreground prefill takes: requests that must prefill at the same time (their turns, or
     a rebuild) run as one forward pass, the weights read once for all of them. 1 prefills one at a time."""
     max_prefill_batch_tokens: int = 512
-    """Most new tokens one batched prefill takes; prefills are taken in arrival order, and one longer than this
-    still runs, by itself. Short turns that arrive together share a batch, while a long one (a rebuild, say)
-    does not hold up the short ones that came before it. On a GPU, where a batch of a few thousand tokens
-    costs little more than one of a few hundred, raise it."""
+    """Most new tokens one prefill step takes; prefills are taken in arrival order, batched up to this, and one
+    longer than this goes in pieces of at most this many tokens, one step each, taking turns with the other
+    sessions' decode steps. Short turns that arrive together share a batch, while a long one (a rebuild, say)
+    neither holds up the short ones that came before it nor stalls the answers streaming meanwhile for more than
+    one piece; its deadline and cancellation are checked before each piece. On a GPU, where a batch of a few
+    thousand tokens costs little more than one of a few hundred, raise it."""
     stream_interval: int = 1
     """Tokens per streamed response after an answer's first: the first token always goes out at once, later ones
     in responses of this many (the last response may hold fewer). Each response costs the engine loop a send

@@ -158,14 +158,22 @@ class Residency:
         if self._journal is not None and not keep_journal and not took_nothing:
             try:
                 self._journal.delete(session.session_id, only_if_unchanged=journal_if_unchanged)
+            except FileNotFoundError as err:
+                if session.journaled:  # one that never had a journal (START and END together) leaves nothing
+                    self._remember_undeleted(session, err, journal_if_unchanged)
             except OSError as err:
-                log.error("session %r: could not delete its journal: %s%s", session.session_id, err,
-                          "" if journal_if_unchanged else "; this server will not reopen the session from it, "
-                          "and tries again at its next reopening, hourly and at the drain before a stop")
-                if not journal_if_unchanged:  # an END: the session is over
-                    self._undeleted.add(session.session_id)
+                self._remember_undeleted(session, err, journal_if_unchanged)
         log.info("session %r closed (%s), %d tokens in its log%s", session.session_id, reason, len(session.token_log),
                  f"; its opening turn ({opening} tokens) is kept for later sessions to copy" if kept else "")
+
+    def _remember_undeleted(self, session: Session, err: OSError, journal_if_unchanged: bool) -> None:
+        """Log that the journal of a closed session could not be deleted; at an END (not an idle timeout) the
+        session is over, and its journal is deleted later (:meth:`delete_undeleted`), never reopened."""
+        log.error("session %r: could not delete its journal: %s%s", session.session_id, err,
+                  "" if journal_if_unchanged else "; this server will not reopen the session from it, "
+                  "and tries again at its next reopening, hourly and at the drain before a stop")
+        if not journal_if_unchanged:  # an END: the session is over
+            self._undeleted.add(session.session_id)
 
     def expire_journals(self) -> int:
         """Delete the journals of sessions this server does not hold that were not written for

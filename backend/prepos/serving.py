@@ -87,10 +87,13 @@ class DecodeStep(EngineStep):
 
 
 def prefill_piece_ends(held: int, total: int, max_new: int) -> list[int]:
-    """Where each piece of a prefill of ``total`` tokens ends when the KV holds ``held`` of them: every ``max_new``
-    new tokens, the last piece at ``total`` (one piece when the KV holds them all: its last token is computed
-    again for its logits)."""
-    return [*range(held + max_new, total, max_new), total]
+    """Where each piece of a prefill of ``total`` tokens ends when the KV holds ``held`` of them: as few pieces as
+    hold at most ``max_new`` new tokens each, of sizes within one token of each other (513 new tokens at 512 go
+    as 257 and 256, not 512 and a step for one), the last at ``total``; one piece when they fit (or the KV holds
+    them all: its last token is computed again for its logits)."""
+    new = total - held
+    count = max(1, -(-new // max_new))
+    return [held + new * i // count for i in range(1, count + 1)]
 
 
 class ServedPath(str, enum.Enum):

@@ -5,7 +5,9 @@ A foreground request about to prefill or decode yields its
 to the loop, which hands it here to wait. Once every other session that was
 ready when the first step began waiting has had one step, the waiting
 prefills run as one batch (``Engine.prefill_batch``), else the waiting
-decodes (``Engine.decode_batch``): one read of the weights for all of each.
+decodes (``Engine.decode_batch``): one read of the weights for all of each. A
+prefill too long for one batch comes in pieces, and its later pieces take turns
+with the waiting decodes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ log = logging.getLogger("prepos.scheduler")
 
 def batches(steps: list[EngineStep], size: int, max_tokens: int | None = None) -> Iterator[list[EngineStep]]:
     """``steps`` in order, cut into batches of at most ``size`` steps and (prefills) ``max_tokens`` new tokens;
-    a prefill longer than ``max_tokens`` goes alone."""
+    a prefill longer than ``max_tokens`` (none comes from the request server, which cuts long ones in pieces)
+    goes alone."""
     batch: list[EngineStep] = []
     tokens = 0
     for step in steps:
@@ -72,8 +75,8 @@ class StepBatches:
         """Run the next batch of waiting engine steps and hand each of its requests its logits, or the error that
         made its step impossible (the request's own error handling answers its client): the first waiting
         prefills (at most ``max_prefill_batch`` sessions and ``max_prefill_batch_tokens`` new tokens), else every
-        waiting decode (in batches of at most ``max_decode_batch``); the decodes go first where the last batch was
-        a prefill and every waiting prefill is a later piece of a long one (:class:`PrefillStep`). The sessions
+        waiting decode (in batches of at most ``max_decode_batch``); where the last batch was a prefill and decodes
+        wait, a long prefill's later pieces (:class:`PrefillStep`) wait for them. The sessions
         whose requests resume go back to ``ready``, and each takes a step (a prefill's first token goes out) before
         the next batch runs; steps no longer wanted are not run, and their requests stop when resumed."""
         waiting, resumed = [], []
@@ -81,9 +84,10 @@ class StepBatches:
             (waiting if step.wanted() else resumed).append((session, step))
         prefills = [step for _, step in waiting if isinstance(step, PrefillStep)]
         config = self._config
-        if prefills and len(prefills) < len(waiting) and self._last_kind == "prefill" \
-                and all(step.later_piece for step in prefills):
-            prefills = []  # a long prefill's pieces and the waiting decodes take turns: no answer stalls behind it
+        if len(prefills) < len(waiting) and self._last_kind == "prefill":
+            # A long prefill's later pieces and the waiting decodes take turns, so no answer stalls for more than
+            # one piece; new requests' first prefills still go first.
+            prefills = [step for step in prefills if not step.later_piece]
         if prefills:
             chosen = next(batches(prefills, config.max_prefill_batch, config.max_prefill_batch_tokens))
             self._run_steps("prefill", [chosen],

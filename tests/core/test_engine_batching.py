@@ -183,10 +183,11 @@ def test_prefill_batches_are_cut_by_sessions_and_by_new_tokens(tmp_path):
     texts = {"a": "x" * 10, "b": "y" * 50, "c": "z" * 10}  # b's turn alone is past 40 new tokens
     sinks = [h.submit(h.request(sid, text, max_tokens=2)) for sid, text in texts.items()]
     run_all(h, sinks)
-    # Each prefill (with the opening turn, 61 tokens for a and c, 101 for b) goes in pieces of at most 40 new
-    # tokens, one step each, the sessions taking turns: a, b, c, then a's and c's last pieces and b's second.
+    # Each prefill (with the opening turn, 61 tokens for a and c, 101 for b) goes in as few pieces of at most 40
+    # new tokens as it takes, of even sizes, one step each, the sessions taking turns: a, b, c, then a's and c's
+    # last pieces and b's second and third.
     assert h.engine.prefill_batches == [("a",), ("b",), ("c",), ("a",), ("b",), ("c",), ("b",)]
-    assert [n for call, _, n in h.engine.calls if call == "prefill"] == [40, 40, 40, 21, 40, 21, 21]
+    assert [n for call, _, n in h.engine.calls if call == "prefill"] == [30, 33, 30, 31, 34, 31, 34]
     assert all(s.error is None for s in sinks)
 
 
@@ -225,9 +226,26 @@ def test_a_long_prefill_does_not_hold_up_the_short_ones_that_came_before_it(tmp_
     first_tokens_out = []
     h.engine.on_compute = lambda: first_tokens_out.append(sum(bool(s.chunks) for s in sinks.values()))
     run_all(h, sinks.values())
-    assert h.engine.prefill_batches == [("a", "b"), ("c",), ("c",)]  # c's in pieces of at most 512 new tokens
-    assert first_tokens_out[2] == 2  # computes: a's prefill, b's, then c's, with a and b answered already
+    # c's in two pieces of at most 512 new tokens, the first in one step with a's and b's turns (512 at most)
+    assert h.engine.prefill_batches == [("a", "b", "c"), ("c",)]
+    assert first_tokens_out[3] == 2  # computes: a's, b's, c's first piece, then c's second, a and b answered
     assert all(s.error is None for s in sinks.values())
+
+
+@pytest.mark.parametrize("held, total, max_new, ends", [
+    (0, 10, 4, [3, 6, 10]),  # three pieces of at most 4: 3, 3, 4 (not 4, 4, 2)
+    (0, 8, 4, [4, 8]),
+    (0, 513, 512, [256, 513]),  # not 512 and a step for one token
+    (3, 10, 4, [6, 10]),
+    (0, 4, 4, [4]),
+    (9, 10, 4, [10]),
+    (10, 10, 4, [10]),  # all held: one piece, its last token computed again for its logits
+    (0, 1, 512, [1]),
+])
+def test_prefill_pieces_are_as_few_as_fit_of_even_sizes_and_end_at_the_whole(held, total, max_new, ends):
+    from prepos.serving import prefill_piece_ends
+
+    assert prefill_piece_ends(held, total, max_new) == ends
 
 
 def test_a_long_prefill_goes_in_pieces_with_other_sessions_steps_between_and_stops_at_its_deadline(tmp_path):
@@ -264,3 +282,13 @@ def test_a_long_prefill_goes_in_pieces_with_other_sessions_steps_between_and_sto
     assert late.error is not None and late.error.status is Status.DEADLINE_EXCEEDED and not late.chunks
     assert 0 < len(h.engine.calls) < 7  # stopped after the pieces its time allowed (0.021 s each)
     assert h.log("reader") == log_before
+
+    # So does a client that goes away during the pieces.
+    h.engine.calls.clear()
+    gone = h.submit(h.request("reader", "u" * 100, max_tokens=2))
+    while not h.engine.calls:  # its first piece
+        h.sched.run_once()
+    gone.client_gone = True
+    run_all(h, [gone])
+    assert gone.error is not None and gone.error.status is Status.CANCELLED and not gone.chunks
+    assert 0 < len(h.engine.calls) < 7 and h.log("reader") == log_before

@@ -392,7 +392,7 @@ def test_a_turn_taken_on_another_server_while_this_one_answered_is_not_missed(tm
     assert [t for turn in journal.recover("moved").turns for t in turn] == log
 
 
-def test_a_session_ended_while_its_journal_directory_was_gone_does_not_come_back_with_it(tmp_path):
+def test_a_session_ended_while_its_journal_directory_was_gone_does_not_come_back_with_it(tmp_path, caplog):
     """A missing journal counted as deleted: the END was answered, and once the directory was back (a volume
     remounted) a resume reopened the ended session from it."""
     journal_dir = tmp_path / "journal"
@@ -401,6 +401,10 @@ def test_a_session_ended_while_its_journal_directory_was_gone_does_not_come_back
     h.serve(h.request("s1", "first question", max_tokens=2))
     journal_dir.rename(tmp_path / "away")
     assert h.serve(h.request("s1", None, end=True, max_tokens=0)).error is None  # the session is over
+    assert "session 's1': could not delete its journal" in caplog.text
+    # a one-turn session had no journal: nothing to remember of it, nothing logged as an error
+    assert h.serve(h.request("one", "hi", start=True, end=True, max_tokens=2)).error is None
+    assert "session 'one': could not delete" not in caplog.text
     (tmp_path / "away").rename(journal_dir)
     resumed = h.serve(h.request("s1", "again?", max_tokens=2, start=True, resume=True))
     assert resumed.error.field == "resume" and resumed.error.status is Status.NOT_FOUND
