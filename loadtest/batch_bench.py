@@ -15,7 +15,7 @@ of every session pays. With ``--mode stream``: ``scheduler.stream_interval`` 8
 ``--mode block``: ``engine.page_tokens`` 64 (``prepos_block64``) against 256
 (``prepos_block256``), the step a session's KV grows by on CPU. With
 ``--mode pieces``: ``scheduler.max_prefill_batch_tokens`` 512 (``prepos_pieces``:
-a longer prefill goes in pieces of 512 new tokens, the other sessions' decode
+a longer prefill goes in pieces of at most 512 new tokens, the other sessions' decode
 steps between them) against 65536 (``prepos_whole``: one step); in each wave
 the sessions but one stream answers, and the last one, once they stream, sends
 a long turn (``--long-tokens``, about 3,000 tokens by default); reported: the
