@@ -86,6 +86,12 @@ class DecodeStep(EngineStep):
     token_id: int
 
 
+def told_of_end(request: Request, err: ProtocolError) -> ProtocolError:
+    """``err`` as a request that did not go through is told it: one carrying END (not START) on an open session
+    closed it all the same (Triton ends the sequence at END), and says so (:func:`closed_all_the_same`)."""
+    return closed_all_the_same(err) if request.end and not request.start else err
+
+
 def prefill_piece_ends(held: int, total: int, max_new: int) -> list[int]:
     """Where each piece of a prefill of ``total`` tokens ends when the KV holds ``held`` of them: as few pieces as
     hold at most ``max_new`` new tokens each, of sizes within one token of each other (513 new tokens at 512 go
@@ -178,7 +184,7 @@ class RequestServer:
 
     def _refuse(self, request: Request, sink: ResponseSink, err: ProtocolError) -> None:
         """Answer a request with ``err``; one carrying END (not START) closes its session all the same, and says so."""
-        self._reject(request, sink, closed_all_the_same(err) if request.end and not request.start else err)
+        self._reject(request, sink, told_of_end(request, err))
 
     def _abandon(self, session: Session, request: Request, sink: ResponseSink, abandoned: _Abandoned) -> None:
         """Answer a request stopped by its deadline or its client with that error; one carrying END (not START)
@@ -186,7 +192,7 @@ class RequestServer:
         "nothing changed", and an END sent again found no session."""
         self._metrics.request_abandoned(abandoned.reason)
         log.info("session %r request %r stopped: %s", session.session_id, request.request_id, abandoned)
-        sink.send_error(closed_all_the_same(abandoned.error) if request.end and not request.start else abandoned.error)
+        sink.send_error(told_of_end(request, abandoned.error))
 
     def _check_alive(self, request: Request, sink: ResponseSink, cancel_check: bool = True) -> None:
         """Raise _Abandoned when the request's deadline has passed or (``cancel_check``) its client went away."""

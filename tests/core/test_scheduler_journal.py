@@ -7,7 +7,7 @@ import time
 
 from fakes import IM_END, CollectSink
 from prepos.drain import drain_end
-from prepos.journal import SessionJournal
+from prepos.journal import JournalEntry, SessionJournal
 from prepos.protocol import Status
 from test_scheduler import Harness, open_session
 
@@ -335,8 +335,6 @@ def test_a_journal_with_a_damaged_header_fails_its_resume_naming_the_journal_not
 def test_a_journal_holding_token_ids_outside_the_vocabulary_fails_its_resume_naming_the_journal(tmp_path):
     """A journal another model's server wrote (replicas on one directory, a model changed between restarts) reads
     back fine: its resume succeeded, and every answer after failed as an internal error."""
-    from prepos.journal import JournalEntry
-
     journal_dir = tmp_path / "journal"
     h = restarted(tmp_path, journal_dir)
     open_session(h)
@@ -372,8 +370,6 @@ def test_a_turn_taken_on_another_server_while_this_one_answered_is_not_missed(tm
     """The other server's write landed while this one served a request of the session; this server's own append
     then noted the journal's new state as its own, and it answered from then on without the other's turn (while
     the journal, and any restart, had both)."""
-    from prepos.journal import JournalEntry
-
     first, second = moved_to_a_second_server(tmp_path)
     first.serve(first.request("moved", "back here", start=True, resume=True, max_tokens=2))  # moved back
     elsewhere = second.tok.encode("taken elsewhere meanwhile")
