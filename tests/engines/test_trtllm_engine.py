@@ -58,8 +58,14 @@ class _State:
         self.awaits = []  # requests enqueued so far, at each await
 
 
-def make_fake(*, post_processor: bool = True, perf_metrics: bool = True, cuda: bool = False) -> types.SimpleNamespace:
-    """The fake module; with ``cuda`` the post-processor gets CUDA logits on a side stream, like the executor's."""
+def make_fake(*, post_processor: bool = True, perf_metrics: bool = True, cuda: bool = False,
+              release: str = "1.x") -> types.SimpleNamespace:
+    """The fake module; with ``cuda`` the post-processor gets CUDA logits on a side stream, like the executor's.
+    ``release="0.14"`` has that release's bindings (Triton's 24.10 container): ``max_tokens`` by keyword only, no
+    ``KvCacheRetentionConfig`` and no ``kv_cache_retention_config``, no per-request metrics."""
+    assert release in ("0.14", "1.x")
+    old = release == "0.14"
+    perf_metrics = perf_metrics and not old
     state = _State()
 
     class TokenRangeRetentionConfig(_Fields):
@@ -85,6 +91,13 @@ def make_fake(*, post_processor: bool = True, perf_metrics: bool = True, cuda: b
                      kv_cache_retention_config=None, logits_post_processor_name=None, client_id=None):
             super().__init__(input_token_ids=list(input_token_ids), max_tokens=max_tokens, streaming=streaming,
                              output_config=output_config, kv_cache_retention_config=kv_cache_retention_config,
+                             logits_post_processor_name=logits_post_processor_name, client_id=client_id)
+
+    class Request014(_Fields):  # 0.14's constructor: everything after the prompt by keyword, no retention
+        def __init__(self, input_token_ids, *, max_tokens=None, streaming=False, output_config=None,
+                     logits_post_processor_name=None, client_id=None):
+            super().__init__(input_token_ids=list(input_token_ids), max_tokens=max_tokens, streaming=streaming,
+                             output_config=output_config, kv_cache_retention_config=None,
                              logits_post_processor_name=logits_post_processor_name, client_id=client_id)
 
     class Response:
@@ -151,8 +164,10 @@ def make_fake(*, post_processor: bool = True, perf_metrics: bool = True, cuda: b
 
     fake = types.SimpleNamespace(
         state=state, ModelType=types.SimpleNamespace(DECODER_ONLY="decoder-only"), KvCacheConfig=_Fields,
-        ExecutorConfig=_Fields, OutputConfig=output_config, KvCacheRetentionConfig=KvCacheRetentionConfig,
-        Request=Request, Executor=Executor)
+        ExecutorConfig=_Fields, OutputConfig=output_config, Request=Request014 if old else Request,
+        Executor=Executor)
+    if not old:
+        fake.KvCacheRetentionConfig = KvCacheRetentionConfig
     if post_processor:
         fake.LogitsPostProcessorConfig = _Fields
     return fake
@@ -210,6 +225,35 @@ def test_request_construction_without_post_processor_asks_for_generation_logits(
     assert request.output_config.return_generation_logits and request.logits_post_processor_name is None
     assert not request.output_config.return_perf_metrics
     assert request.kv_cache_retention_config.token_range_retention_configs[0].priority == 50
+
+
+def test_request_construction_on_the_0_14_bindings_passes_max_tokens_by_keyword_and_no_retention():
+    # Triton's 24.10 container: Request takes max_tokens by keyword only and has no retention (TypeError else).
+    request = build_request(make_fake(release="0.14"), [5, 6, 7], retention=Retention(80, 600.0),
+                            logits_post_processor=LOGITS_PROCESSOR_NAME, return_perf_metrics=False, client_id=3)
+    assert request.input_token_ids == [5, 6, 7] and request.max_tokens == 1
+    assert request.kv_cache_retention_config is None and request.client_id == 3
+
+
+def test_the_engine_serves_on_the_0_14_bindings_and_warns_that_retention_is_missing(engine_dir, caplog):
+    fake = make_fake(release="0.14")
+    with caplog.at_level("WARNING", logger="prepos.engines.trtllm"):
+        engine = _engine(engine_dir, fake)
+    assert "no KV cache retention" in caplog.text and "engine.trtllm_retention_priority" in caplog.text
+    ids = _ids(40)
+    assert torch.equal(engine.prefill("a", ids), fake_logits(ids)[:VOCAB])
+    assert torch.equal(engine.decode("a", 9), fake_logits([*ids, 9])[:VOCAB])
+    assert torch.equal(engine.prefill("b", ids[:20]), fake_logits(ids[:20])[:VOCAB])
+    assert [r.max_tokens for r in fake.state.requests] == [1, 1, 1]
+    stats = engine.reuse_stats()
+    assert stats.num_requests == 3 and stats.last.source == "iteration"
+    assert stats.reused_blocks == 2 + 1  # the decode reuses 40 tokens' 2 full blocks; "b" its first of 1 full
+
+
+def test_the_engine_on_bindings_with_retention_logs_no_warning(engine_dir, caplog):
+    with caplog.at_level("WARNING", logger="prepos.engines.trtllm"):
+        _engine(engine_dir, make_fake())
+    assert "retention" not in caplog.text
 
 
 @pytest.mark.parametrize("priority, duration", [(101, 600.0), (-1, 600.0), (True, 600.0), (80, 0.0)])

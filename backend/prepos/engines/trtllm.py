@@ -31,6 +31,9 @@ the contract maps onto requests like this:
   (0-100, default 80; the executor's default is 35) for ``retention_s`` seconds (default
   600, the session idle timeout), so session prefixes outlive other traffic in the
   pool. When the duration passes, blocks fall back to the default priority.
+  TensorRT-LLM 0.14 (Triton's 24.10 container) has no retention: there the requests
+  carry none, the engine logs a warning at start, and session blocks compete with
+  other traffic by the executor's LRU order alone.
 - **release(session)** only drops the engine's bookkeeping: the executor has no call
   that frees particular blocks. A released session's blocks stay in the pool as
   ordinary reusable blocks, at high priority until their duration passes, and are
@@ -51,7 +54,7 @@ Differences from the torch engines, and how they are handled:
   of the last partial block are recomputed on every request, decode included. The
   engine predicts the full blocks it expects reused and records what the executor
   reports (:meth:`TrtllmEngine.reuse_stats`). Executors that also reuse partially
-  matched blocks (``enable_partial_reuse``) may do better than the prediction.
+  matched blocks (``enable_partial_reuse``, TensorRT-LLM 1.x) may do better than the prediction.
 - Blocks become reusable only when their request finishes. The engine waits for each
   request's final response before returning, and the engine loop runs one call at a
   time (a decode batch holds at most one request per session), so a session's next
@@ -101,7 +104,7 @@ import torch
 
 from prepos.engines.base import Engine, EngineInfo, check_decode_batch, check_prefill_batch, common_prefix_length
 from prepos.engines.trtllm_dir import BUILD_FILE, TRTLLM_SUBDIR, TrtllmBuild, TrtllmEngineDirError, TrtllmModel
-from prepos.engines.trtllm_request import ReuseRecord, ReuseStats, Retention, build_request
+from prepos.engines.trtllm_request import ReuseRecord, ReuseStats, Retention, build_request, has_retention
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +186,10 @@ class TrtllmEngine(Engine):
         log.info("trtllm engine %s: %d tokens per block, max context %d, logits via %s, retention %d for %.0f s",
                  self.trtllm_dir, self.tokens_per_block, self.info.max_context, self.logits_source,
                  self.retention.priority, self.retention.duration_s)
+        if not has_retention(self._tle):
+            log.warning("this TensorRT-LLM has no KV cache retention (KvCacheRetentionConfig, from 0.15): "
+                        "engine.trtllm_retention_priority has no effect, and session blocks are kept by the executor's "
+                        "LRU order alone")
 
     def _init_build(self, engine_dir: Path) -> None:
         self.trtllm_dir = engine_dir / TRTLLM_SUBDIR

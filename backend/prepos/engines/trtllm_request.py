@@ -25,28 +25,37 @@ class Retention:
             raise ValueError(f"retention_s must be > 0, got {self.duration_s!r}")
 
 
+def has_retention(tle: Any) -> bool:
+    """Whether the executor module can give a request's blocks a retention priority (``KvCacheRetentionConfig``,
+    TensorRT-LLM 0.15 on; 0.14, in Triton's 24.10 container, has none)."""
+    return hasattr(tle, "KvCacheRetentionConfig")
+
+
 def build_request(tle: Any, token_ids: Sequence[int], *, retention: Retention, logits_post_processor: str | None,
                   return_perf_metrics: bool, client_id: int | None = None) -> Any:
     """The executor request for one prefill of ``token_ids``: the engine contract's request construction.
 
     The prompt is the whole sequence and one token is generated (its logits are the
     decision point's distribution; the token is discarded). The prompt's token range gets
-    ``retention``. The logits come through the named post-processor, or, with
-    ``logits_post_processor=None``, as the result's generation logits. ``tle`` is
-    ``tensorrt_llm.bindings.executor`` or a fake with the same names.
+    ``retention`` where the executor module has retention (:func:`has_retention`). The
+    logits come through the named post-processor, or, with ``logits_post_processor=None``,
+    as the result's generation logits. ``tle`` is ``tensorrt_llm.bindings.executor`` or a
+    fake with the same names. ``max_tokens`` goes by keyword: releases before 1.0 take it
+    only so.
     """
     ids = [int(t) for t in token_ids]
-    duration = datetime.timedelta(seconds=retention.duration_s)
-    prompt_range = tle.KvCacheRetentionConfig.TokenRangeRetentionConfig(
-        token_start=0, token_end=len(ids), priority=retention.priority, duration_ms=duration)
-    retention_config = tle.KvCacheRetentionConfig(
-        [prompt_range], decode_retention_priority=retention.priority, decode_duration_ms=duration)
+    extra = {}
+    if has_retention(tle):
+        duration = datetime.timedelta(seconds=retention.duration_s)
+        prompt_range = tle.KvCacheRetentionConfig.TokenRangeRetentionConfig(
+            token_start=0, token_end=len(ids), priority=retention.priority, duration_ms=duration)
+        extra["kv_cache_retention_config"] = tle.KvCacheRetentionConfig(
+            [prompt_range], decode_retention_priority=retention.priority, decode_duration_ms=duration)
     output = {"exclude_input_from_output": True, "return_generation_logits": logits_post_processor is None}
     if return_perf_metrics:
         output["return_perf_metrics"] = True
-    return tle.Request(ids, 1, streaming=False, output_config=tle.OutputConfig(**output),
-                       kv_cache_retention_config=retention_config,
-                       logits_post_processor_name=logits_post_processor, client_id=client_id)
+    return tle.Request(ids, max_tokens=1, streaming=False, output_config=tle.OutputConfig(**output),
+                       logits_post_processor_name=logits_post_processor, client_id=client_id, **extra)
 
 
 @dataclass(frozen=True)
