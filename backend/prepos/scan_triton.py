@@ -31,6 +31,7 @@ launches that share a workspace must be ordered on one stream.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from typing import Sequence
 
@@ -46,6 +47,15 @@ class TritonUnavailable(RuntimeError):
     """OpenAI Triton is not installed, or the logits' device cannot run it; the message says which."""
 
 
+def triton_interprets(triton) -> bool:
+    """Whether the imported OpenAI Triton runs kernels under its interpreter: ``triton.knobs`` (3.4 on), else
+    ``TRITON_INTERPRET`` as earlier releases read it (NVIDIA's containers ship 3.0-3.2, which have no knobs)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 def _kernel():
     """The kernel and whether it runs interpreted (on CPU tensors) or compiled (on CUDA)."""
     try:
@@ -54,7 +64,7 @@ def _kernel():
         from prepos._scan_kernel import vocab_scan
     except ImportError as exc:
         raise TritonUnavailable(f"OpenAI Triton is not installed ({exc})") from None
-    return vocab_scan, triton.knobs.runtime.interpret
+    return vocab_scan, triton_interprets(triton)
 
 
 class TritonScan:

@@ -9,6 +9,7 @@ device the compiled kernel is checked at real vocabulary sizes and dtypes.
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from prepos.scan import scan_numpy, scan_torch
 
 triton = pytest.importorskip("triton", reason="OpenAI Triton is not installed")
-from prepos.scan_triton import TritonScan, TritonUnavailable  # noqa: E402
+from prepos.scan_triton import TritonScan, TritonUnavailable, triton_interprets  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -166,3 +167,16 @@ def test_gpu_kernel_agrees_with_reference_at_real_sizes(vocab, dtype, choices):
             logits[allowed[5]] = 10.0
         ref = scan_numpy(logits.float().cpu().numpy(), allowed_ids=allowed)
         _same(scan(logits, allowed_ids=allowed), ref, 1e-5 if dtype == torch.float32 else 1e-4)
+
+
+@pytest.mark.parametrize("value, interprets", [("1", True), ("0", False), (None, False)])
+def test_interpretation_is_read_from_the_environment_where_triton_has_no_knobs(monkeypatch, value, interprets):
+    # OpenAI Triton before 3.4 (NVIDIA's containers ship 3.0-3.2) has no triton.knobs: TRITON_INTERPRET decides.
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_interprets(types.SimpleNamespace(__version__="3.2.0")) is interprets
+    knobs = types.SimpleNamespace(runtime=types.SimpleNamespace(interpret=not interprets))
+    assert triton_interprets(types.SimpleNamespace(knobs=knobs)) is (not interprets)  # knobs win where present
+    assert triton_interprets(triton) is bool(triton.knobs.runtime.interpret)

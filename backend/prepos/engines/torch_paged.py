@@ -119,9 +119,10 @@ class PagedTorchLlamaEngine(TorchLlamaEngine):
             import triton
 
             from prepos import _attention_kernel
+            from prepos.scan_triton import triton_interprets
         except ImportError as exc:
             raise RuntimeError(f"the paged torch engine needs OpenAI Triton ({exc})") from None
-        if triton.knobs.runtime.interpret != (torch.device(device).type == "cpu"):
+        if triton_interprets(triton) != (torch.device(device).type == "cpu"):
             raise ValueError(f"the decode attention kernel runs on CUDA, or on CPU under Triton's interpreter "
                              f"(TRITON_INTERPRET=1 before Triton is imported); not on {device} in this process")
         # Its decode and attention are the Triton kernels', on CUDA (or interpreted): not the CPU kernels.
