@@ -34,7 +34,9 @@ either way). With no finite allowed logit
 - **plugin** form: one node ``VocabScan`` in domain :data:`DOMAIN` (version
   :data:`DOMAIN_VERSION`) carrying ``plugin_namespace``/``plugin_version``
   attributes, which TensorRT's ONNX parser maps to the plugin
-  ``prepos::VocabScan`` (``prepos_build.scan_tensorrt``).
+  ``prepos::VocabScan`` (``prepos_build.scan_tensorrt``), after a ``Cast`` of the
+  mask to int32 (TensorRT plugins take no bool tensors); the model's inputs are
+  the standard form's.
 
 ``python -m prepos_build.scan_onnx --output DIR`` writes both forms for both
 logit dtypes and ``scan_onnx.json``, which records opset and domain versions.
@@ -60,6 +62,7 @@ DOMAIN = "prepos"
 DOMAIN_VERSION = 1
 PLUGIN_NAME = "VocabScan"
 PLUGIN_VERSION = "1"
+PLUGIN_MASK = "mask_int32"  # the plugin node's mask input: the model's bool mask cast to int32
 IR_VERSION = 8  # readable by ONNX Runtime and TensorRT 10's parser alike
 VOCAB_AXIS = "vocab"
 INPUT_NAMES = ("logits", "mask", "temperature", "top_k", "top_p", "uniform")
@@ -266,11 +269,13 @@ def _standard_graph(dtype: str, sampling_head: int) -> onnx.GraphProto:
 
 def _plugin_graph(dtype: str) -> onnx.GraphProto:
     inputs, outputs = _io(dtype)
+    # TensorRT plugins take no bool tensors (PluginTensorDesc: kBOOL unsupported): the mask enters as int32.
+    cast = helper.make_node("Cast", ["mask"], [PLUGIN_MASK], name="mask_to_int32", to=TensorProto.INT32)
     node = helper.make_node(
-        PLUGIN_NAME, list(INPUT_NAMES), list(OUTPUT_NAMES), name="vocab_scan", domain=DOMAIN,
-        plugin_namespace=DOMAIN, plugin_version=PLUGIN_VERSION,
+        PLUGIN_NAME, [PLUGIN_MASK if name == "mask" else name for name in INPUT_NAMES], list(OUTPUT_NAMES),
+        name="vocab_scan", domain=DOMAIN, plugin_namespace=DOMAIN, plugin_version=PLUGIN_VERSION,
     )
-    return helper.make_graph([node], f"prepos_vocab_scan_plugin_{dtype}", inputs, outputs)
+    return helper.make_graph([cast, node], f"prepos_vocab_scan_plugin_{dtype}", inputs, outputs)
 
 
 def build_scan_model(form: str = "standard", dtype: str = "float32",

@@ -1,7 +1,7 @@
 """The vocabulary scan as a TensorRT engine: the plugin form of ``scan_onnx`` with our plugin.
 
 ``prepos::VocabScan`` is a TensorRT Python plugin (``tensorrt.plugin``, TensorRT
-10.7 or later): :func:`register_plugin` declares its outputs and binds its
+10.6 or later): :func:`register_plugin` declares its outputs and binds its
 implementation, :func:`scan_tensors`, which runs on the logits' device with torch
 on TensorRT's stream. The ONNX parser maps the graph's single ``VocabScan`` node
 (op type = plugin name, ``plugin_namespace`` attribute = namespace) to it.
@@ -40,15 +40,15 @@ _registered = False
 
 
 class TensorRTUnavailable(RuntimeError):
-    """TensorRT (10.7+, with ``tensorrt.plugin``) or a CUDA device is missing; the message says which."""
+    """TensorRT (10.6+, with ``tensorrt.plugin``) or a CUDA device is missing; the message says which."""
 
 
 def _tensorrt():
     try:
         import tensorrt as trt
-        import tensorrt.plugin  # noqa: F401  (10.7+: Python plugins)
+        import tensorrt.plugin  # noqa: F401  (10.6+: Python plugins)
     except ImportError as exc:
-        raise TensorRTUnavailable(f"TensorRT 10.7+ with tensorrt.plugin is not installed ({exc})") from None
+        raise TensorRTUnavailable(f"TensorRT 10.6+ with tensorrt.plugin is not installed ({exc})") from None
     return trt
 
 

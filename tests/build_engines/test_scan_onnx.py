@@ -53,12 +53,20 @@ def test_manifest_records_opset_domain_and_files(exported):
         assert [o.name for o in model.graph.output] == list(scan_onnx.OUTPUT_NAMES)
 
 
-def test_plugin_form_is_one_node_the_tensorrt_parser_maps_to_the_plugin():
+def test_plugin_form_is_one_node_the_tensorrt_parser_maps_to_the_plugin_with_no_bool_input():
     model = build_scan_model("plugin")
-    (node,) = model.graph.node
+    cast, node = model.graph.node
     assert (node.op_type, node.domain) == (PLUGIN_NAME, DOMAIN)
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert attrs == {"plugin_namespace": b"prepos", "plugin_version": b"1"}
+    # TensorRT plugins take no bool tensors: the model's bool mask reaches the plugin as int32.
+    assert (cast.op_type, list(cast.input), list(cast.output)) == ("Cast", ["mask"], [node.input[1]])
+    assert onnx.helper.get_attribute_value(cast.attribute[0]) == onnx.TensorProto.INT32
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.input, *inferred.graph.value_info]}
+    assert types[node.input[1]] == onnx.TensorProto.INT32
+    assert onnx.TensorProto.BOOL not in [types[name] for name in node.input]
+    assert types["mask"] == onnx.TensorProto.BOOL and [i.name for i in model.graph.input] == list(scan_onnx.INPUT_NAMES)
 
 
 def test_standard_form_uses_standard_operators_only():

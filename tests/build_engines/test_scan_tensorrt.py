@@ -19,7 +19,7 @@ from prepos_build.scan_tensorrt import TensorRTUnavailable, scan_tensors
 
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 needs_tensorrt = pytest.mark.skipif(not (HAS_TENSORRT and torch.cuda.is_available()),
-                                    reason="needs TensorRT 10.7+ (tensorrt.plugin) and a CUDA device")
+                                    reason="needs TensorRT 10.6+ (tensorrt.plugin) and a CUDA device")
 
 
 def _plugin_scan(logits: np.ndarray, allowed, temperature, top_k, top_p, u, device="cpu"):
@@ -59,7 +59,7 @@ def test_greedy_ties_and_single_token():
 @pytest.mark.skipif(HAS_TENSORRT, reason="TensorRT is installed here")
 def test_without_tensorrt_the_build_fails_with_a_clear_reason(tmp_path, capsys):
     assert scan_tensorrt.main(["--output", str(tmp_path)]) == 2
-    assert "TensorRT 10.7+ with tensorrt.plugin is not installed" in capsys.readouterr().err
+    assert "TensorRT 10.6+ with tensorrt.plugin is not installed" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
     with pytest.raises(TensorRTUnavailable):
         scan_tensorrt.TensorRTScan(tmp_path / "scan.engine")

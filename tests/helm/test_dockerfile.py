@@ -42,7 +42,7 @@ def arguments(keyword: str) -> list[str]:
 
 def test_base_is_the_triton_trtllm_container_with_a_tag_argument():
     pairs = instructions()
-    assert pairs[0] == ("ARG", "TRITON_TAG=24.10")
+    assert pairs[0] == ("ARG", "TRITON_TAG=25.01")
     assert arguments("FROM") == ["nvcr.io/nvidia/tritonserver:${TRITON_TAG}-trtllm-python-py3"]
 
 
@@ -130,11 +130,17 @@ def test_the_images_install_step_builds_the_project_from_only_what_the_image_cop
         assert module in names, module
 
 
-def test_the_images_python_sources_parse_as_the_base_images_python_3_10():
-    # NVIDIA's 24.10 container runs Python 3.10, the development interpreter is 3.11 (install with
-    # --ignore-requires-python): syntax new in 3.11 (`except*`, say) would fail at the model's first import.
+def test_the_images_python_sources_parse_as_3_10_and_import_nothing_3_12_removed():
+    # The development interpreter is 3.11; NVIDIA's bases run 3.12 (25.01 on) or 3.10 (24.x), installed with
+    # --ignore-requires-python: syntax new in 3.11 (`except*`, say) or a module 3.12 removed would fail at the
+    # model's first import there.
+    removed_in_3_12 = {"distutils", "imp", "asynchat", "asyncore", "smtpd"}
     roots = ["backend", "client", "build_engines", "loadtest/prepos_loadtest", "model_repository"]
     sources = [path for root in roots for path in (REPO_ROOT / root).rglob("*.py")]
     assert len(sources) > 50
     for path in sources:
-        ast.parse(path.read_text(), filename=str(path), feature_version=(3, 10))
+        tree = ast.parse(path.read_text(), filename=str(path), feature_version=(3, 10))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not {name.split(".")[0] for name in names} & removed_in_3_12, (path, names)
