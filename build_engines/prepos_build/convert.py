@@ -39,6 +39,8 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUTPUT = Path("engines") / "smollm2-135m-instruct"
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "tokenizer.tiktoken")
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|[Ff]\d+|BF16|bf16)$")
 
 
@@ -243,6 +245,22 @@ def _load_gguf_without_accelerate(src: Source) -> Any:
     return model
 
 
+_MISMATCH_HINT = " (a tensor's shape differs from what config.json implies: the log above lists it as MISMATCH)"
+
+
+def _check_loading(src: Source, loading: dict[str, Any]) -> None:
+    """Refuse a checkpoint that lacks weights its model has: transformers fills them with random values (and
+    says so only in its log), which would make an engine that runs and answers wrongly."""
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ConvertError(f"source {src.describe()} lacks weights the model needs: {', '.join(missing[:8])}{more}"
+                           " (an untied lm_head needs its own tensor, or tie_word_embeddings true in config.json)")
+    mismatched = loading.get("mismatched_keys") or ()
+    if mismatched:
+        raise ConvertError(f"source {src.describe()} holds tensors of the wrong shape: {sorted(mismatched)[:8]}")
+
+
 def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any]:
     """Write weights, config and tokenizer of ``src`` into ``tmp``; return the engine record."""
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -269,7 +287,16 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
             raise ConvertError(f"source {where} is not a causal language model ({what})")
         if getattr(config, "quantization_config", None):
             raise ConvertError(f"source {where} is a quantized checkpoint; pass a float checkpoint or a GGUF file")
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = getattr(text, "num_attention_heads", None)
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        if heads and kv_heads and heads % kv_heads:
+            raise ConvertError(f"config.json of {where}: {heads} attention heads do not group over {kv_heads} "
+                               "key-value heads (num_attention_heads must be a multiple of num_key_value_heads)")
 
+    if not src.is_gguf and not any((src.path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConvertError(f"source {where} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy the "
+                           "model's tokenizer files beside its weights")
     with _step("loading tokenizer"):
         try:
             tokenizer = AutoTokenizer.from_pretrained(where, **extra)
@@ -281,6 +308,9 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
             f"tokenizer of {src.describe()} has no chat template (or several named ones);"
             " prepos needs one chat template to frame conversations"
         )
+    if "strftime_now" in template:
+        log.warning("the chat template of %s reads the date (strftime_now): the framing is derived from today's "
+                    "rendering, and a default system turn that names the date keeps this date", src.describe())
     with _step("deriving chat framing"):
         try:
             framing = derive_framing(tokenizer)
@@ -293,13 +323,18 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
             if src.is_gguf and not is_accelerate_available():
                 model = _load_gguf_without_accelerate(src)
             else:
-                model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **extra)
+                model, loading = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32,
+                                                                      output_loading_info=True, **extra)
+                _check_loading(src, loading)
         except ConvertError:
             raise
         except ValueError as exc:
             if "Unrecognized configuration class" in str(exc) or "not supported" in str(exc).lower():
                 raise ConvertError(f"source {src.describe()} is not a causal language model: {exc}") from exc
             raise ConvertError(f"cannot load {src.describe()}: {exc}") from exc
+        except Exception as exc:  # a damaged or missing shard, a tensor of the wrong shape, an unreadable file
+            raise ConvertError(f"cannot load the weights of {src.describe()}: {type(exc).__name__}: {exc}"
+                               + _MISMATCH_HINT * ("ignore_mismatched_sizes" in str(exc))) from exc
     config = model.config
     if src.is_gguf:
         # The weights are plain float32 tensors now; nothing of the GGUF quantization remains.
@@ -322,13 +357,18 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
     if ids and max(ids) >= vocab_size:
         raise ConvertError(f"tokenizer ids (up to {max(ids)}) exceed the model's vocab_size {vocab_size}")
     if len(tokenizer) > vocab_size:
-        log.warning("tokenizer has %d tokens but the model only %d embeddings", len(tokenizer), vocab_size)
+        raise ConvertError(f"the tokenizer of {src.describe()} has {len(tokenizer)} tokens but the model only "
+                           f"{vocab_size} embeddings: text using the rest could not be answered")
 
     with _step("saving float32 safetensors weights"):
         kwargs: dict[str, Any] = {}
         if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
             kwargs["safe_serialization"] = True
-        model.save_pretrained(tmp, **kwargs)
+        try:
+            model.save_pretrained(tmp, **kwargs)
+        except Exception as exc:  # a full disk, say (safetensors raises its own error type for it)
+            raise ConvertError(f"cannot write the engine's weights into {tmp.parent}: {type(exc).__name__}: "
+                               f"{exc}") from exc
     del model
     if not ((tmp / "model.safetensors").is_file() or (tmp / "model.safetensors.index.json").is_file()):
         raise ConvertError(f"saving weights produced no safetensors file in {tmp}")
@@ -343,7 +383,9 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
             raise ConvertError("the saved tokenizer lost its chat template")
     with _step("checking the framing of the saved tokenizer"):
         if derive_framing(saved) != framing:
-            raise ConvertError("the saved tokenizer frames chats differently from the source tokenizer")
+            raise ConvertError("the saved tokenizer frames chats differently from the source tokenizer (or the "
+                               "chat template renders differently each time: one that reads the clock, say)")
+    _warn_if_the_torch_engine_cannot_serve(tmp, src)
 
     return {
         "format_version": FORMAT_VERSION,
@@ -357,6 +399,21 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "builder": BUILDER,
     }
+
+
+def _warn_if_the_torch_engine_cannot_serve(engine_dir: Path, src: Source) -> None:
+    """The engine directory serves any engine; the default one, torch, runs plain-RoPE SiLU Llamas only: say so at
+    build time rather than at the server's start."""
+    try:
+        from prepos.engines.llama_weights import read_config
+    except ImportError:
+        return
+    try:
+        read_config(str(engine_dir))
+    except ValueError as exc:
+        reason = str(exc).split(": ", 1)[-1]
+        log.warning("the torch engine (engine.name torch, the default) cannot serve %s: %s; TensorRT-LLM may "
+                    "(engine.name trtllm, make trtllm-engine)", src.describe(), reason)
 
 
 def convert(
@@ -375,6 +432,11 @@ def convert(
     t0 = time.monotonic()
     src = resolve_source(source, gguf_file)
     out = Path(output).expanduser().absolute()
+    if out.is_symlink():  # the engine goes where the link points (a volume, say); the link stays as it is
+        out = out.resolve()
+    if out.is_dir() and os.path.ismount(out):
+        raise ConvertError(f"output {out} is a mount point: the engine is built beside the output and moved into "
+                           f"place, which a mount point cannot take; use a directory under it ({out / 'engine'})")
     fingerprint = src.fingerprint()
 
     if out.resolve() == src.path or out.resolve() in src.path.parents:

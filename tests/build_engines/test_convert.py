@@ -303,3 +303,120 @@ def test_default_source_is_the_installed_gguf():
     assert fp["file"] == DEFAULT_GGUF_FILE and fp["size"] == (src.path / DEFAULT_GGUF_FILE).stat().st_size
     # A .gguf file given directly resolves the same way.
     assert resolve_source(src.path / DEFAULT_GGUF_FILE) == src
+
+
+def _edit_weights(src: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+
+
+def _edit_config(src: Path, **changes) -> None:
+    config = json.loads((src / "config.json").read_text())
+    config.update(changes)
+    (src / "config.json").write_text(json.dumps(config))
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_naming_it_not_filled_with_random_values(tiny_checkpoint, tmp_path):
+    # transformers fills a missing tensor with random values and says so only in its log: the engine built
+    # from it ran and answered wrongly.
+    src = _copy(tiny_checkpoint, tmp_path / "src")
+    _edit_weights(src, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(ConvertError, match=r"lacks weights the model needs: model\.layers\.1\.self_attn\.k_proj"):
+        convert(src, tmp_path / "out")
+    untied = _copy(tiny_checkpoint, tmp_path / "untied")
+    _edit_config(untied, tie_word_embeddings=False)  # and no lm_head.weight in the file
+    run = _cli("--source", str(untied), "--output", str(tmp_path / "out"), cwd=tmp_path)
+    assert run.returncode == 2 and "lm_head.weight" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+def test_damaged_weights_are_an_error_naming_the_source_not_a_traceback(tiny_checkpoint, tmp_path):
+    import torch
+
+    shape = _copy(tiny_checkpoint, tmp_path / "shape")
+    _edit_weights(shape, lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3)))
+    truncated = _copy(tiny_checkpoint, tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    for src, expected in ((shape, "shape"), (truncated, "cannot load the weights")):
+        run = _cli("--source", str(src), "--output", str(tmp_path / "out"), cwd=tmp_path)
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert "prepos_build: error:" in run.stderr and expected in run.stderr and str(src) in run.stderr
+        assert "Traceback" not in run.stderr
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+def test_checkpoints_no_engine_could_serve_are_refused(tiny_checkpoint, tmp_path):
+    no_tokenizer = _copy(tiny_checkpoint, tmp_path / "no-tokenizer")
+    for f in no_tokenizer.iterdir():
+        if f.name not in ("config.json", "model.safetensors", "generation_config.json"):
+            f.unlink()
+    with pytest.raises(ConvertError, match=r"has no tokenizer \(tokenizer\.json"):
+        convert(no_tokenizer, tmp_path / "out")
+    small_vocab = _copy(tiny_checkpoint, tmp_path / "small-vocab")  # embeddings for fewer ids than the tokenizer has
+    _edit_config(small_vocab, vocab_size=VOCAB - 100)
+    _edit_weights(small_vocab, lambda t: t.__setitem__("model.embed_tokens.weight",
+                                                        t["model.embed_tokens.weight"][: VOCAB - 100].clone()))
+    with pytest.raises(ConvertError, match=rf"has {VOCAB} tokens but the model only {VOCAB - 100} embeddings"):
+        convert(small_vocab, tmp_path / "out")
+    ungrouped = _copy(tiny_checkpoint, tmp_path / "ungrouped")
+    _edit_config(ungrouped, num_attention_heads=4, num_key_value_heads=3, head_dim=4)
+    with pytest.raises(ConvertError, match="4 attention heads do not group over 3 key-value heads"):
+        convert(ungrouped, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+def test_a_checkpoint_the_torch_engine_cannot_run_builds_with_a_warning_saying_why(tiny_checkpoint, tmp_path, caplog):
+    src = _copy(tiny_checkpoint, tmp_path / "src")
+    _edit_config(src, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with caplog.at_level("WARNING", logger="prepos_build.convert"):
+        out = convert(src, tmp_path / "out")
+    assert (out / ENGINE_FILE).is_file()
+    assert "the torch engine (engine.name torch, the default) cannot serve" in caplog.text
+    assert "rope scaling" in caplog.text and "trtllm" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="prepos_build.convert"):
+        convert(tiny_checkpoint, tmp_path / "plain")
+    assert "cannot serve" not in caplog.text
+
+
+def test_a_chat_template_that_reads_the_date_builds_with_a_warning(tiny_checkpoint, tmp_path, caplog):
+    src = _copy(tiny_checkpoint, tmp_path / "src")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    template_file = src / "chat_template.jinja"
+    template = template_file.read_text() if template_file.is_file() else config["chat_template"]
+    dated = "{%- set today = strftime_now('%d %b %Y') -%}" + template
+    if template_file.is_file():
+        template_file.write_text(dated)
+    else:
+        config["chat_template"] = dated
+        (src / "tokenizer_config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="prepos_build.convert"):
+        convert(src, tmp_path / "out")
+    assert "reads the date (strftime_now)" in caplog.text
+
+
+def test_a_symlinked_output_gets_the_engine_in_its_target_and_stays_a_link(tiny_checkpoint, tmp_path):
+    # The link was replaced by a plain directory, its target left empty and a dangling leftover beside it.
+    target = tmp_path / "volume" / "engine"
+    target.parent.mkdir()
+    link = tmp_path / "engines"
+    link.symlink_to(target)
+    assert convert(tiny_checkpoint, link) == target
+    assert link.is_symlink() and (target / ENGINE_FILE).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engines", "volume"]
+    assert convert(tiny_checkpoint, link) == target  # reused through the link
+
+
+def test_an_output_that_is_a_mount_point_is_refused_before_the_build(tiny_checkpoint, tmp_path, monkeypatch):
+    # The build renames the finished directory into place, which a mount point refuses (EBUSY) after the whole build.
+    out = tmp_path / "mounted"
+    out.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == out or real_ismount(p))
+    with pytest.raises(ConvertError, match=rf"output {out} is a mount point: .* \({out}/engine\)"):
+        convert(tiny_checkpoint, out)
+    assert list(out.iterdir()) == [] and _leftovers(tmp_path) == []
