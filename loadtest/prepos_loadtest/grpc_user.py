@@ -81,11 +81,14 @@ def _check_prepos_arguments(environment, **_kwargs) -> None:
 
 
 @events.test_stopping.add_listener
-def _hold_interrupts(**_kwargs) -> None:
-    # The users are stopping, at the end of the run time or for an interrupt: a SIGINT now (the load test passes
-    # one on) would cut short their ENDs, Locust's report and its last pass over the CSVs, and leave the run
-    # unmeasured. It has nothing left to stop; a second interrupt of the load test kills Locust instead.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _hold_interrupts(environment=None, **_kwargs) -> None:
+    # The users of a headless run are stopping, at the end of the run time or for an interrupt: a SIGINT now (the
+    # load test passes one on) would cut short their ENDs, Locust's report and its last pass over the CSVs, and
+    # leave the run unmeasured. It has nothing left to stop; a second interrupt of the load test kills Locust
+    # instead. In the web UI a test stops at every Stop, and Ctrl-C must still quit Locust afterwards.
+    parsed = getattr(environment, "parsed_options", None)
+    if parsed is not None and getattr(parsed, "headless", False):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @events.quitting.add_listener

@@ -64,6 +64,9 @@ _SHUTDOWN_MARGIN_S = 120.0
 _TIMESPAN = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
 
+MAX_RUN_TIME_S = 999_999_999 * 86_400  # the longest Python timedelta, in which Locust reads its run time
+
+
 def parse_run_time(text: str) -> float:
     """Seconds of a Locust run time: `90`, `90s`, `1m30s`, `1h`, as Locust spells them (lower case, no spaces).
 
@@ -80,6 +83,8 @@ def parse_run_time(text: str) -> float:
         seconds = hours * 3600 + minutes * 60 + secs
     if seconds <= 0:
         raise ValueError(f"--run-time: must be positive, got {text!r}")
+    if seconds > MAX_RUN_TIME_S:  # Locust, once started, failed on it with an OverflowError traceback
+        raise ValueError(f"--run-time: at most {MAX_RUN_TIME_S}s (999999999 days), got {text!r}")
     return float(seconds)
 
 
@@ -261,6 +266,8 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         check_url(args.host)
     except ValueError as error:
         parser.error(f"--host: {error}")
+    if ":" not in args.host.rsplit("]", 1)[-1]:  # gRPC would go to port 443
+        parser.error(f"--host: {args.host!r} names no port; give the server's gRPC port, {args.host}:8001 say")
     if args.users < 1:
         parser.error("--users: must be >= 1")
     if not (math.isfinite(args.spawn_rate) and args.spawn_rate > 0):

@@ -35,12 +35,14 @@ def write_csvs(prefix, stats_lines, failures=(), exceptions=()):
         "\n".join(["Count,Message,Traceback,Nodes", *exceptions]) + "\n")
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("60", 60), ("60s", 60), ("1m30s", 90), ("2m", 120), ("1h", 3600)])
+@pytest.mark.parametrize(("text", "seconds"), [("60", 60), ("60s", 60), ("1m30s", 90), ("2m", 120), ("1h", 3600),
+                                               ("86399999913600s", 86_399_999_913_600)])
 def test_parse_run_time(text, seconds):
     assert parse_run_time(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "0", "0s", "ten", "1.5s", "-3s", "10S", " 5s", "1M", "\uff15"])
+@pytest.mark.parametrize("text", ["", "0", "0s", "ten", "1.5s", "-3s", "10S", " 5s", "1M", "\uff15",
+                                  "99999999999999999999h", "86399999913601s", "23999999999h"])
 def test_parse_run_time_rejects(text):
     with pytest.raises(ValueError, match="^--run-time:"):
         parse_run_time(text)
@@ -120,12 +122,24 @@ def test_every_workload_has_a_task_file():
     ["--run-time", "soon"], ["--run-time", "10S"], ["--tls-ca", "/nonexistent/ca.pem"],
     ["--think-scale", "-1"], ["--workload-sessions", "0"], ["--workload", "nope"],
     ["--trace", "/nonexistent/trace.jsonl"], ["--host", ""], ["--host", "127.0.0.1:84237"],
+    ["--run-time", "99999999999999999999h"], ["--host", "localhost"], ["--host", "[::1]"],
 ])
 def test_usage_errors_exit_2_before_locust_starts(tmp_path, argv):
     with pytest.raises(SystemExit) as exit_info:
         run.main([*argv, "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_a_host_without_a_port_is_refused_naming_it_and_one_with_a_port_is_not(capsys):
+    # gRPC took `localhost` as port 443, and every request of the run failed with "connection refused".
+    parser = run.build_parser()
+    with pytest.raises(SystemExit):
+        run._validate(parser.parse_args(["--host", "localhost"]), parser)
+    assert "--host: 'localhost' names no port; give the server's gRPC port, localhost:8001 say" in \
+        capsys.readouterr().err
+    for host in ("localhost:8001", "[::1]:8001", "unix:/tmp/prepos.sock"):
+        run._validate(parser.parse_args(["--host", host]), parser)
 
 
 @pytest.mark.parametrize(("content", "message"), [
@@ -305,6 +319,25 @@ def test_the_run_end_record_is_the_first_quittings_and_a_run_stopped_before_its_
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:3] == ["sigterm True", "init True", "complete False"], done.stdout
+
+
+def test_a_stopping_test_holds_interrupts_only_in_a_headless_run():
+    """In the web UI every Stop fires test_stopping: SIGINT stayed ignored after the first, and Ctrl-C no longer
+    quit Locust."""
+    script = textwrap.dedent("""
+        import signal, types
+        from prepos_loadtest import grpc_user
+
+        for headless in (False, True):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            options = types.SimpleNamespace(headless=headless)
+            grpc_user._hold_interrupts(environment=types.SimpleNamespace(parsed_options=options))
+            print(headless, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+        """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=run.LOADTEST_DIR, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["False False", "True True"], done.stdout
 
 
 def test_a_second_interrupt_stops_a_run_whose_users_do_not_finish(tmp_path, loadtests):
