@@ -80,15 +80,31 @@ def _check_prepos_arguments(environment, **_kwargs) -> None:
         sys.exit(f"prepos: {error}")
 
 
+_held_interrupts: list = []  # the SIGINT handler a stopping test set aside, while it stops
+
+
+def _headless(environment) -> bool:
+    parsed = getattr(environment, "parsed_options", None)
+    return parsed is not None and bool(getattr(parsed, "headless", False))
+
+
 @events.test_stopping.add_listener
 def _hold_interrupts(environment=None, **_kwargs) -> None:
-    # The users of a headless run are stopping, at the end of the run time or for an interrupt: a SIGINT now (the
-    # load test passes one on) would cut short their ENDs, Locust's report and its last pass over the CSVs, and
-    # leave the run unmeasured. It has nothing left to stop; a second interrupt of the load test kills Locust
-    # instead. In the web UI a test stops at every Stop, and Ctrl-C must still quit Locust afterwards.
-    parsed = getattr(environment, "parsed_options", None)
-    if parsed is not None and getattr(parsed, "headless", False):
+    # The users are stopping, at the end of the run time, for an interrupt or at the web UI's Stop: a SIGINT now
+    # (the load test passes one on) would cut short their ENDs, Locust's report and its last pass over the CSVs,
+    # and leave the run unmeasured. A headless run has nothing left to stop (a second interrupt of the load test
+    # kills Locust instead); the web UI gets Ctrl-C back once the users stopped (_release_interrupts).
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not signal.SIG_IGN:
+        _held_interrupts[:] = [handler]
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@events.test_stop.add_listener
+def _release_interrupts(environment=None, **_kwargs) -> None:
+    # In the web UI a test stops at every Stop: Ctrl-C must quit Locust afterwards (it was ignored for good).
+    if not _headless(environment) and _held_interrupts:
+        signal.signal(signal.SIGINT, _held_interrupts.pop())
 
 
 @events.quitting.add_listener
@@ -96,6 +112,14 @@ def _before_exit(environment, **_kwargs) -> None:
     # An interrupted run reaches here with its users still running: Locust stops them only after this event, so
     # the requests they finish while stopping (their sessions' ENDs) were left out of the CSVs and the HTML report
     # (which Locust saved already). Stop them first, and write the report again.
+    try:
+        _write_the_last_statistics(environment)
+    except KeyboardInterrupt:  # interrupted again while the users stopped (the web UI's Ctrl-C is not held)
+        print("prepos: interrupted again: stopping at once", file=sys.stderr, flush=True)
+        os._exit(130)  # Locust's shutdown, cut short, left the process hanging on its greenlets
+
+
+def _write_the_last_statistics(environment) -> None:
     runner = environment.runner
     interrupted = runner is not None and runner.state in (STATE_SPAWNING, STATE_RUNNING)
     csv_prefix = getattr(environment.parsed_options, "csv_prefix", None)

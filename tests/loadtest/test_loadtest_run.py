@@ -321,23 +321,46 @@ def test_the_run_end_record_is_the_first_quittings_and_a_run_stopped_before_its_
     assert done.stdout.split("\n")[:3] == ["sigterm True", "init True", "complete False"], done.stdout
 
 
-def test_a_stopping_test_holds_interrupts_only_in_a_headless_run():
+def test_a_stopping_test_holds_interrupts_and_the_web_ui_gets_them_back_once_its_users_stopped():
     """In the web UI every Stop fires test_stopping: SIGINT stayed ignored after the first, and Ctrl-C no longer
-    quit Locust."""
+    quit Locust. A headless run keeps ignoring it to its end."""
     script = textwrap.dedent("""
         import signal, types
         from prepos_loadtest import grpc_user
 
         for headless in (False, True):
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            options = types.SimpleNamespace(headless=headless)
-            grpc_user._hold_interrupts(environment=types.SimpleNamespace(parsed_options=options))
-            print(headless, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+            env = types.SimpleNamespace(parsed_options=types.SimpleNamespace(headless=headless))
+            grpc_user._hold_interrupts(environment=env)
+            held = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            grpc_user._release_interrupts(environment=env)
+            print(headless, held, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
         """)
     done = subprocess.run([sys.executable, "-c", script], cwd=run.LOADTEST_DIR, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[:2] == ["False False", "True True"], done.stdout
+    assert done.stdout.split("\n")[:2] == ["False True False", "True True True"], done.stdout
+
+
+def test_an_interrupt_while_the_users_stop_for_the_first_ends_locust_at_once(tmp_path):
+    """A second Ctrl-C before Locust's stop held interrupts raised inside the quitting hook: Locust's shutdown was
+    cut short and the process hung on its greenlets."""
+    script = textwrap.dedent(f"""
+        import types
+        from locust.runners import STATE_RUNNING
+        from prepos_loadtest import grpc_user
+
+        def stop():
+            raise KeyboardInterrupt
+        runner = types.SimpleNamespace(state=STATE_RUNNING, stop=stop)
+        grpc_user._before_exit(types.SimpleNamespace(runner=runner, parsed_options=types.SimpleNamespace(
+            csv_prefix={str(tmp_path / "run")!r}, html_file=None)))
+        print("not reached")
+        """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=run.LOADTEST_DIR, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 130 and "not reached" not in done.stdout, done.stdout + done.stderr
+    assert "interrupted again: stopping at once" in done.stderr
 
 
 def test_a_second_interrupt_stops_a_run_whose_users_do_not_finish(tmp_path, loadtests):
