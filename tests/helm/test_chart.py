@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -814,6 +815,32 @@ def test_the_router_checks_the_replicas_health_port_which_fails_once_the_replica
     sleep_s = int(script.rsplit(" ", 1)[1])
     interval_s, timeout_s = (int(check[key].removesuffix("s")) for key in ("interval", "timeout"))
     assert sleep_s >= check["unhealthy_threshold"] * interval_s + timeout_s
+    # Envoy checks every 60 s while a router has sent no traffic, unless told otherwise: a replica leaving then
+    # would stay in the ring past the preStop sleep.
+    assert check["no_traffic_interval"] == check["interval"]
+
+
+def test_the_routers_durations_stay_whole_seconds_for_large_values(chart):
+    """Helm reads numbers as floats: 1000000 printed as 1e+06s, which Envoy refuses as a duration."""
+    values = {**MINIMAL, "router": {"connectionIdleTimeoutSeconds": 10_000_000, "dnsRefreshSeconds": 3_000_000,
+                                    "connectTimeoutSeconds": 2_000_000}}
+    config = envoy_config(render(chart, values))
+    def durations(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key.endswith(("timeout", "interval", "rate")) and isinstance(value, str):
+                    yield value
+                yield from durations(value)
+        elif isinstance(node, list):
+            for item in node:
+                yield from durations(item)
+
+    found = list(durations(config))
+    assert len(found) >= 8 and all(re.fullmatch(r"\d+s", d) for d in found), found
+    cluster = triton_cluster(config)
+    assert (cluster["dns_refresh_rate"], cluster["connect_timeout"]) == ("3000000s", "2000000s")
+    options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert options["common_http_protocol_options"]["idle_timeout"] == "10000000s"
 
 
 def test_every_container_has_resource_requests(chart, production_values):
@@ -1067,8 +1094,8 @@ LONG_CLUSTER_DOMAIN = "k8s.prod.eu-west-1.internal.example.com"
 
 
 def test_a_router_config_past_a_configmaps_1_mib_fails_the_render(chart):
-    """With a 53-character release, a 63-character namespace and a long clusterDomain, 1024 replica names gave an
-    envoy.yaml of 1,055,714 bytes, which Kubernetes refuses in a ConfigMap (1 MiB of data, keys included)."""
+    """With a 53-character release, a 63-character namespace and a long clusterDomain, 1024 replica names gave a
+    ConfigMap of 1,055,758 bytes (envoy.yaml and its key), which Kubernetes refuses (1 MiB of data, keys included)."""
     def render_long(num_replicas):
         values = with_minimal(replicaCount=num_replicas, clusterDomain=LONG_CLUSTER_DOMAIN)
         return chart.render(values=values, name="r" * 53, namespace="n" * 63, is_install=True)
@@ -1079,7 +1106,7 @@ def test_a_router_config_past_a_configmaps_1_mib_fails_the_render(chart):
     assert 1_000_000 < size <= 1024 * 1024
     with pytest.raises(helm.HelmRenderError) as raised:
         render_long(1024)
-    assert ("the router's ConfigMap (its key envoy.yaml and the config) would be 1055724 bytes, past the 1 MiB "
+    assert ("the router's ConfigMap (its key envoy.yaml and the config) would be 1055758 bytes, past the 1 MiB "
             "(1048576 bytes) Kubernetes allows a ConfigMap: it lists 1024 replica names") in str(raised.value)
     # the README's bound: 1024 names fit with the longest release and namespace under a 30-character clusterDomain
     values = with_minimal(replicaCount=1024, clusterDomain="c" * 25 + ".test")
