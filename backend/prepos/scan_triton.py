@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import types
 from typing import Sequence
 
 import torch
@@ -47,13 +48,14 @@ class TritonUnavailable(RuntimeError):
     """OpenAI Triton is not installed, or the logits' device cannot run it; the message says which."""
 
 
-def triton_interprets(triton) -> bool:
+def triton_interprets(triton: types.ModuleType) -> bool:
     """Whether the imported OpenAI Triton runs kernels under its interpreter: ``triton.knobs`` (3.4 on), else
-    ``TRITON_INTERPRET`` as earlier releases read it (NVIDIA's containers ship 3.0-3.2, which have no knobs)."""
+    ``TRITON_INTERPRET`` as earlier releases read it, "1" and nothing else (NVIDIA's containers ship 3.0-3.2,
+    which have no knobs)."""
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _kernel():

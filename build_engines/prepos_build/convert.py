@@ -254,8 +254,10 @@ def _check_loading(src: Source, loading: dict[str, Any]) -> None:
     missing = sorted(loading.get("missing_keys") or ())
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        head = any(key.endswith("lm_head.weight") for key in missing)
         raise ConvertError(f"source {src.describe()} lacks weights the model needs: {', '.join(missing[:8])}{more}"
-                           " (an untied lm_head needs its own tensor, or tie_word_embeddings true in config.json)")
+                           + (" (config.json says the output head is untied; only a model trained with tied "
+                              "embeddings may say tie_word_embeddings true instead)" if head else ""))
     mismatched = loading.get("mismatched_keys") or ()
     if mismatched:
         raise ConvertError(f"source {src.describe()} holds tensors of the wrong shape: {sorted(mismatched)[:8]}")
@@ -356,9 +358,16 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
     ids += framing["default_system_ids"] + framing["stop_token_ids"]
     if ids and max(ids) >= vocab_size:
         raise ConvertError(f"tokenizer ids (up to {max(ids)}) exceed the model's vocab_size {vocab_size}")
+    # Text can reach every token but the special added ones (they are encoded only as written in a template):
+    # past the embeddings it could not be answered. Special tokens past them (an image placeholder, say) can stay.
+    textual = [i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if not t.special]
+    largest_textual = max([int(tokenizer.vocab_size) - 1, *textual])
+    if largest_textual >= vocab_size:
+        raise ConvertError(f"the tokenizer of {src.describe()} encodes text as ids up to {largest_textual}, but the "
+                           f"model has only {vocab_size} embeddings: text using the rest could not be answered")
     if len(tokenizer) > vocab_size:
-        raise ConvertError(f"the tokenizer of {src.describe()} has {len(tokenizer)} tokens but the model only "
-                           f"{vocab_size} embeddings: text using the rest could not be answered")
+        log.warning("tokenizer has %d tokens but the model only %d embeddings (the rest are special tokens)",
+                    len(tokenizer), vocab_size)
 
     with _step("saving float32 safetensors weights"):
         kwargs: dict[str, Any] = {}
@@ -422,7 +431,8 @@ def convert(
     gguf_file: str | None = None,
     force: bool = False,
 ) -> Path:
-    """Build the engine for ``source`` in ``output``; return ``output`` as an absolute path.
+    """Build the engine for ``source`` in ``output``; return ``output`` as an absolute path (a symlink's target:
+    the engine goes where it points).
 
     ``source`` is a directory holding ``gguf_file``, a ``.gguf`` file, or a
     Hugging Face causal-LM directory. An engine already in ``output`` built
@@ -434,9 +444,6 @@ def convert(
     out = Path(output).expanduser().absolute()
     if out.is_symlink():  # the engine goes where the link points (a volume, say); the link stays as it is
         out = out.resolve()
-    if out.is_dir() and os.path.ismount(out):
-        raise ConvertError(f"output {out} is a mount point: the engine is built beside the output and moved into "
-                           f"place, which a mount point cannot take; use a directory under it ({out / 'engine'})")
     fingerprint = src.fingerprint()
 
     if out.resolve() == src.path or out.resolve() in src.path.parents:
@@ -452,6 +459,9 @@ def _convert_locked(src: Source, out: Path, fingerprint: dict[str, Any], force: 
         return out
     if out.exists() and not out.is_dir():
         raise ConvertError(f"output {out} exists and is not a directory")
+    if out.is_dir() and os.path.ismount(out):  # an engine already there (mounted prebuilt) was reused above
+        raise ConvertError(f"output {out} is a mount point: the engine is built beside the output and moved into "
+                           f"place, which a mount point cannot take; use a directory under it ({out / 'engine'})")
     if out.is_dir() and existing is None and any(out.iterdir()) and not (out / ENGINE_FILE).exists() and not force:
         raise ConvertError(f"output {out} exists and is not a prepos engine; pass --force to replace it")
     if existing is not None and not force:

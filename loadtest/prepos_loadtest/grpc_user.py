@@ -35,6 +35,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gevent
 import grpc.experimental.gevent as grpc_gevent
@@ -80,10 +81,10 @@ def _check_prepos_arguments(environment, **_kwargs) -> None:
         sys.exit(f"prepos: {error}")
 
 
-_held_interrupts: list = []  # the SIGINT handler a stopping test set aside, while it stops
+_held_interrupts: list[Any] = []  # the SIGINT handler a stopping test set aside, while it stops
 
 
-def _headless(environment) -> bool:
+def _headless(environment: Any) -> bool:
     parsed = getattr(environment, "parsed_options", None)
     return parsed is not None and bool(getattr(parsed, "headless", False))
 

@@ -261,13 +261,26 @@ def _choose_locustfile(args: argparse.Namespace, parser: argparse.ArgumentParser
     return LOCUSTFILES / f"{args.workload}.py", {}
 
 
+def _names_a_port(host: str) -> bool:
+    """Whether a gRPC target names its port: ``host:port``, ``[v6]:port``, ``dns:///host:port``,
+    ``ipv4:a.b.c.d:port``; a ``unix:`` socket has none to name."""
+    if host.startswith(("unix:", "unix-abstract:", "vsock:")):
+        return True
+    address = host.split("///", 1)[1] if "///" in host else host
+    for scheme in ("ipv4:", "ipv6:", "dns:"):
+        address = address.removeprefix(scheme)
+    return "]:" in address if address.startswith("[") else address.count(":") == 1
+
+
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         check_url(args.host)
     except ValueError as error:
         parser.error(f"--host: {error}")
-    if ":" not in args.host.rsplit("]", 1)[-1]:  # gRPC would go to port 443
-        parser.error(f"--host: {args.host!r} names no port; give the server's gRPC port, {args.host}:8001 say")
+    tls = bool(getattr(args, "tls", False) or getattr(args, "tls_ca", ""))
+    if not tls and not _names_a_port(args.host):  # gRPC would go to port 443, where TLS is what a server expects
+        parser.error(f"--host: {args.host!r} names no port, so gRPC would use 443 (TLS); give the server's gRPC "
+                     f"port, {args.host.removeprefix('dns:///')}:8001 say, or --tls for a TLS endpoint on 443")
     if args.users < 1:
         parser.error("--users: must be >= 1")
     if not (math.isfinite(args.spawn_rate) and args.spawn_rate > 0):

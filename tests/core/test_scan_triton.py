@@ -169,7 +169,7 @@ def test_gpu_kernel_agrees_with_reference_at_real_sizes(vocab, dtype, choices):
         _same(scan(logits, allowed_ids=allowed), ref, 1e-5 if dtype == torch.float32 else 1e-4)
 
 
-@pytest.mark.parametrize("value, interprets", [("1", True), ("0", False), (None, False)])
+@pytest.mark.parametrize("value, interprets", [("1", True), ("0", False), (None, False), ("true", False)])
 def test_interpretation_is_read_from_the_environment_where_triton_has_no_knobs(monkeypatch, value, interprets):
     # OpenAI Triton before 3.4 (NVIDIA's containers ship 3.0-3.2) has no triton.knobs: TRITON_INTERPRET decides.
     if value is None:
@@ -180,3 +180,13 @@ def test_interpretation_is_read_from_the_environment_where_triton_has_no_knobs(m
     knobs = types.SimpleNamespace(runtime=types.SimpleNamespace(interpret=not interprets))
     assert triton_interprets(types.SimpleNamespace(knobs=knobs)) is (not interprets)  # knobs win where present
     assert triton_interprets(triton) is bool(triton.knobs.runtime.interpret)
+
+
+def test_the_scan_runs_interpreted_where_triton_has_no_knobs(monkeypatch):
+    # The call sites, not only the helper: on OpenAI Triton 3.0-3.2 TritonScan read triton.knobs and raised.
+    if CUDA:
+        pytest.skip("runs the interpreted kernel on CPU tensors")
+    monkeypatch.delattr(triton, "knobs")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits = torch.tensor([0.5, 2.0, -1.0, 2.0, 0.0])
+    _same(TritonScan("cpu", block=16)(logits), scan_numpy(logits.numpy()))

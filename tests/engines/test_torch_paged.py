@@ -348,6 +348,19 @@ def test_a_prefill_whose_pages_were_freed_meanwhile_is_refused(tied):
             pass
 
 
+def test_the_engine_starts_where_triton_has_no_knobs(tied, monkeypatch):
+    # OpenAI Triton 3.0-3.2 (NVIDIA's containers) has no triton.knobs: the engine read it and raised AttributeError.
+    import triton
+
+    if CUDA:
+        pytest.skip("checks the interpreted kernel on CPU tensors")
+    path, model = tied
+    monkeypatch.delattr(triton, "knobs")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ids = _ids(5, seed=7)
+    assert _close(_engine(path).prefill("s", ids).cpu(), _hf_logits(model, ids)[-1])
+
+
 def test_bad_arguments_are_named(tied):
     path, _ = tied
     with pytest.raises(ValueError, match="page_tokens must be a power of two"):

@@ -823,7 +823,11 @@ def test_the_router_checks_the_replicas_health_port_which_fails_once_the_replica
 def test_the_routers_durations_stay_whole_seconds_for_large_values(chart):
     """Helm reads numbers as floats: 1000000 printed as 1e+06s, which Envoy refuses as a duration."""
     values = {**MINIMAL, "router": {"connectionIdleTimeoutSeconds": 10_000_000, "dnsRefreshSeconds": 3_000_000,
-                                    "connectTimeoutSeconds": 2_000_000}}
+                                    "connectTimeoutSeconds": 2_000_000,
+                                    "healthCheck": {"enabled": True, "intervalSeconds": 1_000_000,
+                                                    "timeoutSeconds": 1_000_000},
+                                    "terminationGracePeriodSeconds": 4_000_000},
+              "preStopSleepSeconds": 3_000_000, "terminationGracePeriodSeconds": 4_000_000}
     config = envoy_config(render(chart, values))
     def durations(node):
         if isinstance(node, dict):
@@ -841,6 +845,8 @@ def test_the_routers_durations_stay_whole_seconds_for_large_values(chart):
     assert (cluster["dns_refresh_rate"], cluster["connect_timeout"]) == ("3000000s", "2000000s")
     options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert options["common_http_protocol_options"]["idle_timeout"] == "10000000s"
+    (check,) = cluster["health_checks"]
+    assert (check["interval"], check["timeout"], check["no_traffic_interval"]) == ("1000000s",) * 3
 
 
 def test_every_container_has_resource_requests(chart, production_values):

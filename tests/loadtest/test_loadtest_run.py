@@ -134,12 +134,14 @@ def test_usage_errors_exit_2_before_locust_starts(tmp_path, argv):
 def test_a_host_without_a_port_is_refused_naming_it_and_one_with_a_port_is_not(capsys):
     # gRPC took `localhost` as port 443, and every request of the run failed with "connection refused".
     parser = run.build_parser()
-    with pytest.raises(SystemExit):
-        run._validate(parser.parse_args(["--host", "localhost"]), parser)
-    assert "--host: 'localhost' names no port; give the server's gRPC port, localhost:8001 say" in \
-        capsys.readouterr().err
-    for host in ("localhost:8001", "[::1]:8001", "unix:/tmp/prepos.sock"):
-        run._validate(parser.parse_args(["--host", host]), parser)
+    for host in ("localhost", "dns:///localhost", "[::1]"):
+        with pytest.raises(SystemExit):
+            run._validate(parser.parse_args(["--host", host]), parser)
+        assert f"--host: {host!r} names no port, so gRPC would use 443 (TLS)" in capsys.readouterr().err
+    for argv in (["--host", "localhost:8001"], ["--host", "[::1]:8001"], ["--host", "unix:/tmp/prepos.sock"],
+                 ["--host", "dns:///localhost:8001"], ["--host", "ipv4:127.0.0.1:8001"],
+                 ["--host", "prepos.example.com", "--tls"]):  # a TLS endpoint on 443 names none
+        run._validate(parser.parse_args(argv), parser)
 
 
 @pytest.mark.parametrize(("content", "message"), [

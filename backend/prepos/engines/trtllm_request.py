@@ -40,11 +40,11 @@ def build_request(tle: Any, token_ids: Sequence[int], *, retention: Retention, l
     ``retention`` where the executor module has retention (:func:`has_retention`). The
     logits come through the named post-processor, or, with ``logits_post_processor=None``,
     as the result's generation logits. ``tle`` is ``tensorrt_llm.bindings.executor`` or a
-    fake with the same names. ``max_tokens`` goes by keyword: releases before 1.0 take it
-    only so.
+    fake with the same names. ``max_tokens`` goes by keyword: 0.14 and 0.15 take it only
+    so (1.x either way).
     """
     ids = [int(t) for t in token_ids]
-    extra = {}
+    extra: dict[str, Any] = {}
     if has_retention(tle):
         duration = datetime.timedelta(seconds=retention.duration_s)
         prompt_range = tle.KvCacheRetentionConfig.TokenRangeRetentionConfig(
