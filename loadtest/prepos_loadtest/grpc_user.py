@@ -115,7 +115,7 @@ def _before_exit(environment, **_kwargs) -> None:
     # (which Locust saved already). Stop them first, and write the report again.
     try:
         _write_the_last_statistics(environment)
-    except KeyboardInterrupt:  # interrupted again while the users stopped (the web UI's Ctrl-C is not held)
+    except KeyboardInterrupt:  # interrupted again before the stopping test held interrupts
         print("prepos: interrupted again: stopping at once", file=sys.stderr, flush=True)
         os._exit(130)  # Locust's shutdown, cut short, left the process hanging on its greenlets
 
