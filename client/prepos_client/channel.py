@@ -64,8 +64,12 @@ def check_url(url: str) -> str:
         raise ValueError("url: empty; expected host:port")
     scheme = url.split("://", 1)[0].lower() if "://" in url else None
     if scheme in ("http", "https", "grpc", "grpcs"):
-        raise ValueError(f"url: {url!r} is a URL; expected a gRPC address, host:port (the server's gRPC port, "
-                         f"{url.split('://', 1)[1].split('/', 1)[0] or 'host:8001'} say)")
+        address = url.split("://", 1)[1].split("/", 1)[0] or "host:8001"
+        hint = f"{address} say"
+        if scheme.startswith("http"):  # an HTTP URL names the HTTP port, if any: the gRPC one is another
+            host = address.rsplit(":", 1)[0] if _PORT.search(address) else address
+            hint = f"{host}:8001 by default, not its HTTP port"
+        raise ValueError(f"url: {url!r} is a URL; expected a gRPC address, host:port (the server's gRPC port, {hint})")
     port = _PORT.search(url)
     if port is not None and not 0 < int(port.group(1)) < 65536:
         raise ValueError(f"url: port {port.group(1)} of {url!r} is not in 1-65535")

@@ -580,6 +580,9 @@ def test_a_command_with_stdout_closed_says_so_and_fails(fake_triton, monkeypatch
      "'grpc://127.0.0.1:8001' is a URL; expected a gRPC address, host:port (the server's gRPC port, 127.0.0.1:8001 "
      "say)"),
     (["ask", "hi", "--url", "http://127.0.0.1:8001"], {}, "'http://127.0.0.1:8001' is a URL; expected a gRPC address"),
+    (["ask", "hi", "--url", "http://127.0.0.1:8000/v2"], {},  # the hint named the HTTP port it was given
+     "'http://127.0.0.1:8000/v2' is a URL; expected a gRPC address, host:port (the server's gRPC port, "
+     "127.0.0.1:8001 by default, not its HTTP port)"),
 ])
 def test_an_address_that_is_none_is_a_usage_error(fake_triton, monkeypatch, capsys, argv, env, problem):
     for name, value in env.items():
