@@ -214,6 +214,15 @@ def _is_causal_lm(config: Any) -> tuple[bool, str]:
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, f"model_type {model_type!r}"
 
 
+def _float32(torch: Any) -> dict[str, Any]:
+    """transformers' keyword for float32 weights: ``dtype`` from 4.56 on, ``torch_dtype`` before (NVIDIA's
+    containers ship 4.4x, where ``dtype`` went on to the model's constructor and failed)."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
+
+
 def _load_gguf_without_accelerate(src: Source) -> Any:
     """Load a GGUF checkpoint as a float32 causal LM through transformers' GGUF reader.
 
@@ -229,10 +238,11 @@ def _load_gguf_without_accelerate(src: Source) -> Any:
     log.info("accelerate is not installed; dequantizing with transformers' GGUF reader")
     gguf_path = str(src.path / src.gguf_file)
     config = AutoConfig.from_pretrained(str(src.path), gguf_file=src.gguf_file, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)[
-        "tensors"
-    ]
+    model = AutoModelForCausalLM.from_config(config, **_float32(torch))
+    wanted = {"model_to_load": model, "torch_dtype": torch.float32}  # keywords of later releases than NVIDIA's 4.4x
+    accepted = inspect.signature(load_gguf_checkpoint).parameters
+    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True,
+                                   **{k: v for k, v in wanted.items() if k in accepted})["tensors"]
     result = model.load_state_dict(tensors, strict=False)
     model.tie_weights()
     if result.unexpected_keys:
@@ -325,8 +335,8 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
             if src.is_gguf and not is_accelerate_available():
                 model = _load_gguf_without_accelerate(src)
             else:
-                model, loading = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32,
-                                                                      output_loading_info=True, **extra)
+                model, loading = AutoModelForCausalLM.from_pretrained(where, output_loading_info=True,
+                                                                      **_float32(torch), **extra)
                 _check_loading(src, loading)
         except ConvertError:
             raise

@@ -384,7 +384,8 @@ def test_special_tokens_past_the_embeddings_build_with_a_warning(tiny_checkpoint
     with caplog.at_level("WARNING", logger="prepos_build.convert"):
         out = convert(src, tmp_path / "out")
     assert (out / ENGINE_FILE).is_file()
-    assert f"tokenizer has {VOCAB + 1} tokens but the model only {VOCAB} embeddings (the rest are special" in caplog.text
+    warning = f"tokenizer has {VOCAB + 1} tokens but the model only {VOCAB} embeddings (the rest are special"
+    assert warning in caplog.text
 
 
 def test_a_checkpoint_the_torch_engine_cannot_run_builds_with_a_warning_saying_why(tiny_checkpoint, tmp_path, caplog):
@@ -443,3 +444,16 @@ def test_an_output_that_is_a_mount_point_is_refused_before_the_build(tiny_checkp
     built = convert(tiny_checkpoint, tmp_path / "prebuilt")
     monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == built or real_ismount(p))
     assert convert(tiny_checkpoint, built) == built
+
+
+@pytest.mark.parametrize(("version", "keyword"), [("4.47.1", "torch_dtype"), ("4.55.4", "torch_dtype"),
+                                                  ("4.56.0.dev0", "dtype"), ("5.23.0", "dtype")])
+def test_the_weights_dtype_goes_by_the_keyword_of_the_installed_transformers(monkeypatch, version, keyword):
+    # NVIDIA's containers ship transformers 4.4x: `dtype` went on to LlamaForCausalLM.__init__ and the build failed.
+    import torch
+    import transformers
+
+    from prepos_build.convert import _float32
+
+    monkeypatch.setattr(transformers, "__version__", version)
+    assert _float32(torch) == {keyword: torch.float32}
