@@ -215,8 +215,8 @@ def _is_causal_lm(config: Any) -> tuple[bool, str]:
 
 
 def _float32(torch: Any) -> dict[str, Any]:
-    """transformers' keyword for float32 weights: ``dtype`` from 4.56 on, ``torch_dtype`` before (NVIDIA's
-    containers ship 4.4x, where ``dtype`` went on to the model's constructor and failed)."""
+    """transformers' keyword for float32 weights: ``dtype`` from 4.56 on, ``torch_dtype`` before (in 4.4x, which
+    an image's base may carry, ``dtype`` went on to the model's constructor and failed)."""
     import transformers
 
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
@@ -239,7 +239,7 @@ def _load_gguf_without_accelerate(src: Source) -> Any:
     gguf_path = str(src.path / src.gguf_file)
     config = AutoConfig.from_pretrained(str(src.path), gguf_file=src.gguf_file, local_files_only=True)
     model = AutoModelForCausalLM.from_config(config, **_float32(torch))
-    wanted = {"model_to_load": model, "torch_dtype": torch.float32}  # keywords of later releases than NVIDIA's 4.4x
+    wanted = {"model_to_load": model, "torch_dtype": torch.float32}  # keywords later releases than 4.4x have
     accepted = inspect.signature(load_gguf_checkpoint).parameters
     tensors = load_gguf_checkpoint(gguf_path, return_tensors=True,
                                    **{k: v for k, v in wanted.items() if k in accepted})["tensors"]

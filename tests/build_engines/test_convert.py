@@ -449,7 +449,7 @@ def test_an_output_that_is_a_mount_point_is_refused_before_the_build(tiny_checkp
 @pytest.mark.parametrize(("version", "keyword"), [("4.47.1", "torch_dtype"), ("4.55.4", "torch_dtype"),
                                                   ("4.56.0.dev0", "dtype"), ("5.23.0", "dtype")])
 def test_the_weights_dtype_goes_by_the_keyword_of_the_installed_transformers(monkeypatch, version, keyword):
-    # NVIDIA's containers ship transformers 4.4x: `dtype` went on to LlamaForCausalLM.__init__ and the build failed.
+    # With transformers 4.4x (an image's base may carry it), `dtype` went on to LlamaForCausalLM.__init__ and failed.
     import torch
     import transformers
 
