@@ -203,6 +203,11 @@ def _replace_dir(new: Path, output: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _text_config(config: Any) -> Any:
+    """The language model's part of a config (a multimodal config nests it; older transformers have no accessor)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _is_causal_lm(config: Any) -> tuple[bool, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -299,7 +304,7 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
             raise ConvertError(f"source {where} is not a causal language model ({what})")
         if getattr(config, "quantization_config", None):
             raise ConvertError(f"source {where} is a quantized checkpoint; pass a float checkpoint or a GGUF file")
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = _text_config(config)
         heads = getattr(text, "num_attention_heads", None)
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         if heads and kv_heads and heads % kv_heads:
@@ -355,7 +360,7 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
             del config.quantization_config
     arch = type(model).__name__
     config.architectures = [arch]
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_config = _text_config(config)
     vocab_size = int(text_config.vocab_size)
     max_context = getattr(text_config, "max_position_embeddings", None)
     if max_context is None:

@@ -36,6 +36,11 @@ def instructions() -> list[tuple[str, str]]:
     return pairs
 
 
+def kept_in_context() -> set[str]:
+    """The paths the build context's filter lets through (its ``!path`` lines)."""
+    return {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("!")}
+
+
 def arguments(keyword: str) -> list[str]:
     return [rest for kw, rest in instructions() if kw == keyword]
 
@@ -95,7 +100,7 @@ def test_default_engine_dir_of_the_model_resolves_to_the_chart_engine_dir():
 
 
 def test_build_context_keeps_what_the_copies_need():
-    kept = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("!")}
+    kept = kept_in_context()
     sources = {rest.split()[0].rstrip("/") for rest in arguments("COPY")}
     assert sources <= kept
 
@@ -104,7 +109,7 @@ def test_the_images_install_step_builds_the_project_from_only_what_the_image_cop
     # The image's `pip install /opt/prepos/src` sees only the COPY lines into that folder, through the
     # build context's filter; pyproject.toml names every package directory, and setuptools refuses to build
     # the project when one is missing (the image did not build while loadtest/ was left out).
-    kept = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("!")}
+    kept = kept_in_context()
     staged = tmp_path / "src"
     for copy in arguments("COPY"):
         source, destination = copy.split()
