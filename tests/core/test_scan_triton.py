@@ -179,14 +179,17 @@ def test_interpretation_is_read_from_the_environment_where_triton_has_no_knobs(m
     assert triton_interprets(types.SimpleNamespace(__version__="3.2.0")) is interprets
     knobs = types.SimpleNamespace(runtime=types.SimpleNamespace(interpret=not interprets))
     assert triton_interprets(types.SimpleNamespace(knobs=knobs)) is (not interprets)  # knobs win where present
-    assert triton_interprets(triton) is bool(triton.knobs.runtime.interpret)
+    if hasattr(triton, "knobs"):  # the installed Triton: its own knobs, or (before 3.4) the environment
+        assert triton_interprets(triton) is bool(triton.knobs.runtime.interpret)
+    else:
+        assert triton_interprets(triton) is interprets
 
 
 def test_the_scan_runs_interpreted_where_triton_has_no_knobs(monkeypatch):
     # The call sites, not only the helper: on OpenAI Triton 3.0-3.2 TritonScan read triton.knobs and raised.
     if CUDA:
         pytest.skip("runs the interpreted kernel on CPU tensors")
-    monkeypatch.delattr(triton, "knobs")
+    monkeypatch.delattr(triton, "knobs", raising=False)  # absent already before 3.4
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     logits = torch.tensor([0.5, 2.0, -1.0, 2.0, 0.0])
     _same(TritonScan("cpu", block=16)(logits), scan_numpy(logits.numpy()))
