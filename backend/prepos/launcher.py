@@ -436,6 +436,15 @@ def interrupt_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _interrupt)
 
 
+def stopping_message(drain_file: Path | None, exit_timeout_s: float) -> str:
+    """What the launcher says as it stops the server: a drain, or (the drain file set empty) Triton's own stop."""
+    if drain_file is None:
+        return (f"stopping prepos: no drain ({DRAIN_ENV} is empty or relative): tritonserver stops, waiting up to "
+                f"{exit_timeout_s} s, --exit-timeout-s, for requests in flight; open sessions stay in their journals ...")
+    return (f"stopping prepos: draining (requests in flight are served, up to {exit_timeout_s} s, --exit-timeout-s; "
+            "then every session is ended, its journal kept) ...")
+
+
 def serve(options: ServerOptions) -> int:
     """Start the server, print its addresses, and run until Ctrl-C/SIGTERM."""
     env = {}
@@ -473,8 +482,7 @@ def serve(options: ServerOptions) -> int:
                               "journals)", file=sys.stderr, flush=True)
                         return 1  # leaving the with block stops the server (a drain first)
             except KeyboardInterrupt:
-                print(f"stopping prepos: draining (requests in flight are served, up to {options.exit_timeout_s} s, "
-                      "--exit-timeout-s; then every session is ended, its journal kept) ...", flush=True)
+                print(stopping_message(server.drain_file, options.exit_timeout_s), flush=True)
                 raise
             print(f"tritonserver {describe_exit(server.process.returncode)}; its log ends ({server.log_file}):\n"
                   f"{server.log_tail()}", file=sys.stderr)

@@ -299,7 +299,8 @@ def _add_ask_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", help="role of the delta: user (server default), tool, system")
     parser.add_argument("--keep-open", action="store_true", help="leave the session open (no END)")
     parser.add_argument("--json", action="store_true",
-                        help="print the Answer as one JSON object (with its session_id; errors go to stderr as text)")
+                        help="print the Answer as one JSON object (with its session_id; errors go to stderr as text; "
+                        "prefill_ms, decode_ms and scan_ms are the first token's, compute_ms the whole answer's)")
     add_generation_arguments(parser)
 
 

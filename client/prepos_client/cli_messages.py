@@ -56,17 +56,23 @@ def unreachable_hint(error: PreposUnavailable, args: argparse.Namespace) -> str:
     """What to look at for a server that cannot be reached: a TLS handshake that failed is a server that speaks
     no TLS, or one that wants it, more likely than one that is down."""
     message = str(error).lower()
+    tls = getattr(args, "tls", False) or getattr(args, "tls_ca", None) is not None
+    if "hostname verification" in message:
+        return ("the server's certificate does not carry the host name of --url: give the name it carries with "
+                "--tls-server-name")
+    if "certificate_verify_failed" in message or "certificate verify failed" in message:
+        return "the server's certificate is not trusted: give the certificate that signed it with --tls-ca"
     if "handshake" in message or "wrong_version_number" in message:
-        return "the TLS handshake failed: does the server use TLS?" if getattr(args, "tls", False) or \
-            getattr(args, "tls_ca", None) is not None else "the TLS handshake failed"
+        return "the TLS handshake failed: does the server use TLS?" if tls else "the TLS handshake failed"
     if "ssl" in message or "tls" in message:
         return "a TLS problem (--tls, --tls-ca)?"
     if "expected settings frame" in message or "failed parsing http/2" in message:
         return ("the server there does not speak gRPC (HTTP/1: Triton's HTTP port, 8000 by default?); --url takes "
                 "the gRPC port, 8001 by default")
     if message.endswith("socket closed"):  # what Triton's HTTP and metrics ports do with a gRPC connection
-        return ("the server there closed the connection at once: is --url its gRPC port (8001 by default), not its "
+        hint = ("the server there closed the connection at once: is --url its gRPC port (8001 by default), not its "
                 "HTTP (8000) or metrics (8002) one?")
+        return hint if tls else hint + " A server with TLS closes a connection without it too: then add --tls"
     url = getattr(args, "url", "")
     if url and re.search(r":443(?!\d)", message) and not re.search(r":\d+$", url.rsplit("]", 1)[-1]):
         return "--url names no port, so gRPC tried 443; the server's gRPC port is 8001 unless set otherwise"

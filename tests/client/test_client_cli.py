@@ -126,6 +126,31 @@ def test_a_failed_tls_handshake_is_told_from_a_server_that_is_down(message, tls,
     assert cli.unreachable_hint(PreposUnavailable(message), args) == hint
 
 
+@pytest.mark.parametrize(("message", "flags", "hint"), [
+    # gRPC's own words (a TLS server on loopback with a self-signed certificate for another name)
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:8001: Custom verification check "
+     "failed with error: UNAUTHENTICATED: Hostname Verification Check failed.", ["--tls-ca", "ca.pem"],
+     "--tls-server-name"),
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:8001: Tls handshake failed "
+     "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: "
+     "self signed certificate: OK", ["--tls"], "not trusted: give the certificate that signed it with --tls-ca"),
+    ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:8001: Socket closed", [],
+     "A server with TLS closes a connection without it too: then add --tls"),
+])
+def test_a_certificate_or_tls_mismatch_names_the_flag_that_fixes_it(message, flags, hint):
+    """A certificate for another name was told as a server that is down (`make serve`), an untrusted one as a
+    server without TLS, and a TLS port reached in plain text only as Triton's HTTP or metrics port."""
+    from prepos_client import PreposUnavailable
+
+    told = cli.unreachable_hint(PreposUnavailable(message), parse(["ask", "hi", *flags]))
+    assert hint in told and "make serve" not in told
+    if not flags:
+        assert "not its HTTP (8000) or metrics (8002) one?" in told
+    else:  # with TLS on, a closed connection is no TLS advice
+        closed = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:8001: Socket closed"
+        assert "add --tls" not in cli.unreachable_hint(PreposUnavailable(closed), parse(["ask", "hi", *flags]))
+
+
 def test_wait_for_ready_waits_out_the_time_limit_for_a_server_that_is_down(capsys, caplog):
     assert cli.connect(parse(["ask", "x", "--wait-for-ready"])).wait_for_ready
     assert not cli.connect(parse(["ask", "x"])).wait_for_ready

@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from prepos.launcher import _wait_dead
+from prepos.launcher import TritonServer, ServerOptions, _wait_dead, stopping_message
 
 
 def test_wait_dead_returns_once_a_killed_process_has_exited_and_not_before():
@@ -38,3 +38,14 @@ def test_wait_dead_gives_up_after_its_timeout():
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_the_stop_is_told_as_a_drain_only_where_one_runs(tmp_path, monkeypatch):
+    """With the drain file set empty (the README's way to turn the drain off) the launcher still said it was
+    draining, every session to be ended."""
+    monkeypatch.setenv("PREPOS_SCHEDULER_DRAIN_FILE", "")
+    server = TritonServer(ServerOptions(run_dir=tmp_path / "run"))
+    assert server.drain_file is None
+    told = stopping_message(server.drain_file, 30.0)
+    assert "no drain" in told and "draining" not in told and "30.0 s" in told
+    assert "draining" in stopping_message(tmp_path / "drain", 30.0)
