@@ -192,3 +192,29 @@ RESTART_ARGS ?=
 .PHONY: restart-trials
 restart-trials: $(ENGINE)
 	$(PY) loadtest/restart_trials.py $(RESTART_ARGS)
+
+# The suite on the Python stack of the production image's base (docker/Dockerfile's default, Triton 25.01 with
+# TensorRT-LLM 0.17): Python 3.12, torch 2.6, OpenAI Triton 3.1, numpy 1.26, transformers 4.47 (docker/image_stack.py
+# says where each version comes from), in .venv-image-stack, on CPU. torch's default Linux wheel brings its CUDA
+# libraries: about 4 GB. E.g. make test-image-stack PYTEST_ARGS="tests/integration"
+IMAGE_STACK_PYTHON ?= python3.12
+IMAGE_STACK_VENV := .venv-image-stack
+IMAGE_STACK_PY := $(IMAGE_STACK_VENV)/bin/python
+
+$(IMAGE_STACK_VENV)/.installed: pyproject.toml docker/image_stack.py
+	@command -v $(IMAGE_STACK_PYTHON) >/dev/null || { echo "need $(IMAGE_STACK_PYTHON) (set IMAGE_STACK_PYTHON=...)"; exit 1; }
+	test -x $(IMAGE_STACK_PY) || $(IMAGE_STACK_PYTHON) -m venv $(IMAGE_STACK_VENV)
+	$(IMAGE_STACK_PY) -m pip install --quiet --upgrade pip
+	# the project without its pins (its requires-python leaves 3.12 out; the image's install ignores that too)
+	$(IMAGE_STACK_PY) -m pip install --quiet --no-deps --ignore-requires-python -e .
+	$(IMAGE_STACK_PY) docker/image_stack.py > $(IMAGE_STACK_VENV)/requirements.txt
+	$(IMAGE_STACK_PY) -m pip install --quiet -r $(IMAGE_STACK_VENV)/requirements.txt
+	$(IMAGE_STACK_PY) docker/image_stack.py --no-deps > $(IMAGE_STACK_VENV)/requirements-no-deps.txt
+	$(IMAGE_STACK_PY) -m pip install --quiet --no-deps -r $(IMAGE_STACK_VENV)/requirements-no-deps.txt
+	$(IMAGE_STACK_PY) -c 'import sys, torch, triton, numpy, transformers; print("image stack: Python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__, "transformers", transformers.__version__)'
+	touch $@
+
+.PHONY: test-image-stack
+test-image-stack: $(IMAGE_STACK_VENV)/.installed
+	$(IMAGE_STACK_PY) -m prepos_build --output $(ENGINE_DIR)
+	$(IMAGE_STACK_PY) -m pytest -q $(PYTEST_ARGS)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import posixpath
 import re
@@ -149,3 +150,28 @@ def test_the_images_python_sources_parse_as_3_10_and_import_nothing_3_12_removed
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not {name.split(".")[0] for name in names} & removed_in_3_12, (path, names)
+
+
+def _image_stack():
+    spec = importlib.util.spec_from_file_location("image_stack", REPO_ROOT / "docker" / "image_stack.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_image_stacks_versions_are_of_the_base_the_dockerfile_names():
+    # `make test-image-stack` runs the suite on the base's Python stack: a new default tag needs its versions.
+    stack = _image_stack()
+    assert ("ARG", f"TRITON_TAG={stack.TRITON_TAG}") == instructions()[0]
+
+
+def test_the_image_stack_puts_the_images_versions_in_place_of_the_projects_pins():
+    stack = _image_stack()
+    requirements = stack.requirements()
+    names = [stack._name(r) for r in requirements]
+    assert len(names) == len(set(names)), "a package asked for twice"
+    for name, pinned in stack.IMAGE_VERSIONS.items():
+        assert pinned in requirements
+    assert "triton" not in names  # installed after the others, without torch 2.6.0's wish for 3.2.0
+    assert any(r.startswith("nvidia-pytriton") for r in requirements)  # the rest of the project's dependencies
+    assert any(r.startswith("locust") for r in requirements)  # and its test tools
