@@ -22,9 +22,31 @@ _EXIT_CLOSE_TIMEOUT_S = 2.0
 streaming_sessions: weakref.WeakSet = weakref.WeakSet()  # sessions with a stream open: closed at exit
 
 
+def _threads_start() -> bool:
+    """Whether a thread can still be started: from Python 3.12 on, not while the interpreter shuts down, where
+    threading's exit hooks run."""
+    probe = threading.Thread(target=lambda: None, name="prepos-exit-probe", daemon=True)
+    try:
+        probe.start()
+    except RuntimeError:
+        return False
+    probe.join()
+    return True
+
+
 def _close_sessions_at_exit() -> None:
+    # gRPC starts a thread for a new call on a channel with none under way: where no thread can start, a session
+    # whose stream ended (the server went down) cannot send its END, and trying left the call half made, so that
+    # closing its channel waited for it for ever and the program never exited.
+    new_streams = _threads_start()
     for session in list(streaming_sessions):
         session.wait_for_ready = False  # a server that is down does not hold up the exit for every session
+        requests = session._requests  # noqa: SLF001 (this package's own)
+        if not new_streams and not requests.stream_live:
+            logger.warning("session %s left open at exit: its stream ended, and no new one can be opened while "
+                           "Python shuts down; the server ends it at its idle timeout", session.session_id)
+            requests.release()
+            continue
         try:
             session.close(timeout_s=min(session.timeout_s, _EXIT_CLOSE_TIMEOUT_S))
         except PreposError as error:

@@ -323,6 +323,11 @@ class SessionRequests:
         if ending is not None:
             self.release()
 
+    @property
+    def stream_live(self) -> bool:
+        """Whether the session's stream is open and has not failed: a request goes out on it without a new call."""
+        return self._router is not None and self._router.failure is None
+
     def _ensure_stream(self) -> ResponseRouter:
         if self._router is not None and self._router.failure is None:
             return self._router
