@@ -219,13 +219,47 @@ def _is_causal_lm(config: Any) -> tuple[bool, str]:
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, f"model_type {model_type!r}"
 
 
-def _float32(torch: Any) -> dict[str, Any]:
-    """transformers' keyword for float32 weights: ``dtype`` from 4.56 on, ``torch_dtype`` before (in 4.4x, which
-    an image's base may carry, ``dtype`` went on to the model's constructor and failed)."""
+def dtype_argument(dtype: Any) -> dict[str, Any]:
+    """transformers' keyword for the weights' dtype in ``from_pretrained``/``from_config``: ``dtype`` from 4.56 on,
+    ``torch_dtype`` before (in 4.4x, which an image's base carries, ``dtype`` went on to the model's constructor
+    and failed)."""
     import transformers
 
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+
+
+_GGUF_SPECIAL_TOKENS = {"eos": "tokenizer.ggml.eos_token_id", "bos": "tokenizer.ggml.bos_token_id",
+                        "pad": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_special_tokens(tokenizer: Any, gguf_path: Path) -> None:
+    """Set the end-of-sequence, beginning and padding tokens of a tokenizer read from a GGUF file to the ones its
+    metadata names, where the loaded tokenizer says otherwise: transformers 4.4x (NVIDIA's containers) took
+    SmolLM2's ``<|im_start|>`` for its end of sequence and left it without padding, so that an engine built there
+    stopped on other tokens than one built with a later release."""
+    import transformers
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(str(gguf_path)).fields
+    except Exception as exc:  # noqa: BLE001 (transformers read it already: a file it reads, this reader may not)
+        log.warning("cannot read the special tokens of %s (%s: %s); keeping the tokenizer's", gguf_path,
+                    type(exc).__name__, exc)
+        return
+    for kind, key in _GGUF_SPECIAL_TOKENS.items():
+        field = fields.get(key)
+        if field is None or not field.data:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        loaded = getattr(tokenizer, f"{kind}_token_id", None)
+        if loaded == token_id or not 0 <= token_id < len(tokenizer):
+            continue
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        had = "no" if loaded is None else f"{getattr(tokenizer, f'{kind}_token', None)!r} (id {loaded})"
+        log.warning("the tokenizer transformers %s read from %s has %s %s token; the file names %r (id %d): using "
+                    "the file's", transformers.__version__, gguf_path.name, had, kind, token, token_id)
+        setattr(tokenizer, f"{kind}_token", token)
 
 
 def _load_gguf_without_accelerate(src: Source) -> Any:
@@ -243,7 +277,7 @@ def _load_gguf_without_accelerate(src: Source) -> Any:
     log.info("accelerate is not installed; dequantizing with transformers' GGUF reader")
     gguf_path = str(src.path / src.gguf_file)
     config = AutoConfig.from_pretrained(str(src.path), gguf_file=src.gguf_file, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, **_float32(torch))
+    model = AutoModelForCausalLM.from_config(config, **dtype_argument(torch.float32))
     wanted = {"model_to_load": model, "torch_dtype": torch.float32}  # keywords later releases than 4.4x have
     accepted = inspect.signature(load_gguf_checkpoint).parameters
     tensors = load_gguf_checkpoint(gguf_path, return_tensors=True,
@@ -319,6 +353,8 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
             tokenizer = AutoTokenizer.from_pretrained(where, **extra)
         except Exception as exc:
             raise ConvertError(f"cannot load a tokenizer from {src.describe()}: {type(exc).__name__}: {exc}") from exc
+        if src.is_gguf:
+            gguf_special_tokens(tokenizer, src.path / src.gguf_file)
     template = getattr(tokenizer, "chat_template", None)
     if not template or not isinstance(template, str):
         raise ConvertError(
@@ -341,7 +377,7 @@ def _build(src: Source, tmp: Path, fingerprint: dict[str, Any]) -> dict[str, Any
                 model = _load_gguf_without_accelerate(src)
             else:
                 model, loading = AutoModelForCausalLM.from_pretrained(where, output_loading_info=True,
-                                                                      **_float32(torch), **extra)
+                                                                      **dtype_argument(torch.float32), **extra)
                 _check_loading(src, loading)
         except ConvertError:
             raise

