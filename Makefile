@@ -202,7 +202,8 @@ IMAGE_STACK_VENV := .venv-image-stack
 IMAGE_STACK_PY := $(IMAGE_STACK_VENV)/bin/python
 
 $(IMAGE_STACK_VENV)/.installed: pyproject.toml docker/image_stack.py
-	@command -v $(IMAGE_STACK_PYTHON) >/dev/null || { echo "need $(IMAGE_STACK_PYTHON) (set IMAGE_STACK_PYTHON=...)"; exit 1; }
+	@$(IMAGE_STACK_PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null || \
+		{ echo "need Python 3.12 as $(IMAGE_STACK_PYTHON) (set IMAGE_STACK_PYTHON=...)"; exit 1; }
 	test -x $(IMAGE_STACK_PY) || $(IMAGE_STACK_PYTHON) -m venv $(IMAGE_STACK_VENV)
 	$(IMAGE_STACK_PY) -m pip install --quiet --upgrade pip
 	# the project without its pins (its requires-python leaves 3.12 out; the image's install ignores that too)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def test_release_frees_the_callers_workers_and_leaves_other_threads_their_count():
     # In a child process: it changes the calling thread's OpenMP state for good.
@@ -28,13 +30,17 @@ def test_release_frees_the_callers_workers_and_leaves_other_threads_their_count(
         other = threading.Thread(target=lambda: counts.setdefault("other", torch.get_num_threads()))
         other.start()
         other.join()
-        print(before, after, torch.get_num_threads(), counts["other"])
+        import ctypes
+        pausable = hasattr(ctypes.CDLL("libgomp.so.1"), "omp_pause_resource_all")  # the copy torch loaded
+        print(before, after, torch.get_num_threads(), counts["other"], int(pausable))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    before, after, mine, other = map(int, out.stdout.split())
-    assert after < before  # the pool's worker thread is gone
+    before, after, mine, other, pausable = map(int, out.stdout.split())
     assert mine == 1 and other == 2
+    if not pausable:  # torch 2.6's wheel: a libgomp from before OpenMP 5.0's pause (its workers cannot be freed)
+        pytest.skip("torch's libgomp has no omp_pause_resource_all: the worker stays (the thread counts held)")
+    assert after < before  # the pool's worker thread is gone
 
 
 def cgroup(tmp_path, proc_lines: list[str], files: dict[str, str]):

@@ -355,7 +355,7 @@ def test_the_engine_starts_where_triton_has_no_knobs(tied, monkeypatch):
     if CUDA:
         pytest.skip("checks the interpreted kernel on CPU tensors")
     path, model = tied
-    monkeypatch.delattr(triton, "knobs")
+    monkeypatch.delattr(triton, "knobs", raising=False)  # absent already before 3.4
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     ids = _ids(5, seed=7)
     assert _close(_engine(path).prefill("s", ids).cpu(), _hf_logits(model, ids)[-1])
