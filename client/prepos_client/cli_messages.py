@@ -57,7 +57,7 @@ def unreachable_hint(error: PreposUnavailable, args: argparse.Namespace) -> str:
     no TLS, or one that wants it, more likely than one that is down."""
     message = str(error).lower()
     tls = getattr(args, "tls", False) or getattr(args, "tls_ca", None) is not None
-    if "hostname verification" in message:
+    if "hostname verification" in message or "is not in peer certificate" in message:
         return ("the server's certificate does not carry the host name of --url: give the name it carries with "
                 "--tls-server-name")
     if "certificate_verify_failed" in message or "certificate verify failed" in message:

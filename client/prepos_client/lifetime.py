@@ -34,16 +34,26 @@ def _threads_start() -> bool:
     return True
 
 
+_no_new_streams = False  # set at exit where no thread can start any more
+
+
+def check_new_stream(session_id) -> None:
+    """Raise `PreposError` where a session may not open a new stream: at interpreter exit, where no thread can
+    start (Python 3.12 on). gRPC starts one for a new call on a channel with none under way; refused, the call was
+    left half made, and closing its channel then waited for it for ever, so that the program never exited."""
+    if _no_new_streams:
+        raise PreposError(f"session {session_id}: its stream is closed, and no new one can be opened while Python "
+                          "shuts down; the server ends the session at its idle timeout")
+
+
 def _close_sessions_at_exit() -> None:
-    # gRPC starts a thread for a new call on a channel with none under way: where no thread can start, a session
-    # whose stream ended (the server went down) cannot send its END, and trying left the call half made, so that
-    # closing its channel waited for it for ever and the program never exited.
-    new_streams = _threads_start()
+    global _no_new_streams
+    _no_new_streams = not _threads_start()
     for session in list(streaming_sessions):
         session.wait_for_ready = False  # a server that is down does not hold up the exit for every session
         requests = session._requests  # noqa: SLF001 (this package's own)
-        if not new_streams and not requests.stream_live:
-            logger.warning("session %s left open at exit: its stream ended, and no new one can be opened while "
+        if _no_new_streams and not requests.stream_live:  # nothing to send its END on: not tried
+            logger.warning("session %s left open at exit: its stream is closed, and no new one can be opened while "
                            "Python shuts down; the server ends it at its idle timeout", session.session_id)
             requests.release()
             continue
@@ -100,7 +110,11 @@ def finish_then_close(triton, router, wait_s: float = END_FINISH_S) -> None:
         except Exception:  # the connection is dropped either way
             logger.debug("closing the connection of an ended session failed", exc_info=True)
 
-    threading.Thread(target=finish, name="prepos-session-end", daemon=True).start()
+    try:
+        threading.Thread(target=finish, name="prepos-session-end", daemon=True).start()
+    except RuntimeError:  # at interpreter exit (Python 3.12 on): no waiting for the END then
+        stop_stream(triton, cancel_requests=True)
+        triton.close()
 
 
 def close_on_exit(session, exc_type) -> None:

@@ -18,7 +18,7 @@ from .deadlines import server_timeout_us
 from .errors import PreposError, PreposTimeout, from_triton
 from .inflight import (Inflight, final_delivery, next_delivery, read_ahead_to_final, record_delivered_outcome,
                        record_late_outcome)
-from .lifetime import close_when_dropped, finish_then_close, streaming_sessions
+from .lifetime import check_new_stream, close_when_dropped, finish_then_close, streaming_sessions
 from .opening import Opening
 from .protocol import Chunk, new_text_decoder, parse_chunk, resume_input
 from .refusals import (REOPEN, WHEN_READY, gone_error, may_send_again, not_open_error, refused_as_not_open,
@@ -336,6 +336,7 @@ class SessionRequests:
             # next request resumes the session, which the server still holds or reopens from its journal.
             self._stop_stream()
             self.opening.stream_lost()
+        check_new_stream(self.session_id)
         router = ResponseRouter()
         try:
             self._triton.start_stream(callback=router.on_response, headers=self._headers)

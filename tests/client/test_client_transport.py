@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from grpc_fake_server import FakePreposServer, request_inputs
+from tritonclient.grpc import service_pb2
 from prepos_client import Client, PreposError, cli
 
 
@@ -167,13 +168,84 @@ def test_at_exit_where_no_thread_can_start_a_session_whose_stream_ended_is_left_
     while ended._requests.stream_live and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not ended._requests.stream_live
-    monkeypatch.setattr(lifetime, "_threads_start", lambda: False)
+    _no_thread_starts_at_exit(monkeypatch)
     with caplog.at_level("WARNING", logger="prepos_client.lifetime"):
         lifetime._close_sessions_at_exit()
     assert live.closed and parameters(server.servicer.requests[-1])["sequence_end"] is True
     assert ended.closed
-    assert "session ended left open at exit: its stream ended" in caplog.text
+    assert "session ended left open at exit: its stream is closed" in caplog.text
     assert "closing session" not in caplog.text  # no END was tried on a new stream
+
+
+def _no_thread_starts_at_exit(monkeypatch) -> list:
+    """Python 3.12's interpreter exit, for the client: no thread starts (``Thread.start`` raises), so neither does
+    a gRPC stream; returns the streams the client went on to start anyway."""
+    import threading
+    import types
+
+    import tritonclient.grpc as grpcclient
+
+    from prepos_client import lifetime
+
+    class Refused(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(lifetime, "_threads_start", lambda: False)
+    monkeypatch.setattr(lifetime, "threading", types.SimpleNamespace(Thread=Refused))
+    monkeypatch.setattr(lifetime, "_no_new_streams", False)  # set by the exit hook; put back after the test
+    started = []
+    start_stream = grpcclient.InferenceServerClient.start_stream
+    monkeypatch.setattr(grpcclient.InferenceServerClient, "start_stream",
+                        lambda self, *a, **k: (started.append(1), start_stream(self, *a, **k))[1])
+    return started
+
+
+def test_at_exit_where_no_thread_can_start_a_draining_server_gets_no_end_on_a_new_stream(server, caplog,
+                                                                                          monkeypatch):
+    """A drain ends a session while its stream stays open: its END at exit is refused as not open and sent again
+    with START, which the draining server refuses; the client then opened a new stream to try again, which at a
+    Python 3.12 exit hung the program as above."""
+    from prepos_client import lifetime
+
+    session = Client(server.url).session("drained")
+    assert session.ask("hi").text == "hi"
+    respond = server.servicer._respond
+
+    def draining(request):
+        if parameters(request)["sequence_start"]:
+            return [service_pb2.ModelStreamInferResponse(error_message=(
+                "START: the server is draining before it stops: no session opens or resumes here now [UNAVAILABLE]"))]
+        if parameters(request)["sequence_end"]:
+            return [service_pb2.ModelStreamInferResponse(error_message=(
+                "inference request for sequence 1 to model 'prepos' must specify the START flag on the first "
+                "inference request of the sequence"))]
+        return respond(request)
+
+    monkeypatch.setattr(server.servicer, "_respond", draining)
+    started = _no_thread_starts_at_exit(monkeypatch)
+    with caplog.at_level("WARNING", logger="prepos_client.lifetime"):
+        lifetime._close_sessions_at_exit()
+    assert started == [] and session.closed
+    assert "closing session drained at exit failed" in caplog.text
+
+
+def test_at_exit_where_no_thread_can_start_an_end_left_unanswered_does_not_hold_up_the_exit(server, monkeypatch):
+    """An END the server does not answer within the exit's 2 s is left to be answered on a thread of its own; where
+    none can start, the RuntimeError escaped the exit hook and closing the connection waited for the answer (for
+    ever, from a server that never gives it)."""
+    from prepos_client import lifetime
+
+    session = Client(server.url).session("slow-end")
+    assert session.ask("hi").text == "hi"
+    respond = server.servicer._respond
+    monkeypatch.setattr(server.servicer, "_respond", lambda request: (
+        time.sleep(15) if parameters(request)["sequence_end"] else None, respond(request))[1])
+    _no_thread_starts_at_exit(monkeypatch)
+    began = time.monotonic()
+    lifetime._close_sessions_at_exit()
+    assert time.monotonic() - began < 10  # the exit's 2 s, not the server's 15
+    assert session.closed
 
 
 def test_sessions_dropped_without_close_neither_block_nor_deadlock_the_threads_that_collect_them():
