@@ -204,7 +204,7 @@ IMAGE_STACK_PY := $(IMAGE_STACK_VENV)/bin/python
 $(IMAGE_STACK_VENV)/.installed: pyproject.toml docker/image_stack.py
 	@$(IMAGE_STACK_PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null || \
 		{ echo "need Python 3.12 as $(IMAGE_STACK_PYTHON) (set IMAGE_STACK_PYTHON=...)"; exit 1; }
-	test -x $(IMAGE_STACK_PY) || $(IMAGE_STACK_PYTHON) -m venv $(IMAGE_STACK_VENV)
+	test -x $(IMAGE_STACK_VENV)/bin/pip || $(IMAGE_STACK_PYTHON) -m venv --clear $(IMAGE_STACK_VENV)
 	$(IMAGE_STACK_PY) -m pip install --quiet --upgrade pip
 	# the project without its pins (its requires-python leaves 3.12 out; the image's install ignores that too)
 	$(IMAGE_STACK_PY) -m pip install --quiet --no-deps --ignore-requires-python -e .
@@ -217,5 +217,6 @@ $(IMAGE_STACK_VENV)/.installed: pyproject.toml docker/image_stack.py
 
 .PHONY: test-image-stack
 test-image-stack: $(IMAGE_STACK_VENV)/.installed
-	$(IMAGE_STACK_PY) -m prepos_build --output $(ENGINE_DIR)
+	# the default engine as it is where there is one (this venv's source path differs: it would rebuild it)
+	test -f $(ENGINE) || $(IMAGE_STACK_PY) -m prepos_build --output $(ENGINE_DIR)
 	$(IMAGE_STACK_PY) -m pytest -q $(PYTEST_ARGS)

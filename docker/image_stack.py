@@ -29,7 +29,9 @@ IMAGE_VERSIONS = {
     "numpy": "numpy==1.26.4",
     "transformers": "transformers==4.47.1",
     "tokenizers": "tokenizers==0.21.0",
-    "accelerate": "accelerate",  # a TensorRT-LLM requirement: the GGUF build goes through it where present
+    "accelerate": "accelerate",  # a TensorRT-LLM requirement (>=0.25; the image's release is not known): the GGUF
+    # build goes through it where present
+    "gguf": "gguf==0.19.0",  # what docker/Dockerfile installs
 }
 """The image's versions of what the served path and the engine builder import."""
 

