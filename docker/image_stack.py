@@ -51,7 +51,8 @@ def requirements() -> list[str]:
     """The project's dependencies and test tools, the image's versions in place of the project's pins."""
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     wanted = [*project["dependencies"], *project["optional-dependencies"]["test"]]
-    kept = [r for r in wanted if _name(r) not in IMAGE_VERSIONS and _name(r) not in {_name(n) for n in NO_DEPS}]
+    replaced = {*IMAGE_VERSIONS, *(_name(n) for n in NO_DEPS)}
+    kept = [r for r in wanted if _name(r) not in replaced]
     return [*kept, *IMAGE_VERSIONS.values()]
 
 

@@ -440,7 +440,8 @@ def stopping_message(drain_file: Path | None, exit_timeout_s: float) -> str:
     """What the launcher says as it stops the server: a drain, or (the drain file set empty) Triton's own stop."""
     if drain_file is None:
         return (f"stopping prepos: no drain ({DRAIN_ENV} is empty or relative): tritonserver stops, waiting up to "
-                f"{exit_timeout_s} s, --exit-timeout-s, for requests in flight; open sessions stay in their journals, where journals are on ...")
+                f"{exit_timeout_s} s, --exit-timeout-s, for requests in flight; open sessions stay in their journals, "
+                "where journals are on ...")
     return (f"stopping prepos: draining (requests in flight are served, up to {exit_timeout_s} s, --exit-timeout-s; "
             "then every session is ended, its journal kept) ...")
 

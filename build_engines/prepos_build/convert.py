@@ -515,8 +515,8 @@ def convert(
 
 def _convert_locked(src: Source, out: Path, fingerprint: dict[str, Any], force: bool, t0: float) -> Path:
     existing = read_engine(out)
-    if existing is not None and not force and existing.get("source") == fingerprint and \
-            existing.get("builder") == BUILDER:
+    same_source = existing is not None and not force and existing.get("source") == fingerprint
+    if same_source and existing.get("builder") == BUILDER:
         log.info("reusing engine %s: built from %s, which is unchanged (--force rebuilds)", out, src.describe())
         return out
     if out.exists() and not out.is_dir():
@@ -526,7 +526,7 @@ def _convert_locked(src: Source, out: Path, fingerprint: dict[str, Any], force: 
                            f"place, which a mount point cannot take; use a directory under it ({out / 'engine'})")
     if out.is_dir() and existing is None and any(out.iterdir()) and not (out / ENGINE_FILE).exists() and not force:
         raise ConvertError(f"output {out} exists and is not a prepos engine; pass --force to replace it")
-    if existing is not None and not force and existing.get("source") == fingerprint:
+    if same_source:
         log.info("engine %s was built by %s; rebuilding with %s", out, existing.get("builder"), BUILDER)
     elif existing is not None and not force:
         log.info("engine %s was built from a different or changed source; rebuilding", out)

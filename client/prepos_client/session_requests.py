@@ -329,7 +329,7 @@ class SessionRequests:
         return self._router is not None and self._router.failure is None
 
     def _ensure_stream(self) -> ResponseRouter:
-        if self._router is not None and self._router.failure is None:
+        if self.stream_live:
             return self._router
         if self._router is not None:
             # The old stream ended (the server restarted, say, or a router moved us to another replica): the

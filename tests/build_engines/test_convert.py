@@ -486,7 +486,8 @@ def test_a_gguf_tokenizer_gets_the_special_tokens_its_file_names(smollm2_dir, ca
     tokenizer.eos_token, tokenizer.pad_token = "<|im_start|>", None  # as 4.47 read it
     with caplog.at_level("WARNING", logger="prepos_build.convert"):
         gguf_special_tokens(tokenizer, src / DEFAULT_GGUF_FILE)
-    assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) == ("<|im_end|>", "<|im_end|>", "<|im_start|>")
+    specials = (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token)
+    assert specials == ("<|im_end|>", "<|im_end|>", "<|im_start|>")
     assert "eos token; the file names '<|im_end|>' (id 2)" in caplog.text and "no pad token" in caplog.text
     assert derive_framing(tokenizer)["stop_token_ids"] == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     caplog.clear()
