@@ -184,3 +184,53 @@ with the chart's default limits, so that a larger request alone is such a case. 
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* The ServiceAccount the pods run as; empty for the namespace's default. */}}
+{{- define "prepos.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "prepos.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* A pod spec's ServiceAccount fields. */}}
+{{- define "prepos.podServiceAccount" -}}
+{{- with include "prepos.serviceAccountName" . }}
+serviceAccountName: {{ . }}
+{{- end }}
+automountServiceAccountToken: {{ .Values.serviceAccount.automountToken }}
+{{- end }}
+
+{{/* Fails where a container's extraEnv repeats a name or takes one the chart sets: (list PATH ENV TAKEN), PATH the
+values' path of ENV (a list of EnvVars), TAKEN a dict of the names the chart sets in that container to the value
+that sets each. PREPOS_ settings belong in prepos.env. */}}
+{{- define "prepos.checkExtraEnv" -}}
+{{- $path := index . 0 }}
+{{- $seen := dict }}
+{{- $taken := index . 2 }}
+{{- range (index . 1) }}
+{{- $name := .name }}
+{{- if hasPrefix "PREPOS_" $name }}
+{{- fail (printf "%s sets %s: set prepos settings in prepos.env (the chart sets some itself and checks them there)" $path $name) }}
+{{- end }}
+{{- if hasKey $taken $name }}
+{{- fail (printf "%s sets %s, which the chart sets itself in that container (from %s): Kubernetes would keep only one of the two" $path $name (get $taken $name)) }}
+{{- end }}
+{{- if hasKey $seen $name }}
+{{- fail (printf "%s sets %s twice" $path $name) }}
+{{- end }}
+{{- $_ := set $seen $name true }}
+{{- end }}
+{{- end }}
+
+{{/* Fails where extra pod labels would replace the chart's own (app.kubernetes.io/...), which its selectors and
+Services match on: (list PATH LABELS). */}}
+{{- define "prepos.checkPodLabels" -}}
+{{- $path := index . 0 }}
+{{- range $name, $_ := index . 1 }}
+{{- if hasPrefix "app.kubernetes.io/" $name }}
+{{- fail (printf "%s sets %s: the chart sets the app.kubernetes.io/ labels itself (its selectors and Services match them); use a label of another prefix" $path $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
