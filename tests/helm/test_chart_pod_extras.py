@@ -102,7 +102,7 @@ def test_a_pod_label_may_not_replace_the_charts_own(chart, where):
     labels = {CHART_LABEL_PREFIX + "component": "router" if where == "triton" else "triton"}
     values = with_minimal(podLabels=labels) if where == "triton" else with_minimal(router={"podLabels": labels})
     message = render_error(chart, values)
-    assert f"podLabels sets {CHART_LABEL_PREFIX}component: the chart sets the app.kubernetes.io/ labels itself" in message
+    assert f"podLabels sets {CHART_LABEL_PREFIX}component: the chart sets the {CHART_LABEL_PREFIX} labels itself" in message
 
 
 def test_the_routers_config_checksum_annotation_cannot_be_replaced(chart):
@@ -178,12 +178,13 @@ def test_extra_volumes_reach_the_pod_and_their_mounts_the_containers_asked(chart
     [
         (with_minimal(extraVolumes=[{"name": "shm", "emptyDir": {}}]), "extraVolumes has a volume named shm"),
         (with_minimal(extraVolumes=[CA_VOLUME, CA_VOLUME]), "extraVolumes has a volume named ca"),
-        (with_minimal(extraVolumes=[CA_VOLUME], extraVolumeMounts=[{"name": "ca", "mountPath": "/var/lib/prepos/journal"}]),
+        (with_minimal(extraVolumes=[CA_VOLUME],
+                      extraVolumeMounts=[{"name": "ca", "mountPath": "/var/lib/prepos/journal"}]),
          "journal.mountPath and extraVolumeMounts' ca would both be mounted at /var/lib/prepos/journal"),
         (with_minimal(extraVolumeMounts=[CA_MOUNT]),
          "extraVolumeMounts mounts a volume named ca, which the pod does not have: add it to extraVolumes"),
-        (with_minimal(extraVolumes=[CA_VOLUME], engineBuild={"extraVolumeMounts": [{"name": "ca",
-                                                                                     "mountPath": "/opt/prepos/engines/"}]}),
+        (with_minimal(extraVolumes=[CA_VOLUME],
+                      engineBuild={"extraVolumeMounts": [{"name": "ca", "mountPath": "/opt/prepos/engines/"}]}),
          "storage.mountPath and engineBuild.extraVolumeMounts' ca would both be mounted at /opt/prepos/engines"),
         (with_minimal(extraVolumeMounts=[{"name": "ca", "mountPath": "relative/path"}]),
          "at '/extraVolumeMounts/0/mountPath': 'relative/path' does not match pattern '^/'"),
@@ -249,7 +250,8 @@ def test_replicas_take_grpc_and_health_checks_from_the_router_pods_only(chart):
         (peer,) = rule_for_port(replica_policy, port)["from"]
         assert set(peer) == {"podSelector"}
         assert peer["podSelector"]["matchLabels"].items() <= router_labels.items()
-        assert not peer["podSelector"]["matchLabels"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+        replica_labels = statefulset["spec"]["template"]["metadata"]["labels"]
+        assert not peer["podSelector"]["matchLabels"].items() <= replica_labels.items()
     assert rule_for_port(replica_policy, "http")["from"] == clients
     assert rule_for_port(replica_policy, "metrics")["from"] == scrapers
     assert rule_for_port(router_policy, "grpc")["from"] == clients
