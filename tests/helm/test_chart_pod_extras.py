@@ -102,7 +102,8 @@ def test_a_pod_label_may_not_replace_the_charts_own(chart, where):
     labels = {CHART_LABEL_PREFIX + "component": "router" if where == "triton" else "triton"}
     values = with_minimal(podLabels=labels) if where == "triton" else with_minimal(router={"podLabels": labels})
     message = render_error(chart, values)
-    assert f"podLabels sets {CHART_LABEL_PREFIX}component: the chart sets the {CHART_LABEL_PREFIX} labels itself" in message
+    expected = f"podLabels sets {CHART_LABEL_PREFIX}component: the chart sets the {CHART_LABEL_PREFIX} labels itself"
+    assert expected in message
 
 
 def test_the_routers_config_checksum_annotation_cannot_be_replaced(chart):
