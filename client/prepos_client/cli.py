@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -119,7 +120,9 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"gRPC host:port of the server (env {URL_ENV}; default %(default)s)",
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Triton model name (default %(default)s)")
-    parser.add_argument("--timeout", type=_timeout, dest="timeout_s", help="seconds one call may take (> 0; inf: no limit)")
+    parser.add_argument("--timeout", type=_timeout, dest="timeout_s",
+                        help="seconds one call may take (> 0; inf: no limit); a call that runs out of it is given as "
+                        "long again to learn what became of it and end the session")
     parser.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV),
@@ -215,7 +218,10 @@ def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -
     try:
         yield session
     except BaseException as error:
-        settle_for_message(session, error)
+        # Leaving on an error takes one more time limit in all: learning what became of a call that timed out, then
+        # the END (which waits for that outcome first; against a silent server each took a whole limit of its own).
+        leave_by = time.perf_counter() + session.timeout_s
+        settle_for_message(session, error, timeout_s=time_left(leave_by))
         if keep_open:
             _leave_open(session, made_up=args.session_id is None)
         else:
@@ -223,12 +229,17 @@ def open_session(client: Client, args: argparse.Namespace, *, keep_open: bool) -
             if isinstance(error, (KeyboardInterrupt, BrokenPipeError)):
                 session.cancel()  # the answer no one reads any more: END waited for it to run to its end
             with contextlib.suppress(PreposError):
-                session.close()
+                session.close(timeout_s=time_left(leave_by))
         raise
     if keep_open:
         _leave_open(session, made_up=args.session_id is None)
     else:
         session.close()
+
+
+def time_left(deadline: float) -> float:
+    """Seconds to `deadline` as a time limit: at least a millisecond (a limit must be above 0), infinity for none."""
+    return max(deadline - time.perf_counter(), 0.001)
 
 
 def _leave_open(session: Session, *, made_up: bool) -> None:

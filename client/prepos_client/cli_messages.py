@@ -20,12 +20,12 @@ _TIMEOUT_OUTCOMES = {
 }
 
 
-def settle_for_message(session: Session, error: BaseException) -> None:
+def settle_for_message(session: Session, error: BaseException, *, timeout_s: float | None = None) -> None:
     """For a call that ran out of the client's time limit, learn whether the server took its turn after all
-    (``error.accepted``), so that its message can say so."""
+    (``error.accepted``), within `timeout_s` (default: the session's limit), so that its message can say so."""
     if isinstance(error, PreposTimeout) and error.accepted is None:
         with contextlib.suppress(PreposError):
-            session.settle()
+            session.settle(timeout_s=timeout_s)
 
 
 def told(error: PreposError) -> str:

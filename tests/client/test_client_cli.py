@@ -249,6 +249,19 @@ def test_a_call_out_of_time_says_what_the_server_did_with_it(fake_triton, capsys
     assert len(fake_triton[0].requests) == 1  # settling sent nothing
 
 
+def test_leaving_a_call_out_of_time_takes_one_more_time_limit_not_two(fake_triton, capsys):
+    """Against a server that never answers, learning the outcome and the END share one more limit (each took a whole
+    one of its own: 3 limits in all)."""
+    fake_triton.responder = lambda request: []  # never answered
+    started = time.perf_counter()
+    code = cli.main(["ask", "hi", "--session-id", "s1", "--timeout", "1"])
+    elapsed = time.perf_counter() - started
+    assert code == cli.EXIT_SERVER_ERROR
+    assert "no complete response to request 1 within 1 s" in capsys.readouterr().err
+    assert elapsed < 2.7, elapsed  # 2 limits and slack; 3 before
+    assert elapsed >= 1.9, elapsed  # the outcome was waited for, within the second limit
+
+
 def test_an_answer_cut_short_ends_its_line_before_the_error(fake_triton, capsys):
     def cut_short(request):
         return [make_result(request.request_id, text="The story", ids=[7], final=False),
