@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,6 +165,18 @@ def _session_id(inputs: Mapping[str, np.ndarray]) -> str | None:
     if text.startswith(ONE_TURN_PREFIX):
         raise ProtocolError("session_id", f"ids starting {ONE_TURN_PREFIX!r} are the bridge's one-turn sessions")
     return text
+
+
+def request_parameters(read: Callable[[], str]) -> str:
+    """The request's parameters as Triton's JSON text, from ``read`` (the stub's ``request.parameters``), which
+    fails to decode a body key that is not an input, or such a key's string value, that is not UTF-8:
+    :class:`ProtocolError` naming ``parameters`` then, where the stub's error named nothing."""
+    try:
+        return read()
+    except UnicodeDecodeError as err:
+        raise ProtocolError("parameters", f"not valid UTF-8 (byte 0x{err.object[err.start]:02x} at offset "
+                                          f"{err.start} of the parameters' JSON): a body key that is not an input, "
+                                          "or its value, must be UTF-8") from None
 
 
 def _parameters(parameters: str) -> dict:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from prepos.bridge import (ERROR_FIELDS, ONE_TURN_PREFIX, absent_outputs, bridge_target, forwarded_inputs,
-                           merge_responses, narrowed_inputs, relayed_error, relayed_error_outputs, triton_refusal)
+                           merge_responses, narrowed_inputs, relayed_error, relayed_error_outputs,
+                           request_parameters, triton_refusal)
 from prepos.protocol import TRITON_ERROR_CODES, ProtocolError, Status, with_status
 
 
@@ -84,6 +85,17 @@ def test_a_key_that_is_neither_an_input_nor_a_parameter_the_bridge_reads_is_refu
         bridge_target({"session_id": _b("s")}, parameters)
     assert err.value.field == "parameters" and f"unknown key {named}:" in str(err.value)
     assert "(timeout)" in str(err.value)  # what it does read
+
+
+def test_parameters_the_stub_cannot_decode_are_refused_naming_them():
+    def undecodable() -> str:
+        return b'{"\xff\xfe": 1}'.decode()
+
+    assert request_parameters(lambda: '{"timeout": 5}') == '{"timeout": 5}'
+    with pytest.raises(ProtocolError) as err:
+        request_parameters(undecodable)
+    assert err.value.field == "parameters"
+    assert str(err.value).startswith("parameters: not valid UTF-8 (byte 0xff at offset 2 of the parameters' JSON)")
 
 
 def test_the_time_limit_is_the_smaller_of_the_timeout_parameter_and_the_request_timeout():

@@ -580,6 +580,26 @@ def test_a_deeply_nested_json_body_is_answered_and_the_server_lives_on(server):
         assert response.status == 200
 
 
+@pytest.mark.parametrize("body", [b'{"text_input": "hi", "max_tokens": 1, "\xff\xfe": 1}',
+                                  b'{"text_input": "hi", "max_tokens": 1, "timeout": "\xff"}'],
+                         ids=["key", "value"])
+def test_a_parameter_that_is_not_utf8_is_refused_naming_the_parameters(server, body):
+    """A body key that is not an input becomes a request parameter, which the Python stub fails to decode where it is
+    not UTF-8: that was answered as the bridge's own fault (INTERNAL), naming nothing, and counted as one."""
+    counted = server.metric("prepos_request_errors_total", model="prepos_http", field="parameters")
+    internal = server.metric("prepos_request_errors_total", model="prepos_http", field="request")
+    request = urllib.request.Request(f"{server.http_url}/v2/models/prepos_http/generate", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=120)
+    text = refused.value.read().decode()
+    assert refused.value.code == 400
+    assert "parameters: not valid UTF-8 (byte 0xff at offset" in text and text.endswith('[INVALID_ARGUMENT]"}')
+    assert server.metric("prepos_request_errors_total", model="prepos_http", field="parameters") == counted + 1
+    assert server.metric("prepos_request_errors_total", model="prepos_http", field="request") == internal
+    assert _generate(server, {"text_input": "Say yes.", "max_tokens": 1})[0] == 200
+
+
 def test_a_queued_requests_deadline_error_reaches_that_request_not_the_one_still_answering(server):
     """The deadline error of a request queued behind a long answer goes out while that answer streams; a gRPC
     stream's error carries no request id, so it names its request, and the client gives it to that one."""

@@ -22,7 +22,7 @@ except ImportError:  # running from a source checkout: model_repository/prepos_h
 
 from prepos.bridge import (BRIDGE_PARAMETER, CHECKED_INPUTS, ERROR_FIELDS, NARROWED_INPUTS, absent_outputs,
                            bridge_target, forwarded_inputs, merge_responses, narrowed_inputs, read_bridge_config,
-                           relayed_error, target_in_repository, triton_refusal)
+                           relayed_error, request_parameters, target_in_repository, triton_refusal)
 from prepos.heap import settle_heap
 from prepos.metrics import RefusalCounter, RelayGauge
 from prepos.protocol import ProtocolError, Status, triton_error
@@ -86,8 +86,10 @@ class TritonPythonModel:
                 inputs = {tensor.name(): tensor for tensor in request.inputs()}
                 checked = {name: tensor.as_numpy() for name, tensor in inputs.items() if name in CHECKED_INPUTS}
                 narrowing = {name: inputs[name].as_numpy() for name in inputs if name in NARROWED_INPUTS}
-                parameters, timeout = request.parameters(), request.timeout()
+                timeout = request.timeout()
             try:  # every check the bridge makes comes before anything reaches the session
+                with IPC:
+                    parameters = request_parameters(request.parameters)
                 target = bridge_target(checked, parameters, timeout)
                 narrowed = narrowed_inputs(narrowing)
             except ProtocolError as err:
