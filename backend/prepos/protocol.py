@@ -79,6 +79,15 @@ def closed_all_the_same(err: ProtocolError) -> ProtocolError:
                          err.status)
 
 
+def sequence_ended_all_the_same(err: ProtocolError) -> ProtocolError:
+    """``err`` (``already open``) for a refused request that carried START and END: prepos keeps the open session
+    as it was, but Triton ends its sequence at that END, so the session's next request must carry START and
+    ``resume``, and the error says so (its owner's next request was refused as not started, naming neither)."""
+    return ProtocolError(err.field, f"{err.problem}; the request carried END, so Triton ended the session's "
+                                    "sequence all the same: its next request must carry START and resume (the session "
+                                    "is kept as it was)", err.status)
+
+
 def naming_request(message: str, request_id: str) -> str:
     """An error's message naming the request it answers (``... (request "4")``), for one sent ahead of the
     answers to the session's earlier requests: tritonclient hands a stream's error to its callback without the

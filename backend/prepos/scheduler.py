@@ -39,7 +39,7 @@ from prepos.journal import DELETED
 from prepos.kv_writes import WriteReportingEngine
 from prepos.metrics import Metrics
 from prepos.protocol import (DRAIN_REASON, END_REASON, START_REJECTED_REASON, ProtocolError, Rejection, Request,
-                             ResponseSink, Status, closed_all_the_same)
+                             ResponseSink, Status, closed_all_the_same, sequence_ended_all_the_same)
 from prepos.queued_deadlines import QueuedDeadlines
 from prepos.residency import Residency
 from prepos.scan import ScanFn
@@ -277,6 +277,8 @@ class Scheduler:
             else:
                 session = existing or self.store.lookup(request.session_id)
         except ProtocolError as err:
+            if request.start and request.end and err.status is Status.ALREADY_EXISTS:
+                err = sequence_ended_all_the_same(err)  # prepos keeps the session; Triton ended its sequence
             self._reject(request, sink, err)
             return
         except Exception as err:  # noqa: BLE001 - a request is always answered, never left waiting

@@ -353,3 +353,21 @@ def test_a_client_stream_that_fails_does_not_stall_the_session_behind_it(tmp_pat
     assert after.error is None and after.chunks[-1].finish_reason in ("stop", "length")
     later = h.serve(h.request("s1", "third", max_tokens=3))
     assert later.error is None and later.ids
+
+
+def test_a_start_and_end_refused_as_already_open_says_the_sequence_ended_and_keeps_the_session(tmp_path):
+    """Triton ends the sequence at a refused START+END's END: its owner's next request was refused as not started,
+    while the refusal said only "already open"; it now says what the next request must carry."""
+    h = Harness(tmp_path)
+    open_session(h)
+    log_before = h.log("s1")
+    refused = h.serve(h.request("s1", "hi", start=True, end=True, max_tokens=0)).error
+    assert refused.field == "START" and refused.status is Status.ALREADY_EXISTS
+    assert refused.problem == ("session 's1' is already open; the request carried END, so Triton ended the session's "
+                               "sequence all the same: its next request must carry START and resume (the session is "
+                               "kept as it was)")
+    assert h.log("s1") == log_before
+    again = h.serve(h.request("s1", "hi", start=True, max_tokens=0)).error  # START alone: no END, nothing ended
+    assert again.status is Status.ALREADY_EXISTS and "carried END" not in again.problem
+    resumed = h.serve(h.request("s1", "Go on.", start=True, resume=True, max_tokens=0))
+    assert resumed.error is None and h.log("s1")[:len(log_before)] == log_before
