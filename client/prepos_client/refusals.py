@@ -24,6 +24,19 @@ def says_not_open(error: PreposError) -> bool:
     return "must specify the START flag" in error.message or (error.field == "START" and "is not open" in error.message)
 
 
+REFUSED_ON_ARRIVAL = ("must specify the START flag", "has no available versions",
+                      "stopped accepting new inference requests")
+"""Triton's refusals of a request as it arrives, before any model sees it, whose text names no request: a sequence
+it does not hold (its idle timer counts from the sequence's last request, so it may end a session one long answer
+still streams), a model it does not serve (now), a server stopping."""
+
+
+def refused_on_arrival(error: PreposError) -> bool:
+    """Whether an error is one of Triton's refusals of a request as it arrives (:data:`REFUSED_ON_ARRIVAL`): it
+    belongs to a request that had no response yet."""
+    return error.status is None and any(words in error.message for words in REFUSED_ON_ARRIVAL)
+
+
 def says_draining(error: PreposError) -> bool:
     """Whether a refusal of a START says the server is draining before it stops (see prepos.drain)."""
     return error.field == "START" and "is draining" in error.message

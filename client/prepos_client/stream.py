@@ -18,6 +18,7 @@ from tritonclient.utils import InferenceServerException
 
 from .errors import PreposError, from_triton, request_id_of
 from .protocol import is_final_response
+from .refusals import refused_on_arrival
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +41,18 @@ class ResponseRouter:
     never reach another request. Errors of a single request carry no id in
     tritonclient; the model handles a session's requests in arrival order,
     so an error goes to the oldest pending request, unless its text names a
-    pending request: Triton's own refusals (``[request id: X] ...``, which
+    pending request: Triton's own refusals of a request's inputs (``[request id: X] ...``, which
     come at once, ahead of earlier requests' answers) and the one error prepos
-    sends out of order (a queued request's deadline, ``... (request "X")``). An error with a gRPC
-    status ends the whole stream: every pending request receives it and
-    `failure` is set.
+    sends out of order (a queued request's deadline, ``... (request "X")``). Triton's refusals of a request as it
+    arrives that name none (:func:`refused_on_arrival`: a sequence it no longer holds, say) come at once too: they
+    go to the oldest pending request that has had no response yet (one that has had some was taken). An error with
+    a gRPC status ends the whole stream: every pending request receives it and `failure` is set.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[str, queue.SimpleQueue[Delivery]] = {}  # in send order
+        self._answered: set[str] = set()  # pending requests that have had a response
         self._failure: PreposError | None = None
 
     @property
@@ -79,6 +82,7 @@ class ResponseRouter:
         """Stop routing to a request (one that could not be sent)."""
         with self._lock:
             self._pending.pop(request_id, None)
+            self._answered.discard(request_id)
 
     def on_response(self, result: InferResult | None, error: InferenceServerException | None) -> None:
         """The stream callback (runs on tritonclient's response thread)."""
@@ -101,9 +105,13 @@ class ResponseRouter:
                 self._failure = failure
                 targets = list(self._pending.values())
                 self._pending.clear()
+                self._answered.clear()
             elif self._pending:
                 target_id = named if named in self._pending else next(iter(self._pending))
+                if named not in self._pending and refused_on_arrival(failure):
+                    target_id = next((r for r in self._pending if r not in self._answered), target_id)
                 targets = [self._pending.pop(target_id)]
+                self._answered.discard(target_id)
             else:
                 targets = []
         if not targets and not stream_ended:
@@ -121,6 +129,9 @@ class ResponseRouter:
                 deliveries = self._pending[request_id]
             if deliveries is not None and final:
                 del self._pending[request_id]
+                self._answered.discard(request_id)
+            elif deliveries is not None:
+                self._answered.add(request_id)
         if deliveries is None:
             logger.debug("dropped a response for request %r, which nobody waits for", request_id)
             return

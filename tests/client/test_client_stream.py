@@ -85,15 +85,47 @@ def test_an_error_naming_its_request_goes_to_that_request_not_the_oldest():
 
 def test_tritons_own_refusal_goes_to_the_request_it_names():
     """Triton refuses some requests at once, while an earlier one may still stream, with the request's id in front
-    of its text (``[request id: 3] ... must specify the START flag ...`` for a sequence it does not hold)."""
+    of its text (``[request id: 2] inference input 'text_input' data-type is ...``; its refusal of a sequence it
+    does not hold names no request: see the next test)."""
     router = ResponseRouter()
     streaming, ending = router.expect("1"), router.expect("2")
-    router.on_response(None, model_error("[request id: 2] inference request for sequence s to model 'prepos' must "
-                                         "specify the START flag on the first request of the sequence"))
+    router.on_response(None, model_error("[request id: 2] inference input 'text_input' data-type is 'INT32', but "
+                                         "model 'prepos' expects 'BYTES'"))
     router.on_response(make_result("1", text="a", finish_reason="length", final=True), None)
     (refused,) = drain(ending)
-    assert "START flag" in str(refused.error) and not str(refused.error).startswith("[request id")
+    assert "data-type" in str(refused.error) and not str(refused.error).startswith("[request id")
     assert [d.error for d in drain(streaming)] == [None] and router.num_pending == 0
+
+
+@pytest.mark.parametrize("message", [
+    "inference request for sequence s to model 'prepos' must specify the START flag on the first request of the "
+    "sequence",
+    "Request for unknown model: 'prepos' has no available versions",
+])
+def test_a_refusal_on_arrival_naming_no_request_goes_to_the_oldest_one_not_answered_yet(message):
+    """Triton's idle timer counts from a sequence's last request, so it can end a session while one long answer
+    still streams: the request sent next is refused at once, with no request id. It went to the streaming request
+    (told "changed nothing" although its turn was then accepted), and the refused one waited for ever."""
+    router = ResponseRouter()
+    streaming, next_one, last = router.expect("1"), router.expect("2"), router.expect("3")
+    router.on_response(make_result("1", text="a", final=False), None)
+    router.on_response(None, model_error(message))
+    (refused,) = drain(next_one)
+    assert refused.error is not None and message in str(refused.error)
+    assert [d.error for d in drain(streaming)] == [None] and drain(last) == []
+    router.on_response(make_result("1", text="b", finish_reason="stop", final=True), None)
+    assert [d.error for d in drain(streaming)] == [None] and router.num_pending == 1
+    router.on_response(None, model_error(message))  # with no request answered yet, the oldest one takes it
+    assert len(drain(last)) == 1 and router.num_pending == 0
+
+
+def test_a_model_error_still_goes_to_the_oldest_request_even_while_it_streams():
+    """prepos's own errors come in order: a deadline passing mid-answer belongs to the answer streaming."""
+    router = ResponseRouter()
+    streaming, queued = router.expect("1"), router.expect("2")
+    router.on_response(make_result("1", text="a", final=False), None)
+    router.on_response(None, model_error("timeout: the request's deadline passed [DEADLINE_EXCEEDED]"))
+    assert [d.error is None for d in drain(streaming)] == [True, False] and drain(queued) == []
 
 
 @pytest.mark.parametrize("request_id", ["4", "", 'say "hi" \\ é', "(request \"1\")"])

@@ -1,0 +1,63 @@
+"""Triton's sequence idle timer against a long answer, on the real server. Triton counts a sequence's idleness from
+its last request's arrival, not its last answer: an answer that streams for longer than
+``max_sequence_idle_microseconds`` loses the sequence in Triton while prepos still serves it, and the session's
+next request is refused at once, naming no request. The Python client gave that refusal to the answer still
+streaming (told "changed nothing", while its turn was then accepted) and left the refused request waiting, and
+every later call of the session timed out waiting for its outcome."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+
+import pytest
+
+from prepos.launcher import REPO_ROOT
+from prepos_client import Client, PreposError
+
+from .conftest import start_server
+
+pytestmark = pytest.mark.integration
+
+IDLE_S = 2
+
+
+def _repository(tmp_path):
+    """A copy of the model repository's ``prepos`` model whose Triton sequence idle timeout is ``IDLE_S``."""
+    repo = tmp_path / "repository"
+    shutil.copytree(REPO_ROOT / "model_repository" / "prepos", repo / "prepos")
+    config = repo / "prepos" / "config.pbtxt"
+    text, count = re.subn(r"max_sequence_idle_microseconds: \d+", f"max_sequence_idle_microseconds: {IDLE_S}000000",
+                          config.read_text())
+    assert count == 1
+    config.write_text(text)
+    return repo
+
+
+def test_a_request_sent_while_a_long_answer_outlives_tritons_idle_timer_is_served_after_it(tmp_path):
+    server = start_server(tmp_path / "run", env={"PREPOS_SCHEDULER_SESSION_IDLE_TIMEOUT_S": str(IDLE_S)},
+                          repositories=[_repository(tmp_path)])
+    try:
+        with Client(server.grpc_url, timeout_s=120) as client, client.session("long-answer") as session:
+            session.append("You are a patient assistant.", role="system")
+            sent = time.monotonic()
+            long = session.generate("Count from 1 to 1000, separated by commas.", max_tokens=600, speculate=False)
+            chunks = []
+            for chunk in long:  # read until Triton's reaper has surely ended the sequence (twice its timeout)
+                chunks.append(chunk)
+                if time.monotonic() - sent > 2 * IDLE_S + 1:
+                    break
+            assert chunks[-1].finish_reason is None, "the answer ended before Triton's idle timer could pass"
+            after = session.generate("Say yes.", max_tokens=2, speculate=False)  # refused by Triton at once
+            chunks += list(long)  # before: PreposError "is not open on the server ... changed nothing"
+            assert chunks[-1].finish_reason in ("length", "stop")
+            with pytest.raises(PreposError) as refused:  # before: no answer within the time limit, then a wedge
+                list(after)
+            assert "this request changed nothing, and the next call asks the server to reopen" in str(refused.value)
+            again = session.ask("Say no.", max_tokens=2, speculate=False)  # sent with START and resume
+            assert again.text
+            long_ids = [i for c in chunks for i in c.token_ids]
+            assert len(long_ids) > 10
+    finally:
+        server.stop()
