@@ -201,22 +201,32 @@ class SessionJournal:
         last did: that server holds the session now (replicas sharing the directory). Returns whether it was
         deleted."""
         path = self.path(session_id)
-        left_as = self._left_as.pop(path, None)
+        # What this server last left is forgotten only once that is settled: a deletion that failed (a read-only
+        # or failing disk, the directory gone) keeps it, so that a later try of an idle timeout's compares too.
         if only_if_unchanged:
             try:
                 now = _identity(path.stat())
             except FileNotFoundError:
+                self._check_directory()
+                self._left_as.pop(path, None)
                 return False
-            if now != left_as:
+            if now != self._left_as.get(path):
+                self._left_as.pop(path, None)
                 log.info("journal of session %r changed since this server last wrote it: another server holds "
                          "the session now; kept", session_id)
                 return False
         try:
             path.unlink()
         except FileNotFoundError:
-            if not self.directory.is_dir():  # a volume gone for a moment: the journal may come back with it
-                raise FileNotFoundError(errno.ENOENT, "the journal directory is gone", str(self.directory)) from None
+            self._check_directory()
+        self._left_as.pop(path, None)
         return True
+
+    def _check_directory(self) -> None:
+        """FileNotFoundError when the journal directory is gone: a volume gone for a moment, which may come back with
+        the journal in it (a journal missing from a directory that is there is simply not there)."""
+        if not self.directory.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "the journal directory is gone", str(self.directory))
 
     def change_elsewhere(self, session_id: str | int) -> str | None:
         """What another server did to the session's journal since this one last wrote or read it (replicas sharing

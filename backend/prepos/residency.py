@@ -63,7 +63,9 @@ class Residency:
         self.store = SessionStore(max_sessions)
         self._journal_expire_s = journal_expire_s  # 0: journals never expire
         self._next_expiry = 0.0  # clock time of the next expire_journals pass
-        self._undeleted: set[str | int] = set()  # ended sessions whose journal could not be deleted
+        # Ended sessions whose journal could not be deleted, each to whether its deletion waits on the journal being
+        # left unchanged (an idle timeout's: another server may take the session meanwhile) or not (an END's).
+        self._undeleted: dict[str | int, bool] = {}
         self.kv = KvLedger(kv_budget_bytes, eviction_policy, kv_total=engine.kv_total_bytes)
         self._engine = engine
         self._metrics = metrics
@@ -93,20 +95,20 @@ class Residency:
             if replaced:  # kept by a drain or left by a crash: a START with resume would have continued it
                 log.warning("session %r: START without resume replaced the journal of an earlier session under this "
                             "id (its turns are gone)", session_id)
-            self._undeleted.discard(session_id)
+            self._undeleted.pop(session_id, None)
         self._metrics.session_opened()
         return session
 
     def recover(self, session_id: str | int) -> Session | None:
         """Reopen a session this server does not hold from its journal (a restart, or a replica taking
         over); its KV is rebuilt from the log on its next request (path ``rebuild``). None: no journal, or
-        one this server failed to delete when the session closed (it is deleted now, if it can be).
+        one this server failed to delete when the session closed (it is deleted now, if it can be), unless another
+        server has written it since an idle timeout's failed deletion (it took the session: reopened from it).
 
         Raises ProtocolError (UNAVAILABLE) when the journal cannot be read."""
         if self._journal is None:
             return None
-        if session_id in self._undeleted:
-            self._delete_undeleted(session_id)
+        if session_id in self._undeleted and self._delete_undeleted(session_id):
             return None
         try:
             recovered = self._journal.recover(session_id)
@@ -167,13 +169,13 @@ class Residency:
                  f"; its opening turn ({opening} tokens) is kept for later sessions to copy" if kept else "")
 
     def _remember_undeleted(self, session: Session, err: OSError, journal_if_unchanged: bool) -> None:
-        """Log that the journal of a closed session could not be deleted; at an END (not an idle timeout) the
-        session is over, and its journal is deleted later (:meth:`delete_undeleted`), never reopened."""
-        log.error("session %r: could not delete its journal: %s%s", session.session_id, err,
-                  "" if journal_if_unchanged else "; this server will not reopen the session from it, "
-                  "and tries again at its next reopening, hourly and at the drain before a stop")
-        if not journal_if_unchanged:  # an END: the session is over
-            self._undeleted.add(session.session_id)
+        """Log that the journal of a closed session could not be deleted: the session is over, and its journal is
+        deleted later (:meth:`delete_undeleted`), never reopened here; after an idle timeout (``journal_if_unchanged``)
+        only while no other server has written it (one that did holds the session)."""
+        log.error("session %r: could not delete its journal: %s; this server will not reopen the session from it%s, "
+                  "and tries again at its next reopening, hourly and at the drain before a stop", session.session_id,
+                  err, " unless another server writes it meanwhile" if journal_if_unchanged else "")
+        self._undeleted[session.session_id] = journal_if_unchanged
 
     def expire_journals(self) -> int:
         """Delete the journals of sessions this server does not hold that were not written for
@@ -200,15 +202,19 @@ class Residency:
         for session_id in list(self._undeleted):
             self._delete_undeleted(session_id)
 
-    def _delete_undeleted(self, session_id: str | int) -> None:
-        # The journal of a session that ended while it could not be deleted (a read-only or failing disk).
+    def _delete_undeleted(self, session_id: str | int) -> bool:
+        """Try again to delete the journal of a session that ended while it could not be deleted (a read-only or
+        failing disk). Returns whether the session stays over: False when it was an idle timeout's and another
+        server has written the journal since (it holds the session now), or the journal is gone."""
         try:
-            self._journal.delete(session_id)
+            deleted = self._journal.delete(session_id, only_if_unchanged=self._undeleted[session_id])
         except OSError as err:
             log.warning("session %r: its journal still cannot be deleted: %s", session_id, err)
-        else:
-            self._undeleted.discard(session_id)
+            return True
+        del self._undeleted[session_id]
+        if deleted:
             log.info("session %r: its journal, left when the session ended, is deleted", session_id)
+        return deleted
 
     # --- the token log -------------------------------------------------
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
+from pathlib import Path
 
 from fakes import IM_END, CollectSink
 from prepos.drain import drain_end
@@ -663,3 +665,36 @@ def test_sessions_opened_and_closed_are_counted_once_each_by_reason(tmp_path):
     assert h2.serve(h2.request("kept", "back", start=True, resume=True, max_tokens=0)).error is None
     assert h2.metrics.sink.get("prepos_sessions_recovered_total") == 1
     assert h2.metrics.sink.get("prepos_sessions_opened_total") == 0
+
+
+def test_a_session_its_idle_timeout_ended_on_a_read_only_disk_does_not_come_back(tmp_path, monkeypatch, caplog):
+    """An idle timeout whose journal could not be deleted (a read-only disk) left the journal to reopen the session
+    (path rebuild) once the disk was writable, as if it had never ended; an END in its place never did. Unless another
+    server has written the journal since (it took the session), the session stays over and its journal goes."""
+    journal_dir = tmp_path / "journal"
+    h = restarted(tmp_path, journal_dir, idle_timeout_s=60.0)
+    for sid in ("ended", "taken"):
+        open_session(h, sid=sid)
+        h.serve(h.request(sid, "first question", max_tokens=2))
+    journal = SessionJournal(journal_dir, fsync=False)
+    real_unlink = Path.unlink
+
+    def read_only(path, *args, **kwargs):
+        if path.parent == journal_dir:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    h.clock.t += 61
+    h.sched.run_once()  # housekeeping: both idle past the timeout
+    assert h.sched.store.get("ended") is None and h.sched.store.get("taken") is None
+    assert "session 'ended': could not delete its journal" in caplog.text
+    monkeypatch.setattr(Path, "unlink", real_unlink)  # the disk is writable again
+    second = restarted(tmp_path, journal_dir)  # another server takes "taken" meanwhile
+    assert second.serve(second.request("taken", "elsewhere", start=True, resume=True, max_tokens=2)).error is None
+    resumed = h.serve(h.request("ended", "again?", max_tokens=2, start=True, resume=True))
+    assert resumed.error is not None and resumed.error.field == "resume" and resumed.error.status is Status.NOT_FOUND
+    assert not journal.path("ended").exists()  # deleted at that resume
+    taken = h.serve(h.request("taken", "and back here?", max_tokens=2, start=True, resume=True))
+    assert taken.error is None and taken.path == "rebuild"  # the other server's journal, reopened
+    assert journal.path("taken").exists()
