@@ -89,7 +89,8 @@ class Residency:
                 self._journal.create(session_id)
             except OSError as err:
                 self.store.close(session_id)
-                log.error("session %r: could not create its journal: %s", session_id, err)
+                log.error("session %r: could not create its journal %s: %s", session_id,
+                          self._journal.path(session_id), err)
                 raise ProtocolError("journal", f"could not create the session journal ({err.strerror or err})",
                                     Status.UNAVAILABLE) from None
             if replaced:  # kept by a drain or left by a crash: a START with resume would have continued it

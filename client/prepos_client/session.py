@@ -259,9 +259,11 @@ class Session:
         nothing more is sent and None is returned. The connection is released
         even when END fails; the error is raised after that, and this object
         counts as closed (a second `close` sends nothing). Where the END did not
-        reach the server (it was down), the server ends the session at its idle
-        timeout, keeping its journal until `journal.expire_s`; to end it sooner,
-        open it again (`Client.session(session_id, resume=True)`) and close that.
+        reach the server, a server that still holds the session ends it at its
+        idle timeout, its journal with it; where the server was down (its drain
+        ended the session, keeping the journal) or restarted, the journal stays
+        until `journal.expire_s`; to end it sooner, open it again
+        (`Client.session(session_id, resume=True)`) and close that.
         """
         requests = self._requests
         if requests.closed:
