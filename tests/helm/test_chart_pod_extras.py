@@ -48,42 +48,49 @@ def render_error(chart, values: dict[str, Any]) -> str:
 # --- ServiceAccount ---------------------------------------------------------------------------
 
 
-def test_by_default_pods_use_the_namespace_account_without_its_token(chart):
+def test_by_default_the_pod_templates_name_no_account_and_no_token_setting(chart):
+    """A field added to a pod template by default rolls every replica (draining its sessions) and the router on an
+    upgrade that sets nothing new: the account fields appear only where set."""
     objects = render(chart, MINIMAL)
     assert not find(objects, "ServiceAccount")
     for owner in pod_owners(objects):
         spec = pod_spec(owner)
         assert "serviceAccountName" not in spec
-        assert spec["automountServiceAccountToken"] is False
+        assert "automountServiceAccountToken" not in spec
 
 
-def test_a_created_account_is_the_one_every_pod_runs_as(chart):
+def test_a_created_account_is_the_triton_pods_and_not_the_routers(chart):
     values = with_minimal(serviceAccount={"create": True, "annotations": {"iam.example.com/role": "engines"}})
     objects = render(chart, values)
     validate_all(objects)
     account = one(objects, "ServiceAccount")
     assert account["metadata"]["annotations"] == {"iam.example.com/role": "engines"}
-    assert account["automountServiceAccountToken"] is False
-    owners = pod_owners(objects)
-    assert len(owners) == 2
-    assert {pod_spec(o)["serviceAccountName"] for o in owners} == {account["metadata"]["name"]}
+    assert "automountServiceAccountToken" not in account
+    assert pod_spec(one(objects, "StatefulSet"))["serviceAccountName"] == account["metadata"]["name"]
+    assert "serviceAccountName" not in pod_spec(router(objects))  # the client-facing router gets no cloud identity
 
 
-def test_a_named_account_is_used_and_not_created_unless_asked(chart):
-    objects = render(chart, with_minimal(serviceAccount={"name": "serving-sa", "automountToken": True}))
+def test_named_accounts_and_the_token_setting_reach_their_pods(chart):
+    values = with_minimal(serviceAccount={"name": "serving-sa", "automountToken": False},
+                          router={"serviceAccountName": "router-sa"})
+    objects = render(chart, values)
+    validate_all(objects)
     assert not find(objects, "ServiceAccount")
+    assert pod_spec(one(objects, "StatefulSet"))["serviceAccountName"] == "serving-sa"
+    assert pod_spec(router(objects))["serviceAccountName"] == "router-sa"
     for owner in pod_owners(objects):
-        assert pod_spec(owner)["serviceAccountName"] == "serving-sa"
-        assert pod_spec(owner)["automountServiceAccountToken"] is True
-    created = one(render(chart, with_minimal(serviceAccount={"name": "serving-sa", "create": True})), "ServiceAccount")
-    assert created["metadata"]["name"] == "serving-sa"
+        assert pod_spec(owner)["automountServiceAccountToken"] is False
+    values = with_minimal(serviceAccount={"name": "serving-sa", "create": True, "automountToken": False})
+    created = one(render(chart, values), "ServiceAccount")
+    assert created["metadata"]["name"] == "serving-sa" and created["automountServiceAccountToken"] is False
 
 
 # --- labels and annotations -------------------------------------------------------------------
 
 
 def test_pod_labels_reach_the_pods_and_leave_the_selectors_alone(chart):
-    values = with_minimal(podLabels={"team": "ml"}, router={"podLabels": {"tier": "edge"},
+    values = with_minimal(podLabels={"team": "ml", CHART_LABEL_PREFIX + "part-of": "assistants"},
+                          router={"podLabels": {"tier": "edge"},
                                                              "podAnnotations": {"example.com/owner": "ml"}})
     objects = render(chart, values)
     validate_all(objects)
@@ -102,13 +109,13 @@ def test_a_pod_label_may_not_replace_the_charts_own(chart, where):
     labels = {CHART_LABEL_PREFIX + "component": "router" if where == "triton" else "triton"}
     values = with_minimal(podLabels=labels) if where == "triton" else with_minimal(router={"podLabels": labels})
     message = render_error(chart, values)
-    expected = f"podLabels sets {CHART_LABEL_PREFIX}component: the chart sets the {CHART_LABEL_PREFIX} labels itself"
-    assert expected in message
+    assert f"podLabels sets {CHART_LABEL_PREFIX}component: the chart sets that label itself" in message
 
 
 def test_the_routers_config_checksum_annotation_cannot_be_replaced(chart):
     message = render_error(chart, with_minimal(router={"podAnnotations": {"checksum/config": "pinned"}}))
     assert "router.podAnnotations sets checksum/config" in message
+    validate_all(render(chart, with_minimal(router={"podAnnotations": None})))  # null: none
 
 
 # --- extra environment ------------------------------------------------------------------------
@@ -151,6 +158,12 @@ def test_a_cache_variable_is_the_users_where_the_chart_does_not_set_it(chart):
     values = with_minimal(engineBuild={"extraEnv": [{"name": "XDG_CACHE_HOME", "value": "/cache"}]})
     build = container(one(render(chart, values), "StatefulSet"), "engine-build")
     assert build["env"] == [{"name": "XDG_CACHE_HOME", "value": "/cache"}]
+
+
+def test_the_build_container_takes_any_prepos_name_as_it_reads_no_prepos_setting(chart):
+    values = with_minimal(engineBuild={"extraEnv": [{"name": "PREPOS_BUILD_NOTE", "value": "x"}]})
+    build = container(one(render(chart, values), "StatefulSet"), "engine-build")
+    assert build["env"] == [{"name": "PREPOS_BUILD_NOTE", "value": "x"}]
 
 
 # --- extra volumes ----------------------------------------------------------------------------
@@ -197,6 +210,18 @@ def test_bad_extra_volumes_fail_naming_the_clash(chart, values, message):
     assert message in render_error(chart, values)
 
 
+def test_an_engine_on_an_extra_volume_is_seen_by_the_engine_check_too(chart):
+    """Without the build, the engine-check init container looks for prepos.engineDir: on an extra volume it saw
+    nothing and stopped the pod at Init:Error."""
+    values = with_minimal(engineBuild={"enabled": False}, prepos={"engineDir": "/models/engine"},
+                          extraVolumes=[{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+                          extraVolumeMounts=[{"name": "models", "mountPath": "/models", "readOnly": True}])
+    objects = render(chart, values)
+    validate_all(objects)
+    check = container(one(objects, "StatefulSet"), "engine-check")
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in check["volumeMounts"]
+
+
 def test_the_engine_volume_may_be_mounted_again_elsewhere(chart):
     """A mount of a chart volume at a path of its own is allowed (e.g. the engine volume read-only at a second
     path)."""
@@ -232,10 +257,11 @@ def test_no_network_policy_by_default(chart):
 
 
 def test_replicas_take_grpc_and_health_checks_from_the_router_pods_only(chart):
-    clients = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}]
+    clients = [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+    http_clients = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}]
     scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     objects = render(chart, with_minimal(networkPolicy={"enabled": True, "clientsFrom": clients,
-                                                        "metricsFrom": scrapers}))
+                                                        "httpFrom": http_clients, "metricsFrom": scrapers}))
     validate_all(objects)
     statefulset, deployment = one(objects, "StatefulSet"), router(objects)
     replica_policy, router_policy = policy_for(objects, statefulset), policy_for(objects, deployment)
@@ -253,7 +279,7 @@ def test_replicas_take_grpc_and_health_checks_from_the_router_pods_only(chart):
         assert peer["podSelector"]["matchLabels"].items() <= router_labels.items()
         replica_labels = statefulset["spec"]["template"]["metadata"]["labels"]
         assert not peer["podSelector"]["matchLabels"].items() <= replica_labels.items()
-    assert rule_for_port(replica_policy, "http")["from"] == clients
+    assert rule_for_port(replica_policy, "http")["from"] == http_clients
     assert rule_for_port(replica_policy, "metrics")["from"] == scrapers
     assert rule_for_port(router_policy, "grpc")["from"] == clients
 

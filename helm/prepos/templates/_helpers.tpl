@@ -194,24 +194,30 @@ with the chart's default limits, so that a larger request alone is such a case. 
 {{- end }}
 {{- end }}
 
-{{/* A pod spec's ServiceAccount fields. */}}
+{{/* A pod spec's ServiceAccount fields: (list ROOT NAME), NAME the account's (empty: the namespace's default).
+Each only where set, so that a chart upgrade alone leaves the pod templates (and the replicas) as they are. */}}
 {{- define "prepos.podServiceAccount" -}}
-{{- with include "prepos.serviceAccountName" . }}
+{{- $root := index . 0 }}
+{{- with index . 1 }}
 serviceAccountName: {{ . }}
 {{- end }}
-automountServiceAccountToken: {{ .Values.serviceAccount.automountToken }}
+{{- if not (kindIs "invalid" $root.Values.serviceAccount.automountToken) }}
+automountServiceAccountToken: {{ $root.Values.serviceAccount.automountToken }}
+{{- end }}
 {{- end }}
 
-{{/* Fails where a container's extraEnv repeats a name or takes one the chart sets: (list PATH ENV TAKEN), PATH the
-values' path of ENV (a list of EnvVars), TAKEN a dict of the names the chart sets in that container to the value
-that sets each. PREPOS_ settings belong in prepos.env. */}}
+{{/* Fails where a container's extraEnv repeats a name or takes one the chart sets: (list PATH ENV TAKEN SETTINGS),
+PATH the values' path of ENV (a list of EnvVars), TAKEN a dict of the names the chart sets in that container to the
+value that sets each, SETTINGS whether the container reads prepos settings (PREPOS_ names: they belong in prepos.env,
+where the chart checks them). */}}
 {{- define "prepos.checkExtraEnv" -}}
 {{- $path := index . 0 }}
+{{- $settings := index . 3 }}
 {{- $seen := dict }}
 {{- $taken := index . 2 }}
 {{- range (index . 1) }}
 {{- $name := .name }}
-{{- if hasPrefix "PREPOS_" $name }}
+{{- if and $settings (hasPrefix "PREPOS_" $name) }}
 {{- fail (printf "%s sets %s: set prepos settings in prepos.env (the chart sets some itself and checks them there)" $path $name) }}
 {{- end }}
 {{- if hasKey $taken $name }}
@@ -224,13 +230,14 @@ that sets each. PREPOS_ settings belong in prepos.env. */}}
 {{- end }}
 {{- end }}
 
-{{/* Fails where extra pod labels would replace the chart's own (app.kubernetes.io/...), which its selectors and
-Services match on: (list PATH LABELS). */}}
+{{/* Fails where extra pod labels would replace the chart's own, which its selectors, Services and policies match
+on: (list PATH LABELS). */}}
 {{- define "prepos.checkPodLabels" -}}
 {{- $path := index . 0 }}
+{{- $own := list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/managed-by" "app.kubernetes.io/component" }}
 {{- range $name, $_ := index . 1 }}
-{{- if hasPrefix "app.kubernetes.io/" $name }}
-{{- fail (printf "%s sets %s: the chart sets the app.kubernetes.io/ labels itself (its selectors and Services match them); use a label of another prefix" $path $name) }}
+{{- if has $name $own }}
+{{- fail (printf "%s sets %s: the chart sets that label itself (its selectors, Services and policies match it); use another label" $path $name) }}
 {{- end }}
 {{- end }}
 {{- end }}
