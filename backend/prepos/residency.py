@@ -206,7 +206,7 @@ class Residency:
     def _delete_undeleted(self, session_id: str | int) -> bool:
         """Try again to delete the journal of a session that ended while it could not be deleted (a read-only or
         failing disk). Returns whether the session stays over: False when it was an idle timeout's and another
-        server has written the journal since (it holds the session now), or the journal is gone."""
+        server has written the journal since (it holds the session now), or that journal is gone."""
         try:
             deleted = self._journal.delete(session_id, only_if_unchanged=self._undeleted[session_id])
         except OSError as err:

@@ -119,6 +119,25 @@ def test_a_refusal_on_arrival_naming_no_request_goes_to_the_oldest_one_not_answe
     assert len(drain(last)) == 1 and router.num_pending == 0
 
 
+def test_a_refusal_on_arrival_passes_over_a_request_queued_long_before_it():
+    """Triton's idle timer counts from the last request's arrival: with one request streaming and another queued
+    behind it (taken, no response yet), the timer may pass, and the request sent next is the one refused."""
+    now = [100.0]
+    router = ResponseRouter(clock=lambda: now[0])
+    streaming, queued = router.expect("1"), router.expect("2")
+    router.on_response(make_result("1", text="a", final=False), None)
+    now[0] += 30  # Triton's timer passes
+    refused = router.expect("3")
+    now[0] += 0.05
+    router.on_response(None, model_error("inference request for sequence s to model 'prepos' must specify the "
+                                         "START flag on the first request of the sequence"))
+    assert len(drain(refused)) == 1 and drain(queued) == []
+    router.on_response(make_result("1", text="b", finish_reason="stop", final=True), None)
+    router.on_response(make_result("2", text="c", finish_reason="stop", final=True), None)
+    assert [d.error for d in drain(streaming)] == [None, None]
+    assert [d.error for d in drain(queued)] == [None] and router.num_pending == 0
+
+
 def test_a_model_error_still_goes_to_the_oldest_request_even_while_it_streams():
     """prepos's own errors come in order: a deadline passing mid-answer belongs to the answer streaming."""
     router = ResponseRouter()
