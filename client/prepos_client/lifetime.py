@@ -21,6 +21,20 @@ _EXIT_CLOSE_TIMEOUT_S = 2.0
 
 streaming_sessions: weakref.WeakSet = weakref.WeakSet()  # sessions with a stream open: closed at exit
 
+# The newest Session this process made for each (url, model, session id): an older one is a stale handle (its stream
+# lost in a restart, say, and the session continued through a new handle with resume=True), which exit leaves be.
+_newest_handles: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def handle_made(session) -> None:
+    """Note ``session`` as the newest handle of its session in this process."""
+    _newest_handles[(session.url, session.model, session.session_id)] = session
+
+
+def superseded(session) -> bool:
+    """Whether a newer handle of ``session``'s session was made in this process since it was."""
+    return _newest_handles.get((session.url, session.model, session.session_id)) is not session
+
 
 def _threads_start() -> bool:
     """Whether a thread can still be started: from Python 3.12 on, not while the interpreter shuts down, where
@@ -52,6 +66,11 @@ def _close_sessions_at_exit() -> None:
     for session in list(streaming_sessions):
         session.wait_for_ready = False  # a server that is down does not hold up the exit for every session
         requests = session._requests  # noqa: SLF001 (this package's own)
+        if superseded(session):  # its END would end the session the newer handle goes on with (or left open)
+            logger.warning("session %s: an older handle of it is left at exit without END: a newer one, made in "
+                           "this process since, took the session over", session.session_id)
+            requests.release()
+            continue
         if _no_new_streams and not requests.stream_live:  # nothing to send its END on: not tried
             logger.warning("session %s left open at exit: its stream is closed, and no new one can be opened while "
                            "Python shuts down; the server ends it at its idle timeout", session.session_id)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from .channel import Tls
 from .deadlines import check_timeout
 from .errors import PreposError
-from .lifetime import close_on_exit
+from .lifetime import close_on_exit, handle_made
 from .protocol import Answer, Chunk, Update, build_inputs
 from .session_ids import check_session_id
 from .session_requests import SessionRequests
@@ -86,6 +86,7 @@ class Session:
         self._requests = SessionRequests(self, url, model, self.session_id,
                                          headers={**(headers or {}), SESSION_HEADER: str(self.session_id)},
                                          resume=resume, wait_for_ready=bool(wait_for_ready), tls=tls)
+        handle_made(self)
 
     @property
     def wait_for_ready(self) -> bool:

@@ -177,6 +177,29 @@ def test_at_exit_where_no_thread_can_start_a_session_whose_stream_ended_is_left_
     assert "closing session" not in caplog.text  # no END was tried on a new stream
 
 
+def test_at_exit_an_older_handle_of_a_session_continued_through_a_newer_one_sends_no_end(server, caplog):
+    """After a server restart the README continues a session through a new handle (resume=True): the old handle,
+    still referenced at exit, sent its END (with START and resume) on a new stream, and ended the session the new
+    handle had left open (detached), deleting its journal and the turns taken through it."""
+    from prepos_client import lifetime
+
+    client = Client(server.url)
+    old = client.session("restarted")
+    assert old.ask("hi").text == "hi"
+    newer = client.session("restarted", resume=True)
+    assert newer.ask("again").text == "again"
+    newer.detach()
+    sent = len(server.servicer.requests)
+    with caplog.at_level("WARNING", logger="prepos_client.lifetime"):
+        lifetime._close_sessions_at_exit()
+    assert len(server.servicer.requests) == sent  # no END from the older handle
+    assert old.closed and "an older handle of it is left at exit without END" in caplog.text
+    other = client.session("another")
+    assert other.ask("hi").text == "hi"
+    lifetime._close_sessions_at_exit()  # the newest handle of its session is closed at exit as before
+    assert parameters(server.servicer.requests[-1])["sequence_end"] is True and other.closed
+
+
 def _no_thread_starts_at_exit(monkeypatch) -> list:
     """Python 3.12's interpreter exit, for the client: no thread starts (``Thread.start`` raises), so neither does
     a gRPC stream; returns the streams the client went on to start anyway."""
