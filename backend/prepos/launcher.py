@@ -40,8 +40,9 @@ from prepos.launch_checks import (bind_address, check_host, check_repositories, 
                                   stop_with_parent, usable_dir)
 from prepos.ports import ENDPOINT_FIELDS, Endpoint, PortInUseError, endpoints, taken_endpoints
 from prepos.shm_regions import backend_config_argument, region_prefix, remove_left_regions
-from prepos.supervise import (DRAIN_ENV, STUB_CHECK_S, StubWatch, bls_threads_argument, describe_exit, describe_lost,
-                              drain_file_from, keepalive_ping_arguments, server_stack_limit, stop_server)
+from prepos.supervise import (DRAIN_ENV, LOST_STUB_STOP_S, STOP_GRACE_S, STUB_CHECK_S, StubWatch, bls_threads_argument,
+                              continue_if_stopped, describe_exit, describe_lost, drain_file_from,
+                              keepalive_ping_arguments, server_stack_limit, stop_server)
 from prepos.triton_install import prepare_backend_dir, pytriton_dir
 
 log = logging.getLogger("prepos.launcher")
@@ -320,9 +321,11 @@ class TritonServer:
         except OSError:
             return False
 
-    def stop(self, timeout_s: float | None = None) -> bool:
+    def stop(self, timeout_s: float | None = None, then_s: float | None = None) -> bool:
         """Drain, SIGTERM, then SIGKILL if it has not exited within ``timeout_s`` in all (default: its exit timeout
-        and ``prepos.supervise.STOP_GRACE_S`` more): :func:`prepos.supervise.stop_server`, with a drain once the
+        and ``prepos.supervise.STOP_GRACE_S`` more; ``then_s`` after SIGTERM where the drain did not finish, see
+        :func:`prepos.supervise.stop_server`); a stopped (SIGSTOP) tritonserver is continued first, as it could
+        neither drain nor exit: :func:`prepos.supervise.stop_server`, with a drain once the
         server got ready. Backend stub processes still alive afterwards are killed too, also when tritonserver had
         already exited (killed or crashed): a stub can hang rather than follow a server that died under it, holding
         the model and its KV. Returns whether this stop drained the server. A server not yet seen ready
@@ -337,9 +340,11 @@ class TritonServer:
         if self.process.poll() is None:
             stubs.update((stub.pid, stub) for stub in self._descendants())
             try:
+                continue_if_stopped(self.process.pid)  # its own process group (start_new_session)
                 ready = self._ready or self._reports_ready()
                 drained = stop_server(self.process, drain_file=self.drain_file if ready else None,
-                                      exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s).drained
+                                      exit_timeout_s=self.options.exit_timeout_s, timeout_s=timeout_s,
+                                      then_s=then_s).drained
             except BaseException:  # a second Ctrl-C, say: stop now, stubs too, rather than leave them running
                 self.process.kill()
                 _kill(stubs.values())
@@ -460,6 +465,7 @@ def serve(options: ServerOptions) -> int:
         # Started as a background job of a script, which ignores SIGINT for its children: Ctrl-C and `kill -INT`
         # stop the server all the same, as they do tritonserver.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    lost_stub = False
     try:
         with server:
             bridge = any((Path(repo) / "prepos_http").is_dir() for repo in options.model_repositories)
@@ -481,7 +487,9 @@ def serve(options: ServerOptions) -> int:
                     if lost and server.process.poll() is None:
                         print(f"prepos: {describe_lost(lost)}; stopping (start it again: sessions resume from their "
                               "journals)", file=sys.stderr, flush=True)
-                        return 1  # leaving the with block stops the server (a drain first)
+                        lost_stub = True  # a signal during this stop still exits 1
+                        server.stop(timeout_s=LOST_STUB_STOP_S, then_s=STOP_GRACE_S)
+                        return 1
             except KeyboardInterrupt:
                 print(stopping_message(server.drain_file, options.exit_timeout_s), flush=True)
                 raise
@@ -490,7 +498,7 @@ def serve(options: ServerOptions) -> int:
             return 1
     except KeyboardInterrupt:
         print("prepos stopped", flush=True)
-        return 0
+        return 1 if lost_stub else 0
     except RuntimeError as err:
         print(f"prepos failed to start: {err}", file=sys.stderr)
         return 1

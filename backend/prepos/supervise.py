@@ -69,7 +69,8 @@ DRAIN_ENV = "PREPOS_SCHEDULER_DRAIN_FILE"
 
 LOST_STUB_STOP_S = 15.0
 """How long a server that lost a backend stub is given to drain (a dead ``prepos`` stub never reports a drain); it
-then gets SIGTERM and :data:`STOP_GRACE_S` more before it is killed: 20 s in all."""
+then gets SIGTERM and :data:`STOP_GRACE_S` more before it is killed (not the rest of these 15 s: with the stub dead,
+nothing in flight there can finish, and its clients' streams wait for the exit): 20 s in all at most."""
 STUB_CHECK_S = 1.0
 """How often the backend stubs are looked for."""
 
@@ -176,7 +177,7 @@ class ServerStop:
 
 
 def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_timeout_s: float,
-                timeout_s: float | None = None) -> ServerStop:
+                timeout_s: float | None = None, then_s: float | None = None) -> ServerStop:
     """Stop a running tritonserver within ``timeout_s`` (default: ``exit_timeout_s`` and :data:`STOP_GRACE_S`
     more), or, where the drain took ``timeout_s`` whole (at most the exit timeout), that and :data:`STOP_GRACE_S`
     more. Returns whether it was drained.
@@ -189,7 +190,8 @@ def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_time
     :data:`DRAINED_EXIT_S` to exit (:data:`ENDED_EXIT_S` when the drain ended sessions: it waits for their
     sequences) and is killed after that.
     A drain not done within the exit timeout (a long answer still running) leaves Triton the rest of
-    ``timeout_s``."""
+    ``timeout_s``, or ``then_s`` where given (a server that lost a backend stub: nothing it still runs can finish
+    there, and its clients' streams wait for its exit)."""
     if timeout_s is None:
         timeout_s = exit_timeout_s + STOP_GRACE_S
     deadline = time.monotonic() + timeout_s
@@ -204,7 +206,7 @@ def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_time
     if drained:
         wait_s = ENDED_EXIT_S if report.num_ended else DRAINED_EXIT_S
     else:
-        wait_s = max(STOP_GRACE_S, deadline - time.monotonic())
+        wait_s = then_s if then_s is not None else max(STOP_GRACE_S, deadline - time.monotonic())
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(wait_s)
@@ -388,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_file = drain_file_from(os.environ)
         log.info("stopping tritonserver (pid %d)%s", child.pid, " after a drain" if drain_file else "")
         stop = stop_server(child, drain_file=drain_file, exit_timeout_s=exit_timeout_of(args),
-                           timeout_s=LOST_STUB_STOP_S if lost else None)
+                           timeout_s=LOST_STUB_STOP_S if lost else None, then_s=STOP_GRACE_S if lost else None)
     _kill_group(child.pid)  # returns once they have exited: zombies, for init to reap
     if health is not None:
         health.close()

@@ -148,7 +148,25 @@ def test_a_server_whose_draining_model_died_is_killed_after_a_bounded_wait_not_i
     _, log = supervisor.communicate(timeout=60)
     took = time.monotonic() - began
     assert supervisor.returncode == 1 and "exited while tritonserver runs" in log, log
-    assert LOST_STUB_STOP_S <= took < LOST_STUB_STOP_S + STOP_GRACE_S + 3, (took, log)  # not 60 s and 5 more
+    # The dead model takes no drain file up (given up after 1 s), and the server is killed STOP_GRACE_S after
+    # SIGTERM: not 60 s and 5 more, nor the rest of LOST_STUB_STOP_S (16 s seen on the real server)
+    assert "did not take up the drain file" in log, log
+    assert STOP_GRACE_S <= took < LOST_STUB_STOP_S, (took, log)
+
+
+def test_a_stop_given_a_time_after_sigterm_kills_then_rather_than_wait_out_the_rest():
+    """A server that lost its backend stub gets SIGTERM and a short grace, not the rest of its stop's time: nothing
+    it runs can finish there, and its clients' streams wait for its exit (16 s seen after a stub's kill -9)."""
+    from prepos.supervise import stop_server
+
+    ignoring = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    ignoring.stdout.readline()  # SIGTERM is ignored from here on
+    began = time.monotonic()
+    stop = stop_server(ignoring, drain_file=None, exit_timeout_s=60, timeout_s=10, then_s=0.5)
+    took = time.monotonic() - began
+    assert stop.killed and not stop.drained
+    assert took < 3, took  # 10 s without then_s
 
 
 def test_without_a_drain_the_server_gets_its_exit_timeout_and_grace_then_its_status_is_passed_on(tmp_path):

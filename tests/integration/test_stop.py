@@ -470,3 +470,58 @@ def test_make_serve_stops_with_an_error_when_a_backend_stub_dies(tmp_path):
         end_if_running(launcher)
         if client is not None:
             client.close()
+
+
+def test_make_serve_with_a_dead_prepos_stub_ends_its_streams_soon_and_exits_1_even_if_told_to_stop(tmp_path):
+    """With the prepos stub dead nothing in flight can finish, yet the launcher gave Triton the rest of its 15 s
+    after SIGTERM (a stream in flight got its error after 16 s); and a SIGTERM during that stop made it exit 0."""
+    launcher, grpc = serve_ready(tmp_path)
+    client = None
+    try:
+        client = Client(f"127.0.0.1:{grpc}", timeout_s=60)
+        streaming = client.session("streaming")
+        streaming.append(SYSTEM, role="system")
+        (stub,) = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                   if "prepos_0_0" in p.cmdline()]
+        time.sleep(1.5)  # the launcher has looked for the stubs since the server got ready
+        chunks = streaming.generate("Count from 1 to 1000, separated by commas.", max_tokens=2000, speculate=False)
+        next(chunks)  # streaming
+        began = time.monotonic()
+        stub.kill()
+        deadline = time.monotonic() + 30
+        while b"stopping (start it again" not in (tmp_path / "serve.log").read_bytes():
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.1)
+        os.kill(launcher.pid, signal.SIGTERM)  # told to stop while it stops
+        with pytest.raises(PreposError):
+            for _ in chunks:
+                pass
+        ended = time.monotonic() - began
+        code = launcher.wait(60)
+        log = (tmp_path / "serve.log").read_text()
+        assert code == 1, log[-3000:]
+        assert ended < 12, (ended, log[-3000:])  # 16 s before: the rest of the 15 s after SIGTERM
+        streaming.detach()
+    finally:
+        end_if_running(launcher)
+        if client is not None:
+            client.close()
+
+
+def test_make_serve_continues_a_stopped_tritonserver_to_drain_it(tmp_path):
+    """A tritonserver stopped by SIGSTOP (a debugger, ^Z of its group) could neither drain nor exit: the launcher's
+    stop took its exit timeout and a SIGKILL (20 s), where the image's supervisor already sent SIGCONT."""
+    launcher, grpc = serve_ready(tmp_path)
+    try:
+        (triton,) = [p for p in psutil.Process(launcher.pid).children() if "tritonserver" in p.name()]
+        triton.suspend()
+        time.sleep(0.5)
+        began = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(60)
+        took = time.monotonic() - began
+        log = (tmp_path / "serve.log").read_text()
+        assert code == 0 and "continuing them so that they can drain and exit" in log, log[-3000:]
+        assert "drained in" in log and took < 10, (took, log[-3000:])
+    finally:
+        end_if_running(launcher)
