@@ -352,18 +352,23 @@ class TritonServer:
                 _wait_dead(list(stubs.values()), timeout_s=5.0)
                 remove_left_regions(region_prefix(self.options.grpc_port), "this server (stopped by a second signal)")
                 raise
-        self._stubs = []
         if self.drain_file is not None:  # a later server on this run folder must not find them
             from prepos.drain import drained_path
 
             for path in (self.drain_file, drained_path(self.drain_file)):
                 path.unlink(missing_ok=True)
-        # Drained, a stub holds nothing that is not in the journals: it need not be given time to leave.
-        _, alive = psutil.wait_procs(list(stubs.values()), timeout=0.5 if drained else 5)
-        for stub in alive:
-            (log.info if drained else log.warning)("backend stub %d outlived tritonserver; killing it", stub.pid)
-        _kill(alive)
-        _wait_dead(alive, timeout_s=5.0)  # a killed stub is gone (or a zombie) when stop returns
+        try:
+            # Drained, a stub holds nothing that is not in the journals: it need not be given time to leave.
+            _, alive = psutil.wait_procs(list(stubs.values()), timeout=0.5 if drained else 5)
+            for stub in alive:
+                (log.info if drained else log.warning)("backend stub %d outlived tritonserver; killing it", stub.pid)
+        except BaseException:  # a signal meanwhile: the stubs go now, not left holding the model and its KV
+            alive = list(stubs.values())
+            raise
+        finally:
+            _kill(alive)
+            _wait_dead(alive, timeout_s=5.0)  # a killed stub is gone (or a zombie) when stop returns
+            self._stubs = []
         remove_left_regions(region_prefix(self.options.grpc_port), "this server (killed, or its stubs were)")
         return drained
 
@@ -485,13 +490,17 @@ def serve(options: ServerOptions) -> int:
                     time.sleep(STUB_CHECK_S)
                     lost = stubs.lost()
                     if lost and server.process.poll() is None:
+                        lost_stub = True  # a signal from here on still exits 1
                         print(f"prepos: {describe_lost(lost)}; stopping (start it again: sessions resume from their "
                               "journals)", file=sys.stderr, flush=True)
-                        lost_stub = True  # a signal during this stop still exits 1
                         server.stop(timeout_s=LOST_STUB_STOP_S, then_s=STOP_GRACE_S)
                         return 1
             except KeyboardInterrupt:
-                print(stopping_message(server.drain_file, options.exit_timeout_s), flush=True)
+                if lost_stub:  # during that stop: tritonserver and its stubs were killed at once
+                    print("prepos: stopped at once, with no drain (a signal during the stop)", file=sys.stderr,
+                          flush=True)
+                else:
+                    print(stopping_message(server.drain_file, options.exit_timeout_s), flush=True)
                 raise
             print(f"tritonserver {describe_exit(server.process.returncode)}; its log ends ({server.log_file}):\n"
                   f"{server.log_tail()}", file=sys.stderr)

@@ -69,8 +69,9 @@ DRAIN_ENV = "PREPOS_SCHEDULER_DRAIN_FILE"
 
 LOST_STUB_STOP_S = 15.0
 """How long a server that lost a backend stub is given to drain (a dead ``prepos`` stub never reports a drain); it
-then gets SIGTERM and :data:`STOP_GRACE_S` more before it is killed (not the rest of these 15 s: with the stub dead,
-nothing in flight there can finish, and its clients' streams wait for the exit): 20 s in all at most."""
+then gets SIGTERM and :data:`STOP_GRACE_S` more before it is killed (not the rest of these 15 s after a drain that
+gave up sooner: nothing in flight on a dead ``prepos`` stub can finish, and its clients' streams wait for the exit;
+a live ``prepos`` drains): 20 s in all at most."""
 STUB_CHECK_S = 1.0
 """How often the backend stubs are looked for."""
 
@@ -180,7 +181,7 @@ def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_time
                 timeout_s: float | None = None, then_s: float | None = None) -> ServerStop:
     """Stop a running tritonserver within ``timeout_s`` (default: ``exit_timeout_s`` and :data:`STOP_GRACE_S`
     more), or, where the drain took ``timeout_s`` whole (at most the exit timeout), that and :data:`STOP_GRACE_S`
-    more. Returns whether it was drained.
+    more (``then_s`` where given and the drain did not finish). Returns whether it was drained.
 
     Triton counts every open session (a live sequence) as an in-flight request: with any session open it would
     wait its whole exit timeout, and while a client still holds a stream to it, Triton 2.51 then does not finish
@@ -190,8 +191,8 @@ def stop_server(process: subprocess.Popen, *, drain_file: Path | None, exit_time
     :data:`DRAINED_EXIT_S` to exit (:data:`ENDED_EXIT_S` when the drain ended sessions: it waits for their
     sequences) and is killed after that.
     A drain not done within the exit timeout (a long answer still running) leaves Triton the rest of
-    ``timeout_s``, or ``then_s`` where given (a server that lost a backend stub: nothing it still runs can finish
-    there, and its clients' streams wait for its exit)."""
+    ``timeout_s``, or ``then_s`` where given (a server that lost a backend stub, whose drain gave up: nothing in
+    flight on a dead ``prepos`` stub can finish, and its clients' streams wait for the exit)."""
     if timeout_s is None:
         timeout_s = exit_timeout_s + STOP_GRACE_S
     deadline = time.monotonic() + timeout_s

@@ -21,19 +21,22 @@ _EXIT_CLOSE_TIMEOUT_S = 2.0
 
 streaming_sessions: weakref.WeakSet = weakref.WeakSet()  # sessions with a stream open: closed at exit
 
-# The newest Session this process made for each (url, model, session id): an older one is a stale handle (its stream
-# lost in a restart, say, and the session continued through a new handle with resume=True), which exit leaves be.
-_newest_handles: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# For each (url, model, session id), the Session of this process that last opened it on the server (its START, or
+# START and resume, answered): another one is a stale handle (its stream lost in a restart, say, and the session
+# continued through a new handle with resume=True), whose END would end the session that handle goes on with.
+_opened_by: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def handle_made(session) -> None:
-    """Note ``session`` as the newest handle of its session in this process."""
-    _newest_handles[(session.url, session.model, session.session_id)] = session
+def handle_opened(session) -> None:
+    """Note ``session`` as the handle that opened its session on the server last, in this process."""
+    _opened_by[(session.url, session.model, session.session_id)] = session
 
 
 def superseded(session) -> bool:
-    """Whether a newer handle of ``session``'s session was made in this process since it was."""
-    return _newest_handles.get((session.url, session.model, session.session_id)) is not session
+    """Whether another live handle of this process has opened ``session``'s session on the server since it did: the
+    session is that handle's now (one made but refused as already open, or never used, takes nothing over)."""
+    opener = _opened_by.get((session.url, session.model, session.session_id))
+    return opener is not None and opener is not session
 
 
 def _threads_start() -> bool:
@@ -67,8 +70,8 @@ def _close_sessions_at_exit() -> None:
         session.wait_for_ready = False  # a server that is down does not hold up the exit for every session
         requests = session._requests  # noqa: SLF001 (this package's own)
         if superseded(session):  # its END would end the session the newer handle goes on with (or left open)
-            logger.warning("session %s: an older handle of it is left at exit without END: a newer one, made in "
-                           "this process since, took the session over", session.session_id)
+            logger.warning("session %s: an older handle of it is left at exit without END: another one of this "
+                           "process has opened the session since (resume=True, say) and holds it", session.session_id)
             requests.release()
             continue
         if _no_new_streams and not requests.stream_live:  # nothing to send its END on: not tried

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from .channel import Tls
 from .deadlines import check_timeout
 from .errors import PreposError
-from .lifetime import close_on_exit, handle_made
+from .lifetime import close_on_exit
 from .protocol import Answer, Chunk, Update, build_inputs
 from .session_ids import check_session_id
 from .session_requests import SessionRequests
@@ -48,9 +48,11 @@ class Session:
     carries START again if the opening was refused.
 
     A Session is meant for one thread at a time. Close or detach it when
-    done; one still open when the interpreter exits is closed then (one
-    dropped before, garbage-collected, stays open on the server until its idle
-    timeout, as a detached one).
+    done; one still open when the interpreter exits is closed then, unless
+    another Session of this process has opened the same session since (with
+    ``resume=True`` after a restart, say), which holds it now; `Client.close`
+    leaves such a one alike (one dropped before, garbage-collected, stays open
+    on the server until its idle timeout, as a detached one).
 
     When a call's own time limit runs out before the server's answer comes,
     the client cannot know yet whether the request's turn was accepted: the
@@ -86,7 +88,6 @@ class Session:
         self._requests = SessionRequests(self, url, model, self.session_id,
                                          headers={**(headers or {}), SESSION_HEADER: str(self.session_id)},
                                          resume=resume, wait_for_ready=bool(wait_for_ready), tls=tls)
-        handle_made(self)
 
     @property
     def wait_for_ready(self) -> bool:

@@ -18,7 +18,7 @@ from .deadlines import server_timeout_us
 from .errors import PreposError, PreposTimeout, from_triton
 from .inflight import (Inflight, final_delivery, next_delivery, read_ahead_to_final, record_delivered_outcome,
                        record_late_outcome)
-from .lifetime import check_new_stream, close_when_dropped, finish_then_close, streaming_sessions
+from .lifetime import check_new_stream, close_when_dropped, finish_then_close, handle_opened, streaming_sessions
 from .opening import Opening
 from .protocol import Chunk, new_text_decoder, parse_chunk, resume_input
 from .refusals import (REOPEN, WHEN_READY, gone_error, may_send_again, not_open_error, refused_as_not_open,
@@ -250,6 +250,9 @@ class SessionRequests:
         if error is None:
             if inflight.opens_session:
                 self.opening.opened()
+                owner = self._owner()
+                if owner is not None:
+                    handle_opened(owner)  # another handle of this process that held it is stale now
             if inflight.closes_session:
                 self.release()
             return None

@@ -177,26 +177,42 @@ def test_at_exit_where_no_thread_can_start_a_session_whose_stream_ended_is_left_
     assert "closing session" not in caplog.text  # no END was tried on a new stream
 
 
-def test_at_exit_an_older_handle_of_a_session_continued_through_a_newer_one_sends_no_end(server, caplog):
+def test_an_older_handle_of_a_session_another_handle_opened_since_sends_no_end_at_exit_or_close(server, caplog):
     """After a server restart the README continues a session through a new handle (resume=True): the old handle,
-    still referenced at exit, sent its END (with START and resume) on a new stream, and ended the session the new
-    handle had left open (detached), deleting its journal and the turns taken through it."""
-    from prepos_client import lifetime
+    still referenced at exit (or closed with its Client), sent its END (with START and resume) on a new stream, and
+    ended the session the new handle had left open (detached), deleting its journal and the turns taken through it.
+    A handle that never opened the session (unused, or its opening refused) takes nothing over."""
+    from prepos_client import PreposError, lifetime
 
     client = Client(server.url)
     old = client.session("restarted")
     assert old.ask("hi").text == "hi"
+    client.session("restarted")  # made, never used
+    refused = client.session("restarted", resume=True)
+    with pytest.raises(PreposError):
+        refused.ask("bad", max_tokens=-1)  # its opening refused
+    assert not lifetime.superseded(old)
     newer = client.session("restarted", resume=True)
     assert newer.ask("again").text == "again"
     newer.detach()
+    assert lifetime.superseded(old)
     sent = len(server.servicer.requests)
     with caplog.at_level("WARNING", logger="prepos_client.lifetime"):
         lifetime._close_sessions_at_exit()
     assert len(server.servicer.requests) == sent  # no END from the older handle
     assert old.closed and "an older handle of it is left at exit without END" in caplog.text
+
+    again = Client(server.url)
+    stale, current = again.session("moved"), again.session("moved", resume=True)
+    assert stale.ask("hi").text == current.ask("hi").text == "hi"
+    sent = len(server.servicer.requests)
+    again.close()  # the current handle's END only
+    assert len(server.servicer.requests) == sent + 1 and stale.closed and current.closed
+    assert parameters(server.servicer.requests[-1])["sequence_end"] is True
+
     other = client.session("another")
     assert other.ask("hi").text == "hi"
-    lifetime._close_sessions_at_exit()  # the newest handle of its session is closed at exit as before
+    lifetime._close_sessions_at_exit()  # the handle that opened its session is closed at exit as before
     assert parameters(server.servicer.requests[-1])["sequence_end"] is True and other.closed
 
 

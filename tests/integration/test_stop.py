@@ -472,40 +472,48 @@ def test_make_serve_stops_with_an_error_when_a_backend_stub_dies(tmp_path):
             client.close()
 
 
-def test_make_serve_with_a_dead_prepos_stub_ends_its_streams_soon_and_exits_1_even_if_told_to_stop(tmp_path):
+def _stream_then_kill_the_prepos_stub(tmp_path):
+    """``make serve`` with a session streaming a long answer, then its ``prepos`` stub killed: (launcher, chunks left
+    to read, the session, the client, when the stub was killed)."""
+    launcher, grpc = serve_ready(tmp_path)
+    client = Client(f"127.0.0.1:{grpc}", timeout_s=60)
+    streaming = client.session("streaming")
+    streaming.append(SYSTEM, role="system")
+    (stub,) = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "prepos_0_0" in p.cmdline()]
+    time.sleep(1.5)  # the launcher has looked for the stubs since the server got ready
+    chunks = streaming.generate("Count from 1 to 1000, separated by commas.", max_tokens=2000, speculate=False)
+    next(chunks)  # streaming
+    killed = time.monotonic()
+    stub.kill()
+    return launcher, chunks, streaming, client, killed
+
+
+@pytest.mark.parametrize("told_to_stop", [False, True], ids=["alone", "sigterm-during-the-stop"])
+def test_make_serve_with_a_dead_prepos_stub_ends_its_streams_soon_and_exits_1(tmp_path, told_to_stop):
     """With the prepos stub dead nothing in flight can finish, yet the launcher gave Triton the rest of its 15 s
     after SIGTERM (a stream in flight got its error after 16 s); and a SIGTERM during that stop made it exit 0."""
-    launcher, grpc = serve_ready(tmp_path)
-    client = None
+    launcher, chunks, streaming, client, killed = _stream_then_kill_the_prepos_stub(tmp_path)
     try:
-        client = Client(f"127.0.0.1:{grpc}", timeout_s=60)
-        streaming = client.session("streaming")
-        streaming.append(SYSTEM, role="system")
-        (stub,) = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                   if "prepos_0_0" in p.cmdline()]
-        time.sleep(1.5)  # the launcher has looked for the stubs since the server got ready
-        chunks = streaming.generate("Count from 1 to 1000, separated by commas.", max_tokens=2000, speculate=False)
-        next(chunks)  # streaming
-        began = time.monotonic()
-        stub.kill()
-        deadline = time.monotonic() + 30
-        while b"stopping (start it again" not in (tmp_path / "serve.log").read_bytes():
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.1)
-        os.kill(launcher.pid, signal.SIGTERM)  # told to stop while it stops
+        if told_to_stop:
+            deadline = time.monotonic() + 30
+            while b"stopping (start it again" not in (tmp_path / "serve.log").read_bytes():
+                assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+                time.sleep(0.1)
+            os.kill(launcher.pid, signal.SIGTERM)  # told to stop while it stops: killed at once
         with pytest.raises(PreposError):
             for _ in chunks:
                 pass
-        ended = time.monotonic() - began
+        ended = time.monotonic() - killed
         code = launcher.wait(60)
         log = (tmp_path / "serve.log").read_text()
         assert code == 1, log[-3000:]
         assert ended < 12, (ended, log[-3000:])  # 16 s before: the rest of the 15 s after SIGTERM
+        if not told_to_stop:
+            assert "did not take up the drain file" in log, log[-3000:]  # the drain gave up: SIGTERM, 5 s
         streaming.detach()
     finally:
         end_if_running(launcher)
-        if client is not None:
-            client.close()
+        client.close()
 
 
 def test_make_serve_continues_a_stopped_tritonserver_to_drain_it(tmp_path):
