@@ -42,7 +42,10 @@ def test_a_request_sent_while_a_long_answer_outlives_tritons_idle_timer_is_serve
         with Client(server.grpc_url, timeout_s=120) as client, client.session("long-answer") as session:
             session.append("You are a patient assistant.", role="system")
             sent = time.monotonic()
-            long = session.generate("Count from 1 to 1000, separated by commas.", max_tokens=600, speculate=False)
+            # an answer that runs to max_tokens here (400 tokens, about 12 s on 2 CPU cores), where counting to a
+            # thousand stopped at 121 tokens (3.8 s): shorter than Triton's timer on a quiet machine
+            long = session.generate("Write a very long, detailed story of at least 2000 words about a lighthouse "
+                                    "keeper and his cat.", max_tokens=400, speculate=False)
             chunks = []
             for chunk in long:  # read until Triton's reaper has surely ended the sequence (twice its timeout)
                 chunks.append(chunk)

@@ -481,7 +481,8 @@ def _stream_then_kill_the_prepos_stub(tmp_path):
     streaming.append(SYSTEM, role="system")
     (stub,) = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "prepos_0_0" in p.cmdline()]
     time.sleep(1.5)  # the launcher has looked for the stubs since the server got ready
-    chunks = streaming.generate("Count from 1 to 1000, separated by commas.", max_tokens=2000, speculate=False)
+    chunks = streaming.generate("Write a very long, detailed story of at least 2000 words about a lighthouse keeper "
+                                "and his cat.", max_tokens=2000, speculate=False)  # runs long: it ends by length
     next(chunks)  # streaming
     killed = time.monotonic()
     stub.kill()
