@@ -241,3 +241,17 @@ on: (list PATH LABELS). */}}
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* Fails where two of a container's mounts share a path, which Kubernetes refuses: (list CONTAINER MOUNTS), MOUNTS a
+list of (list PATH WHAT), WHAT the value that mounts it, for the message. */}}
+{{- define "prepos.checkMounts" -}}
+{{- $container := index . 0 }}
+{{- $seen := dict }}
+{{- range index . 1 }}
+{{- $path := clean (index . 0) }}
+{{- if hasKey $seen $path }}
+{{- fail (printf "%s and %s would both be mounted at %s in %s, which Kubernetes refuses: give them different paths" (get $seen $path) (index . 1) $path $container) }}
+{{- end }}
+{{- $_ := set $seen $path (index . 1) }}
+{{- end }}
+{{- end }}
