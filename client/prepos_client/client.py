@@ -13,7 +13,7 @@ from tritonclient.utils import InferenceServerException
 from .channel import Tls, check_headers, check_url, tls_of, triton_client
 from .errors import PreposError, PreposTimeout, PreposUnavailable, from_triton
 from .deadlines import check_timeout
-from .lifetime import superseded
+from .lifetime import left_as_superseded
 from .session import Session
 from .session_ids import new_session_id
 
@@ -126,10 +126,7 @@ class Client:
         try:
             for session in list(self._sessions):
                 session.wait_for_ready = False
-                if superseded(session):  # its END would end the session another handle holds now
-                    logger.warning("session %r: an older handle of it is left without END: another one of this "
-                                   "process has opened the session since and holds it", session.session_id)
-                    session.detach()
+                if left_as_superseded(session):
                     continue
                 try:
                     session.close()

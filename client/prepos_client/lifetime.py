@@ -39,6 +39,18 @@ def superseded(session) -> bool:
     return opener is not None and opener is not session
 
 
+def left_as_superseded(session, handle=None, *, when: str = "") -> bool:
+    """Where ``handle`` (default: ``session``, a Session; a RoutedSession's current one otherwise) is
+    :func:`superseded`, detach ``session`` without END, saying why (``when``: " at exit", say), and return True:
+    its END would end the session the other handle holds now."""
+    if not superseded(session if handle is None else handle):
+        return False
+    logger.warning("session %s: an older handle of it is left%s without END: another one of this process has "
+                   "opened the session since (resume=True, say) and holds it", session.session_id, when)
+    session.detach()
+    return True
+
+
 def _threads_start() -> bool:
     """Whether a thread can still be started: from Python 3.12 on, not while the interpreter shuts down, where
     threading's exit hooks run."""
@@ -68,12 +80,9 @@ def _close_sessions_at_exit() -> None:
     _no_new_streams = not _threads_start()
     for session in list(streaming_sessions):
         session.wait_for_ready = False  # a server that is down does not hold up the exit for every session
-        requests = session._requests  # noqa: SLF001 (this package's own)
-        if superseded(session):  # its END would end the session the newer handle goes on with (or left open)
-            logger.warning("session %s: an older handle of it is left at exit without END: another one of this "
-                           "process has opened the session since (resume=True, say) and holds it", session.session_id)
-            requests.release()
+        if left_as_superseded(session, when=" at exit"):
             continue
+        requests = session._requests  # noqa: SLF001 (this package's own)
         if _no_new_streams and not requests.stream_live:  # nothing to send its END on: not tried
             logger.warning("session %s left open at exit: its stream is closed, and no new one can be opened while "
                            "Python shuts down; the server ends it at its idle timeout", session.session_id)

@@ -91,7 +91,7 @@ from .channel import Tls, check_headers, check_url, tls_of
 from .client import DEFAULT_MODEL, GRPC_ACCESS_TOKEN_HEADER, Client
 from .deadlines import MAX_TIMEOUT_S, check_timeout
 from .errors import PreposError
-from .lifetime import superseded
+from .lifetime import left_as_superseded
 from .protocol import is_number
 from .ring import DEFAULT_MAX_RING_SIZE, DEFAULT_MIN_RING_SIZE, HashRing
 from .routed_session import Failover, RoutedSession  # noqa: F401 - Failover: part of this module's API
@@ -345,10 +345,7 @@ class RoutedClient:
             sessions = list(self._sessions)
         for session in sessions:
             session.wait_for_ready = False
-            if superseded(session._session):  # noqa: SLF001 (this package's own) its END would end another's
-                logger.warning("session %s: an older handle of it is left without END: another one of this process "
-                               "has opened the session since and holds it", session.session_id)
-                session.detach()
+            if left_as_superseded(session, session._session):  # noqa: SLF001 (this package's own)
                 continue
             try:
                 session.close()
