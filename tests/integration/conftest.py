@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -39,6 +41,18 @@ def start_server(tmp_dir: Path, env: dict[str, str] | None = None, repositories=
             if ports is not None or attempt == 2:
                 raise
     raise AssertionError("unreachable")
+
+
+def repository_with(tmp_path: Path, field: str, value: int) -> Path:
+    """A copy of the model repository's ``prepos`` model (under ``tmp_path``) whose config.pbtxt sets ``field``, a
+    number it holds once, to ``value``."""
+    repo = tmp_path / "repository"
+    shutil.copytree(REPO_ROOT / "model_repository" / "prepos", repo / "prepos")
+    config = repo / "prepos" / "config.pbtxt"
+    text, count = re.subn(rf"{field}: \d+", f"{field}: {value}", config.read_text())
+    assert count == 1
+    config.write_text(text)
+    return repo
 
 
 def ports_of(server: TritonServer) -> tuple[int, int, int]:

@@ -7,37 +7,23 @@ every later call of the session timed out waiting for its outcome."""
 
 from __future__ import annotations
 
-import re
-import shutil
 import time
 
 import pytest
 
-from prepos.launcher import REPO_ROOT
 from prepos_client import Client, PreposError
 
-from .conftest import start_server
+from .conftest import repository_with, start_server
 
 pytestmark = pytest.mark.integration
 
 IDLE_S = 2
 
 
-def _repository(tmp_path):
-    """A copy of the model repository's ``prepos`` model whose Triton sequence idle timeout is ``IDLE_S``."""
-    repo = tmp_path / "repository"
-    shutil.copytree(REPO_ROOT / "model_repository" / "prepos", repo / "prepos")
-    config = repo / "prepos" / "config.pbtxt"
-    text, count = re.subn(r"max_sequence_idle_microseconds: \d+", f"max_sequence_idle_microseconds: {IDLE_S}000000",
-                          config.read_text())
-    assert count == 1
-    config.write_text(text)
-    return repo
-
-
-def test_a_request_sent_while_a_long_answer_outlives_tritons_idle_timer_is_served_after_it(tmp_path):
+def test_a_long_answer_that_outlives_tritons_idle_timer_keeps_its_turn_and_the_next_request_is_told(tmp_path):
     server = start_server(tmp_path / "run", env={"PREPOS_SCHEDULER_SESSION_IDLE_TIMEOUT_S": str(IDLE_S)},
-                          repositories=[_repository(tmp_path)])
+                          repositories=[repository_with(tmp_path, "max_sequence_idle_microseconds",
+                                                                   IDLE_S * 1_000_000)])
     try:
         with Client(server.grpc_url, timeout_s=120) as client, client.session("long-answer") as session:
             session.append("You are a patient assistant.", role="system")

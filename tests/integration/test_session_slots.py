@@ -4,16 +4,13 @@ its slot back; a configuration whose limit reaches the slots does not load."""
 
 from __future__ import annotations
 
-import re
-import shutil
 import time
 
 import numpy as np
 import pytest
 
-from prepos.launcher import REPO_ROOT
 
-from .conftest import start_server
+from .conftest import repository_with, start_server
 from .test_bad_input import _b, _i32, open_raw, send
 
 pytestmark = pytest.mark.integration
@@ -23,13 +20,7 @@ SLOTS = 4
 
 def _repository(tmp_path, slots: int):
     """A copy of the model repository's ``prepos`` model with ``slots`` sequence slots."""
-    repo = tmp_path / "repository"
-    shutil.copytree(REPO_ROOT / "model_repository" / "prepos", repo / "prepos")
-    config = repo / "prepos" / "config.pbtxt"
-    text, count = re.subn(r"max_candidate_sequences: \d+", f"max_candidate_sequences: {slots}", config.read_text())
-    assert count == 1
-    config.write_text(text)
-    return repo
+    return repository_with(tmp_path, "max_candidate_sequences", slots)
 
 
 def test_a_start_past_the_session_limit_is_rejected_at_once_and_its_end_frees_the_slot(tmp_path):

@@ -442,6 +442,12 @@ def test_ctrl_c_in_a_terminal_drains_make_serve(tmp_path, disposition):
             client.close()
 
 
+def _stub(launcher: subprocess.Popen, instance: str) -> psutil.Process:
+    """The backend stub of a model instance (``prepos_0_0``, say) under ``make serve``'s launcher."""
+    (stub,) = [p for p in psutil.Process(launcher.pid).children(recursive=True) if instance in p.cmdline()]
+    return stub
+
+
 def test_make_serve_stops_with_an_error_when_a_backend_stub_dies(tmp_path):
     """Triton 2.51 does not restart a dead backend stub: its model refuses every request ("Stub process ... is not
     healthy") while the server reports itself ready. The launcher stops such a server, draining prepos (the open
@@ -452,8 +458,7 @@ def test_make_serve_stops_with_an_error_when_a_backend_stub_dies(tmp_path):
         client = Client(f"127.0.0.1:{grpc}")
         held = client.session("held")
         held.append(SYSTEM, role="system")
-        (bridge,) = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                     if "prepos_http_0_0" in p.cmdline()]  # the instance's stub
+        bridge = _stub(launcher, "prepos_http_0_0")
         time.sleep(1.5)  # the launcher has looked for the stubs since the server got ready
         began = time.monotonic()
         bridge.kill()
@@ -479,7 +484,7 @@ def _stream_then_kill_the_prepos_stub(tmp_path):
     client = Client(f"127.0.0.1:{grpc}", timeout_s=60)
     streaming = client.session("streaming")
     streaming.append(SYSTEM, role="system")
-    (stub,) = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "prepos_0_0" in p.cmdline()]
+    stub = _stub(launcher, "prepos_0_0")
     time.sleep(1.5)  # the launcher has looked for the stubs since the server got ready
     chunks = streaming.generate("Write a very long, detailed story of at least 2000 words about a lighthouse keeper "
                                 "and his cat.", max_tokens=2000, speculate=False)  # runs long: it ends by length
